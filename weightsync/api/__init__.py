@@ -1,0 +1,1 @@
+"""The WeightSyncGroup API: models, CRD generation, names shared by operator and agents."""

@@ -1,0 +1,74 @@
+"""Names, labels, annotations and environment variables shared by the operator and the agents.
+
+Everything one side writes and the other reads is spelled here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+Role = Literal["trainer", "engine"]
+
+# --- Object names --------------------------------------------------------------------------------
+
+
+def trainer_pod(group: str, index: int) -> str:
+    return f"{group}-trainer-{index}"
+
+
+def engine_pod(group: str, engine: int, pod: int) -> str:
+    return f"{group}-engine-{engine}-{pod}"
+
+
+def plan_config_map(group: str) -> str:
+    return f"{group}-plan"
+
+
+def service(group: str) -> str:
+    """The headless Service; pods get DNS names ``<pod>.<group>.<namespace>.svc``."""
+    return group
+
+
+def agent_service_account(group: str) -> str:
+    return f"{group}-agent"
+
+
+# --- Labels --------------------------------------------------------------------------------------
+LABEL_GROUP: Final = "weightsync.io/group"
+LABEL_ROLE: Final = "weightsync.io/role"
+LABEL_RANK: Final = "weightsync.io/rank"  # trainer: pod index; engine: "<engine>-<pod>"
+LABEL_ENGINE: Final = "weightsync.io/engine"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "weightsync-operator"
+
+# --- Annotations ---------------------------------------------------------------------------------
+ANNOTATION_PLAN_HASH: Final = "weightsync.io/plan-hash"
+ANNOTATION_SPEC_HASH: Final = "weightsync.io/pod-spec-hash"
+#: Written by agents on their own pod: the newest version the engine fully holds (targets) or has
+#: published (sources).
+ANNOTATION_WEIGHT_VERSION: Final = "weightsync.io/weight-version"
+#: Written by the coordinating agent on its own pod: JSON of the last round (see SyncStatus).
+ANNOTATION_LAST_ROUND: Final = "weightsync.io/last-round"
+MULTUS_NETWORKS: Final = "k8s.v1.cni.cncf.io/networks"
+
+# --- Pod readiness gate / condition written by agents --------------------------------------------
+CONDITION_AGENT_READY: Final = "weightsync.io/agent-ready"
+
+# --- Environment the operator gives each agent ---------------------------------------------------
+ENV_GROUP: Final = "WEIGHTSYNC_GROUP"
+ENV_NAMESPACE: Final = "WEIGHTSYNC_NAMESPACE"
+ENV_ROLE: Final = "WEIGHTSYNC_ROLE"
+ENV_POD_INDEX: Final = "WEIGHTSYNC_POD_INDEX"  # trainer pod index, or pod index inside its engine
+ENV_ENGINE_INDEX: Final = "WEIGHTSYNC_ENGINE_INDEX"
+ENV_RANKS: Final = "WEIGHTSYNC_RANKS"  # comma-separated global trainer ranks, or engine ranks
+ENV_PLAN_CONFIG_MAP: Final = "WEIGHTSYNC_PLAN_CONFIGMAP"
+ENV_PLAN_FILE: Final = "WEIGHTSYNC_PLAN_FILE"  # local runs without a cluster
+ENV_AGENT_PORT: Final = "WEIGHTSYNC_AGENT_PORT"
+ENV_ENGINE_PORT: Final = "WEIGHTSYNC_ENGINE_PORT"
+ENV_ADAPTER: Final = "WEIGHTSYNC_ADAPTER"
+ENV_DEVICES: Final = "WEIGHTSYNC_RDMA_DEVICES"
+ENV_POD_NAME: Final = "POD_NAME"
+ENV_POD_IP: Final = "POD_IP"
+
+#: Plan ConfigMap data key.
+PLAN_KEY: Final = "plan.json"
