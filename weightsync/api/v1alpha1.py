@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from weightsync.api.cel import CelRule
@@ -50,6 +50,12 @@ class ApiModel(BaseModel):
         populate_by_name=True,
         extra="forbid",
     )
+
+
+class SpecModel(ApiModel):
+    """Spec objects are parsed strictly: "2" is not an integer here, as it is not on the API server."""
+
+    model_config = ConfigDict(strict=True)
 
 
 # --- Pod templates -------------------------------------------------------------------------------
@@ -94,13 +100,28 @@ POD_TEMPLATE_SCHEMA: dict[str, Any] = {
     },
 }
 
-PodTemplate = Annotated[dict[str, Any], WithJsonSchema(POD_TEMPLATE_SCHEMA)]
+
+
+def _check_template(value: dict[str, Any]) -> dict[str, Any]:
+    """The schema's checks on a template, for parsing outside the API server (same wording)."""
+    spec = value.get("spec")
+    if not isinstance(spec, dict):
+        raise ValueError("template.spec is required: a PodSpec with your container")
+    containers = spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        raise ValueError("template.spec.containers should have at least 1 items: the pod needs your container")
+    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] for c in containers):
+        raise ValueError("template.spec.containers: every container needs a name")
+    return value
+
+
+PodTemplate = Annotated[dict[str, Any], AfterValidator(_check_template), WithJsonSchema(POD_TEMPLATE_SCHEMA)]
 
 
 # --- Spec ----------------------------------------------------------------------------------------
 
 
-class TrainerSpec(ApiModel):
+class TrainerSpec(SpecModel):
     """The training side: every trainer rank is a source of weights."""
 
     replicas: int = Field(ge=1, le=4096, description="Trainer pods.")
@@ -118,7 +139,7 @@ class TrainerSpec(ApiModel):
         return self.replicas * self.ranks_per_pod
 
 
-class InferenceSpec(ApiModel):
+class InferenceSpec(SpecModel):
     """The inference side: every (engine, engine rank) pair is a target in the plan."""
 
     engines: int = Field(ge=1, le=4096, description="Inference engines (data-parallel replicas).")
@@ -155,7 +176,7 @@ class InferenceSpec(ApiModel):
         return self.ranks_per_engine // self.ranks_per_pod
 
 
-class TransferSpec(ApiModel):
+class TransferSpec(SpecModel):
     """How weights move."""
 
     mode: Literal["p2p", "broadcast"] = Field(
@@ -198,7 +219,7 @@ class TransferSpec(ApiModel):
 _EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
-class RdmaSpec(ApiModel):
+class RdmaSpec(SpecModel):
     """RDMA plumbing; every cluster's device plugin names things differently, so nothing is assumed."""
 
     resource_name: str | None = Field(
@@ -244,7 +265,7 @@ _RESOURCES_SCHEMA: dict[str, Any] = {
 }
 
 
-class AgentSpec(ApiModel):
+class AgentSpec(SpecModel):
     """The weightsync agent sidecar."""
 
     image: str | None = Field(
@@ -293,7 +314,7 @@ _SPEC_RULES = rules(
 )
 
 
-class WeightSyncGroupSpec(ApiModel):
+class WeightSyncGroupSpec(SpecModel):
     model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
 
     trainer: TrainerSpec

@@ -1,0 +1,61 @@
+"""The agent's identity, from the environment the operator gives its sidecar."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from weightsync.api import names
+
+
+class AgentConfigError(ValueError):
+    pass
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    group: str = Field(min_length=1)
+    namespace: str = "default"
+    role: Literal["trainer", "engine"]
+    pod_index: int = Field(ge=0)
+    engine_index: int | None = Field(default=None, ge=0)
+    ranks: tuple[int, ...] = Field(min_length=1)
+    plan_config_map: str | None = None
+    plan_file: str | None = None
+    agent_port: int = Field(default=9470, ge=1, le=65535)
+    pod_name: str | None = None
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return tuple(int(part) for part in value.split(",") if part.strip())
+            except ValueError as exc:
+                raise ValueError(f"{names.ENV_RANKS} must be comma-separated integers, got {value!r}") from exc
+        return value
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AgentConfig:
+        env = os.environ if env is None else env
+        raw = {
+            "group": env.get(names.ENV_GROUP, ""),
+            "namespace": env.get(names.ENV_NAMESPACE, "default"),
+            "role": env.get(names.ENV_ROLE, ""),
+            "pod_index": env.get(names.ENV_POD_INDEX, ""),
+            "engine_index": env.get(names.ENV_ENGINE_INDEX) or None,
+            "ranks": env.get(names.ENV_RANKS, ""),
+            "plan_config_map": env.get(names.ENV_PLAN_CONFIG_MAP) or None,
+            "plan_file": env.get(names.ENV_PLAN_FILE) or None,
+            "agent_port": env.get(names.ENV_AGENT_PORT, "9470"),
+            "pod_name": env.get(names.ENV_POD_NAME) or None,
+        }
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise AgentConfigError(f"agent environment is incomplete or invalid: {problems}") from exc

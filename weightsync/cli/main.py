@@ -1,0 +1,149 @@
+"""The ``weightsync`` command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from weightsync import __version__
+
+app = typer.Typer(
+    name="weightsync",
+    help="Declarative, verified RL weight synchronisation on Kubernetes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, soft_wrap=True)
+
+GroupFile = Annotated[
+    Path,
+    typer.Option("-f", "--filename", help="YAML file with a WeightSyncGroup ('-' reads stdin).", show_default=False),
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"weightsync {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Declarative, verified RL weight synchronisation on Kubernetes."""
+
+
+@app.command()
+def crd(
+    check: Annotated[
+        list[Path] | None,
+        typer.Option(help="Instead of printing, fail if these files differ from the generated CRD."),
+    ] = None,
+) -> None:
+    """Print the WeightSyncGroup CustomResourceDefinition generated from the API models."""
+    from weightsync.api.crd import render_crd
+
+    text = render_crd()
+    if not check:
+        sys.stdout.write(text)
+        return
+    stale = [str(p) for p in check if not p.exists() or p.read_text() != text]
+    if stale:
+        err.print(f"[red]out of date:[/] {', '.join(stale)} (regenerate with `weightsync crd > FILE`)")
+        raise typer.Exit(1)
+    err.print(f"[green]up to date:[/] {', '.join(str(p) for p in check)}")
+
+
+def _load_one(filename: Path) -> object:
+    from weightsync.api.load import SpecError, load_groups
+
+    try:
+        groups = load_groups(filename)
+    except SpecError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]error:[/] cannot read {filename}: {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    if len(groups) > 1:
+        err.print(f"[yellow]note:[/] {filename} holds {len(groups)} groups; using the first")
+    return groups[0]
+
+
+@app.command()
+def validate(filename: GroupFile) -> None:
+    """Check a WeightSyncGroup the way the API server will (schema and CEL rules), without a cluster."""
+    from weightsync.api.load import SpecError, load_groups
+
+    try:
+        groups = load_groups(filename)
+    except SpecError as exc:
+        err.print(f"[red]invalid:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    for group in groups:
+        typer.echo(f"{group.metadata.name or '<unnamed>'}: valid")
+
+
+@app.command()
+def plan(
+    filename: GroupFile,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the serialised plan, as stored in the ConfigMap.")] = False,
+) -> None:
+    """Compute the transfer plan for a WeightSyncGroup and print it (no cluster needed)."""
+    from weightsync.api.v1alpha1 import WeightSyncGroup
+    from weightsync.cli.plan_view import render_plan
+    from weightsync.plan import PlanError, plan_for
+
+    group = _load_one(filename)
+    assert isinstance(group, WeightSyncGroup)
+    try:
+        result = plan_for(group.spec, group=group.metadata.name, namespace=group.metadata.namespace)
+    except PlanError as exc:
+        err.print(f"[red]cannot plan:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        sys.stdout.write(result.to_json() + "\n")
+    else:
+        render_plan(result, Console())
+
+
+@app.command()
+def operator(
+    namespace: Annotated[
+        list[str] | None, typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all).")
+    ] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
+    liveness: Annotated[
+        str | None, typer.Option(help="Liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the operator (kopf) against the current kubeconfig or in-cluster credentials."""
+    from weightsync_operator.main import run
+
+    run(namespaces=namespace or None, liveness=liveness, metrics_port=metrics_port, verbose=verbose)
+
+
+@app.command()
+def agent(
+    plan_file: Annotated[
+        Path | None, typer.Option(help="Read the plan from this file instead of the group's ConfigMap.")
+    ] = None,
+) -> None:
+    """Run a weightsync agent (sidecar) configured from its environment."""
+    from weightsync_agent.main import run
+
+    raise typer.Exit(run(plan_file=plan_file))
+
+
+if __name__ == "__main__":
+    app()
