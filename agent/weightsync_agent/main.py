@@ -25,9 +25,10 @@ def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
         return Plan.from_json(path.read_text())
     if not config.plan_config_map:
         raise PlanError(f"no plan: set {names.ENV_PLAN_CONFIG_MAP} or {names.ENV_PLAN_FILE}")
-    from kubernetes import client, config as kube_config
+    from kubernetes import client
+    from kubernetes import config as kube_config
 
-    kube_config.load_incluster_config()
+    kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
     cm = client.CoreV1Api().read_namespaced_config_map(config.plan_config_map, config.namespace)
     data = (cm.data or {}).get(names.PLAN_KEY)
     if not data:
@@ -44,8 +45,14 @@ def run(plan_file: Path | None = None) -> int:
     except (AgentConfigError, PlanError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    log.info("group %s, %s pod %d, plan revision %d (%s)", config.group, config.role, config.pod_index,
-             plan.revision, plan.hash)
+    log.info(
+        "group %s, %s pod %d, plan revision %d (%s)",
+        config.group,
+        config.role,
+        config.pod_index,
+        plan.revision,
+        plan.hash,
+    )
     for duty in work:
         log.info("  %s", duty)
     PLAN_REVISION.labels(config.group).set(plan.revision)

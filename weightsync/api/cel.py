@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any
 
 import celpy
+from celpy.adapter import json_to_cel
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,9 @@ def _program(expression: str) -> Any:
 
 def evaluate(rule: CelRule, self_value: Any, old_value: Any = None) -> bool:
     """Evaluate one rule; an evaluation error counts as a violation, as it does on the API server."""
-    activation: dict[str, Any] = {"self": celpy.json_to_cel(self_value)}
+    activation: dict[str, Any] = {"self": json_to_cel(self_value)}
     if rule.is_transition:
-        activation["oldSelf"] = celpy.json_to_cel(old_value)
+        activation["oldSelf"] = json_to_cel(old_value)
     try:
         result = _program(rule.rule).evaluate(activation)
     except Exception:  # celpy raises its own error types, all of which mean "did not hold"

@@ -102,10 +102,18 @@ def openapi_schema() -> dict[str, Any]:
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type=='Ready')].status"},
-    {"name": "Trainers", "type": "string", "jsonPath": ".status.trainers.ready",
-     "description": "Trainer pods whose agent is ready"},
-    {"name": "Engines", "type": "string", "jsonPath": ".status.engines.ready",
-     "description": "Engine pods whose agent is ready"},
+    {
+        "name": "Trainers",
+        "type": "string",
+        "jsonPath": ".status.trainers.ready",
+        "description": "Trainer pods whose agent is ready",
+    },
+    {
+        "name": "Engines",
+        "type": "string",
+        "jsonPath": ".status.engines.ready",
+        "description": "Engine pods whose agent is ready",
+    },
     {"name": "Mode", "type": "string", "jsonPath": ".spec.transfer.mode"},
     {"name": "Version", "type": "integer", "jsonPath": ".status.weightVersion"},
     {"name": "Last-Sync", "type": "string", "jsonPath": ".status.lastSync.result"},
@@ -158,9 +166,7 @@ def _walk_rules(schema: dict[str, Any], path: str) -> Iterator[RuleSet]:
     if entries:
         yield RuleSet(
             path,
-            tuple(
-                CelRule(e["rule"], e["message"], e.get("fieldPath"), e.get("reason")) for e in entries
-            ),
+            tuple(CelRule(e["rule"], e["message"], e.get("fieldPath"), e.get("reason")) for e in entries),
         )
     for name, sub in schema.get("properties", {}).items():
         yield from _walk_rules(sub, f"{path}.{name}" if path else name)

@@ -43,6 +43,8 @@ MANAGED_BY: Final = "weightsync-operator"
 
 # --- Annotations ---------------------------------------------------------------------------------
 ANNOTATION_PLAN_HASH: Final = "weightsync.io/plan-hash"
+#: On the plan ConfigMap: the plan's revision (bumped whenever the hash changes).
+ANNOTATION_PLAN_REVISION: Final = "weightsync.io/plan-revision"
 ANNOTATION_SPEC_HASH: Final = "weightsync.io/pod-spec-hash"
 #: Written by agents on their own pod: the newest version the engine fully holds (targets) or has
 #: published (sources).
@@ -72,3 +74,15 @@ ENV_POD_IP: Final = "POD_IP"
 
 #: Plan ConfigMap data key.
 PLAN_KEY: Final = "plan.json"
+
+#: Named port of the agent on every pod and on the headless Service.
+AGENT_PORT_NAME: Final = "agent"
+#: Where the memory-backed volume shared by the user's containers and the agent is mounted (it holds
+#: the CPU replica).
+SHM_PATH: Final = "/dev/shm"
+
+# --- The operator's own environment (set by the Helm chart) --------------------------------------
+#: Agent image used when a group sets no ``spec.agent.image``.
+OPERATOR_ENV_AGENT_IMAGE: Final = "WEIGHTSYNC_AGENT_IMAGE"
+#: Seconds between periodic reconciles of every group (default 30).
+OPERATOR_ENV_RESYNC_SECONDS: Final = "WEIGHTSYNC_RESYNC_SECONDS"

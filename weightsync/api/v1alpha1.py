@@ -101,7 +101,6 @@ POD_TEMPLATE_SCHEMA: dict[str, Any] = {
 }
 
 
-
 def _check_template(value: dict[str, Any]) -> dict[str, Any]:
     """The schema's checks on a template, for parsing outside the API server (same wording)."""
     spec = value.get("spec")
@@ -216,7 +215,9 @@ class TransferSpec(SpecModel):
     )
 
 
-_EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+_EXTENDED_RESOURCE = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 
 
 class RdmaSpec(SpecModel):
@@ -256,7 +257,7 @@ _QUANTITIES: dict[str, Any] = {
     "additionalProperties": {
         "x-kubernetes-int-or-string": True,
         "anyOf": [{"type": "integer"}, {"type": "string"}],
-        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",  # noqa: E501
     },
 }
 _RESOURCES_SCHEMA: dict[str, Any] = {
@@ -269,7 +270,9 @@ class AgentSpec(SpecModel):
     """The weightsync agent sidecar."""
 
     image: str | None = Field(
-        default=None, min_length=1, description="Agent image; defaults to the one the operator was installed with."
+        default=None,
+        min_length=1,
+        description="Agent image; defaults to the one the operator was installed with.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     resources: Annotated[dict[str, dict[str, int | str]], WithJsonSchema(_RESOURCES_SCHEMA)] | None = Field(

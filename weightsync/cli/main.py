@@ -21,6 +21,15 @@ app = typer.Typer(
 )
 err = Console(stderr=True, soft_wrap=True)
 
+
+def _register_subcommands() -> None:
+    from weightsync.cli.cluster_cmd import cluster_app
+
+    app.add_typer(cluster_app, name="cluster")
+
+
+_register_subcommands()
+
 GroupFile = Annotated[
     Path,
     typer.Option("-f", "--filename", help="YAML file with a WeightSyncGroup ('-' reads stdin).", show_default=False),
@@ -63,6 +72,14 @@ def crd(
     err.print(f"[green]up to date:[/] {', '.join(str(p) for p in check)}")
 
 
+@app.command()
+def reference() -> None:
+    """Print the WeightSyncGroup field reference (Markdown), generated from the API models."""
+    from weightsync.api.reference import render_reference
+
+    sys.stdout.write(render_reference())
+
+
 def _load_one(filename: Path) -> object:
     from weightsync.api.load import SpecError, load_groups
 
@@ -96,7 +113,9 @@ def validate(filename: GroupFile) -> None:
 @app.command()
 def plan(
     filename: GroupFile,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the serialised plan, as stored in the ConfigMap.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the serialised plan, as stored in the ConfigMap.")
+    ] = False,
 ) -> None:
     """Compute the transfer plan for a WeightSyncGroup and print it (no cluster needed)."""
     from weightsync.api.v1alpha1 import WeightSyncGroup
@@ -119,12 +138,11 @@ def plan(
 @app.command()
 def operator(
     namespace: Annotated[
-        list[str] | None, typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all).")
+        list[str] | None,
+        typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all)."),
     ] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port.")] = None,
-    liveness: Annotated[
-        str | None, typer.Option(help="Liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
-    ] = None,
+    liveness: Annotated[str | None, typer.Option(help="Liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the operator (kopf) against the current kubeconfig or in-cluster credentials."""

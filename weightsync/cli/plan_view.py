@@ -19,7 +19,7 @@ def _compress(targets: tuple[Target, ...]) -> str:
         engines = [e for e, _ in items]
         runs = []
         start = prev = engines[0]
-        for e in engines[1:] + [None]:
+        for e in [*engines[1:], None]:
             if e is not None and e == prev + 1:
                 prev = e
                 continue

@@ -16,13 +16,13 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from functools import cached_property
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from pydantic import ConfigDict, Field, model_validator
 
 from weightsync.api.v1alpha1 import ApiModel, TransferSpec
 
-SCHEMA_VERSION = "weightsync.io/plan/v1"
+SCHEMA_VERSION: Final = "weightsync.io/plan/v1"
 
 Target = tuple[int, int]
 """``(engine, engine_rank)``."""
@@ -209,4 +209,3 @@ def summarise(sources: tuple[SourceAssignment, ...], *, note: str = "") -> Balan
         perfect=max(loads) - min(loads) <= 1,
         note=note,
     )
-

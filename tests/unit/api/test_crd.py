@@ -67,7 +67,11 @@ def test_schema_is_structural() -> None:
 def test_crd_names_and_columns() -> None:
     obj = crd.build_crd()
     names = obj["spec"]["names"]
-    assert (names["plural"], names["shortNames"], names["categories"]) == ("weightsyncgroups", ["wsg"], ["weightsync"])
+    assert (names["plural"], names["shortNames"], names["categories"]) == (
+        "weightsyncgroups",
+        ["wsg"],
+        ["weightsync"],
+    )
     version = obj["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     default_columns = [c["name"].upper() for c in version["additionalPrinterColumns"] if not c.get("priority")]
@@ -90,7 +94,10 @@ def test_schema_defaults_equal_model_defaults() -> None:
     """The API server fills defaults from the schema, the operator from the models: they must agree."""
     spec_schema = crd.spec_schema()
     template = {"spec": {"containers": [{"name": "main"}]}}
-    minimal = {"trainer": {"replicas": 1, "template": template}, "inference": {"engines": 1, "template": template}}
+    minimal = {
+        "trainer": {"replicas": 1, "template": template},
+        "inference": {"engines": 1, "template": template},
+    }
     from_models = WeightSyncGroupSpec.model_validate(minimal).model_dump(mode="json", by_alias=True, exclude_none=True)
     for section in ("trainer", "inference"):
         expected = {**minimal[section], **_schema_defaults(spec_schema["properties"][section])}
@@ -102,3 +109,10 @@ def test_schema_defaults_equal_model_defaults() -> None:
 def test_crd_yaml_parses_back() -> None:
     text = crd.render_crd()
     assert yaml.safe_load(text) == crd.build_crd()
+
+
+def test_api_reference_doc_is_generated() -> None:
+    from weightsync.api.reference import render_reference
+
+    path = ROOT / "docs" / "api-reference.md"
+    assert path.read_text() == render_reference(), "docs/api-reference.md is stale: run `weightsync reference`"

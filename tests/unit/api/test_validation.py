@@ -60,10 +60,16 @@ def test_invalid_fixture_is_rejected_locally(path: Path) -> None:
 def _unknown_fields(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
     """What the API server's strict field validation reports: fields the schema doesn't declare."""
     if not isinstance(obj, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
-        return [] if not isinstance(obj, dict) else [
-            p for k, v in obj.items() if k in schema.get("properties", {})
-            for p in _unknown_fields(v, schema["properties"][k], f"{path}.{k}")
-        ]
+        return (
+            []
+            if not isinstance(obj, dict)
+            else [
+                p
+                for k, v in obj.items()
+                if k in schema.get("properties", {})
+                for p in _unknown_fields(v, schema["properties"][k], f"{path}.{k}")
+            ]
+        )
     props = schema.get("properties")
     if props is None:
         return []
@@ -108,7 +114,11 @@ def spec_strategy() -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries(
         {
             "trainer": st.fixed_dictionaries(
-                {"replicas": st.integers(1, 4096), "ranksPerPod": st.integers(1, 64), "template": st.just(TEMPLATE)}
+                {
+                    "replicas": st.integers(1, 4096),
+                    "ranksPerPod": st.integers(1, 64),
+                    "template": st.just(TEMPLATE),
+                }
             ),
             "inference": st.fixed_dictionaries(
                 {
@@ -119,7 +129,10 @@ def spec_strategy() -> st.SearchStrategy[dict[str, Any]]:
                 }
             ),
             "transfer": st.fixed_dictionaries(
-                {"protocol": st.sampled_from(["auto", "rdma", "tcp"]), "planner": st.sampled_from(["balanced", "miles"])},
+                {
+                    "protocol": st.sampled_from(["auto", "rdma", "tcp"]),
+                    "planner": st.sampled_from(["balanced", "miles"]),
+                },
                 optional={"maxReplicaShapesPerSource": st.integers(1, 8)},
             ),
             "rdma": st.fixed_dictionaries(
@@ -146,7 +159,12 @@ def intended(spec: dict[str, Any]) -> bool:
 @settings(max_examples=150, deadline=None)
 @given(spec=spec_strategy())
 def test_cel_rules_mean_what_they_say(spec: dict[str, Any]) -> None:
-    obj = {"apiVersion": "weightsync.io/v1alpha1", "kind": "WeightSyncGroup", "metadata": {"name": "g"}, "spec": spec}
+    obj = {
+        "apiVersion": "weightsync.io/v1alpha1",
+        "kind": "WeightSyncGroup",
+        "metadata": {"name": "g"},
+        "spec": spec,
+    }
     try:
         parse_group(obj)
         accepted = True
@@ -186,7 +204,12 @@ def test_immutable_fields(change: dict[str, Any], message: str) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [{"inference__engines": 5}, {"trainer__replicas": 7}, {"transfer__mode": "broadcast"}, {"transfer__bucketSizeMiB": 8}],
+    [
+        {"inference__engines": 5},
+        {"trainer__replicas": 7},
+        {"transfer__mode": "broadcast"},
+        {"transfer__bucketSizeMiB": 8},
+    ],
 )
 def test_scaling_and_tuning_are_allowed(change: dict[str, Any]) -> None:
     parse_group(_obj(**change), old=_obj())

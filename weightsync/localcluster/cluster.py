@@ -1,0 +1,346 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok (fake nodes, so pods schedule and go Running without a container runtime).
+
+Everything listens on 127.0.0.1 only, on free ports chosen at start. Processes are started in their own
+sessions, recorded by PID in ``state.json`` and stopped by PID (never by name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from weightsync.localcluster import pki as pki_mod
+from weightsync.localcluster.binaries import Binaries
+
+#: Extended resources every fake node advertises, so RDMA/GPU groups schedule.
+DEFAULT_NODE_RESOURCES = {
+    "nvidia.com/gpu": "8",
+    "rdma/hca_shared_devices_a": "64",
+    "rdma/ib": "8",
+    "rdma/rdma_shared_device_a": "64",
+}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass
+class Process:
+    name: str
+    pid: int
+    binary: str
+    log: str
+
+
+@dataclass
+class ClusterState:
+    directory: str
+    apiserver_port: int
+    etcd_port: int
+    processes: list[Process] = field(default_factory=list)
+    started_at: float = 0.0
+    startup_seconds: float = 0.0
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return Path(self.directory) / "kubeconfig"
+
+    def save(self) -> None:
+        (Path(self.directory) / "state.json").write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, directory: Path) -> ClusterState:
+        data = json.loads((directory / "state.json").read_text())
+        data["processes"] = [Process(**p) for p in data["processes"]]
+        return cls(**data)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _alive(process: Process) -> bool:
+    try:
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return False
+    # A recycled PID running something else is not ours to signal.
+    return Path(cmdline).name == Path(process.binary).name
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    tail = ""
+    if log and log.exists():
+        tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+    raise ClusterError(f"{what} not ready after {timeout:.0f} s{tail}")
+
+
+class LocalCluster:
+    """Start, stop and describe the local cluster kept in ``directory``."""
+
+    def __init__(self, directory: Path, binaries: Binaries) -> None:
+        self.directory = directory
+        self.binaries = binaries
+        self.logs = directory / "logs"
+
+    # --- Lifecycle -------------------------------------------------------------------------------
+
+    def up(self, *, nodes: int = 4, node_resources: dict[str, str] | None = None, timeout: float = 120) -> ClusterState:
+        if (self.directory / "state.json").exists() and self.running():
+            raise ClusterError(f"a cluster is already running in {self.directory}; `weightsync cluster down` first")
+        started = time.monotonic()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        pki = pki_mod.generate(self.directory / "pki")
+        state = ClusterState(
+            str(self.directory), apiserver_port=free_port(), etcd_port=free_port(), started_at=time.time()
+        )
+        state.kubeconfig.write_text(pki_mod.kubeconfig(pki, state.server))
+        try:
+            self._start_etcd(state)
+            self._start_apiserver(state, pki, timeout)
+            self._start(
+                state,
+                "kube-controller-manager",
+                self.binaries.kube_controller_manager,
+                [
+                    f"--kubeconfig={state.kubeconfig}",
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={free_port()}",
+                    f"--service-account-private-key-file={pki.sa_key}",
+                    f"--root-ca-file={pki.ca_cert}",
+                    "--use-service-account-credentials=false",
+                    "--cluster-cidr=10.244.0.0/16",
+                    "--allocate-node-cidrs=false",
+                ],
+            )
+            self._start(
+                state,
+                "kube-scheduler",
+                self.binaries.kube_scheduler,
+                [
+                    f"--kubeconfig={state.kubeconfig}",
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={free_port()}",
+                ],
+            )
+            self._start(
+                state,
+                "kwok",
+                self.binaries.kwok,
+                [
+                    f"--kubeconfig={state.kubeconfig}",
+                    f"--config={self.binaries.kwok_stages}",
+                    "--manage-all-nodes=false",
+                    "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                    "--node-lease-duration-seconds=40",
+                    f"--server-address=127.0.0.1:{free_port()}",
+                    "--cidr=10.0.0.1/16",
+                ],
+            )
+            self.create_nodes(state, nodes, node_resources or DEFAULT_NODE_RESOURCES)
+            _wait(
+                "the default ServiceAccount",
+                lambda: self._kubectl(state, "get", "serviceaccount", "default", check=False).returncode == 0,
+                timeout,
+            )
+        except BaseException:
+            self.down(state)
+            raise
+        state.startup_seconds = round(time.monotonic() - started, 2)
+        state.save()
+        return state
+
+    def down(self, state: ClusterState | None = None) -> list[str]:
+        """Stop every recorded process, newest first: SIGTERM, then SIGKILL after 10 s."""
+        if state is None:
+            if not (self.directory / "state.json").exists():
+                return []
+            state = ClusterState.load(self.directory)
+        stopped = []
+        for process in reversed(state.processes):
+            if not _alive(process):
+                continue
+            os.kill(process.pid, signal.SIGTERM)
+            stopped.append(process.name)
+        deadline = time.monotonic() + 10
+        for process in reversed(state.processes):
+            while _alive(process) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _alive(process):
+                os.kill(process.pid, signal.SIGKILL)
+        state.processes = []
+        state.save()
+        return stopped
+
+    def running(self) -> bool:
+        try:
+            state = ClusterState.load(self.directory)
+        except (OSError, ValueError):
+            return False
+        return bool(state.processes) and all(_alive(p) for p in state.processes)
+
+    # --- Pieces ------------------------------------------------------------------------------------
+
+    def _start(self, state: ClusterState, name: str, binary: Path, args: Sequence[str]) -> Process:
+        log = self.logs / f"{name}.log"
+        with open(log, "ab") as out:
+            child = subprocess.Popen(
+                [str(binary), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.directory,
+            )
+        process = Process(name, child.pid, str(binary), str(log))
+        state.processes.append(process)
+        state.save()
+        time.sleep(0.2)
+        if child.poll() is not None:
+            raise ClusterError(
+                f"{name} exited at start (code {child.returncode}); see {log}:\n"
+                + "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+            )
+        return process
+
+    def _start_etcd(self, state: ClusterState) -> None:
+        peer = free_port()
+        client = f"http://127.0.0.1:{state.etcd_port}"
+        self._start(
+            state,
+            "etcd",
+            self.binaries.etcd,
+            [
+                "--name=weightsync",
+                f"--data-dir={self.directory / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=weightsync=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+                "--quota-backend-bytes=4294967296",
+                f"--listen-metrics-urls=http://127.0.0.1:{free_port()}",
+            ],
+        )
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
+                    return b"true" in response.read()
+            except OSError:
+                return False
+
+        _wait("etcd", healthy, 30, self.logs / "etcd.log")
+
+    def _start_apiserver(self, state: ClusterState, pki: pki_mod.Pki, timeout: float) -> None:
+        self._start(
+            state,
+            "kube-apiserver",
+            self.binaries.kube_apiserver,
+            [
+                f"--etcd-servers=http://127.0.0.1:{state.etcd_port}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={state.apiserver_port}",
+                f"--tls-cert-file={pki.serving_cert}",
+                f"--tls-private-key-file={pki.serving_key}",
+                f"--client-ca-file={pki.ca_cert}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki.sa_pub}",
+                f"--service-account-signing-key-file={pki.sa_key}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",
+                f"--cert-dir={self.directory / 'certs'}",
+            ],
+        )
+        context = ssl.create_default_context(cafile=str(pki.ca_cert))
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{state.server}/readyz", timeout=2, context=context) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return False
+
+        _wait("kube-apiserver", ready, timeout, self.logs / "kube-apiserver.log")
+
+    def create_nodes(self, state: ClusterState, count: int, resources: dict[str, str]) -> None:
+        existing = self._kubectl(state, "get", "nodes", "-o", "name", check=False).stdout.split()
+        docs = []
+        for index in range(count):
+            name = f"kwok-node-{index}"
+            if f"node/{name}" in existing:
+                continue
+            capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", **resources}
+            docs.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                        "labels": {
+                            "kubernetes.io/hostname": name,
+                            "kubernetes.io/os": "linux",
+                            "kubernetes.io/arch": "amd64",
+                            "type": "kwok",
+                        },
+                    },
+                    "status": {"allocatable": capacity, "capacity": capacity, "phase": "Running"},
+                }
+            )
+        if docs:
+            self._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+        def ready() -> bool:
+            out = self._kubectl(
+                state,
+                "get",
+                "nodes",
+                "-o",
+                "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}",
+                check=False,
+            ).stdout.split()
+            return len(out) >= count and all(s == "True" for s in out)
+
+        _wait(f"{count} kwok nodes", ready, 60, self.logs / "kwok.log")
+
+    def _kubectl(
+        self, state: ClusterState, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.binaries.kubectl), f"--kubeconfig={state.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=60,
+        )

@@ -1,0 +1,174 @@
+"""Certificates and keys for a loopback-only control plane, and the admin kubeconfig."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+_VALIDITY = dt.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Pki:
+    directory: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.directory / "ca.crt"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.directory / "ca.key"
+
+    @property
+    def serving_cert(self) -> Path:
+        return self.directory / "apiserver.crt"
+
+    @property
+    def serving_key(self) -> Path:
+        return self.directory / "apiserver.key"
+
+    @property
+    def admin_cert(self) -> Path:
+        return self.directory / "admin.crt"
+
+    @property
+    def admin_key(self) -> Path:
+        return self.directory / "admin.key"
+
+    @property
+    def sa_key(self) -> Path:
+        return self.directory / "sa.key"
+
+    @property
+    def sa_pub(self) -> Path:
+        return self.directory / "sa.pub"
+
+
+def _key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _write_key(path: Path, key: rsa.RSAPrivateKey) -> None:
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    path.chmod(0o600)
+
+
+def _name(common: str, org: str | None = None) -> x509.Name:
+    parts = [x509.NameAttribute(NameOID.COMMON_NAME, common)]
+    if org:
+        parts.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(parts)
+
+
+def _issue(
+    subject: x509.Name,
+    key: rsa.RSAPrivateKey,
+    issuer: x509.Name,
+    issuer_key: rsa.RSAPrivateKey,
+    *,
+    ca: bool = False,
+    server: bool = False,
+) -> x509.Certificate:
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+        )
+    else:
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False).add_extension(
+            x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True
+        )
+    if server:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [
+                    x509.DNSName("localhost"),
+                    x509.DNSName("kubernetes"),
+                    x509.DNSName("kubernetes.default.svc"),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
+                ]
+            ),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def generate(directory: Path) -> Pki:
+    """A CA, the apiserver's serving cert, an admin client cert (system:masters) and the SA key pair."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pki = Pki(directory)
+    ca_key = _key()
+    ca_name = _name("weightsync-local-ca")
+    ca = _issue(ca_name, ca_key, ca_name, ca_key, ca=True)
+    _write_key(pki.ca_key, ca_key)
+    pki.ca_cert.write_bytes(_pem(ca))
+
+    serving_key = _key()
+    _write_key(pki.serving_key, serving_key)
+    pki.serving_cert.write_bytes(_pem(_issue(_name("kube-apiserver"), serving_key, ca_name, ca_key, server=True)))
+
+    admin_key = _key()
+    _write_key(pki.admin_key, admin_key)
+    pki.admin_cert.write_bytes(_pem(_issue(_name("weightsync-admin", "system:masters"), admin_key, ca_name, ca_key)))
+
+    sa_key = _key()
+    _write_key(pki.sa_key, sa_key)
+    pki.sa_pub.write_bytes(
+        sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return pki
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def kubeconfig(pki: Pki, server: str, *, token: str | None = None, user: str = "admin") -> str:
+    """A kubeconfig for ``server``: the admin's client cert, or a bearer token (a ServiceAccount's)."""
+    credentials: dict[str, str] = (
+        {"token": token}
+        if token
+        else {"client-certificate-data": _b64(pki.admin_cert), "client-key-data": _b64(pki.admin_key)}
+    )
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "weightsync-local",
+                "cluster": {"server": server, "certificate-authority-data": _b64(pki.ca_cert)},
+            }
+        ],
+        "users": [{"name": user, "user": credentials}],
+        "contexts": [{"name": "weightsync-local", "context": {"cluster": "weightsync-local", "user": user}}],
+        "current-context": "weightsync-local",
+    }
+    return yaml.safe_dump(config, sort_keys=False)
