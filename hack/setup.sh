@@ -11,6 +11,10 @@ fi
 if [[ ! -x .venv/bin/python ]]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[dev]'
+log=$(mktemp)
+if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[dev]'; } >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
+rm -f "$log"
 .venv/bin/python hack/install_tools.py >/dev/null

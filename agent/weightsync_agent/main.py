@@ -13,6 +13,7 @@ from weightsync.api import names
 from weightsync.plan import Plan, PlanError
 from weightsync_agent.config import AgentConfig, AgentConfigError
 from weightsync_agent.duties import duties
+from weightsync_agent.report import PodReporter, kube_core_api
 
 log = logging.getLogger("weightsync.agent")
 
@@ -57,6 +58,11 @@ def run(plan_file: Path | None = None) -> int:
         log.info("  %s", duty)
     PLAN_REVISION.labels(config.group).set(plan.revision)
     start_http_server(config.agent_port)
+    if config.pod_name:
+        # Bound to a pod: tell the operator (through the readiness gate) that this agent is up.
+        PodReporter(kube_core_api(), config.namespace, config.pod_name).set_ready(
+            True, "PlanLoaded", f"plan revision {plan.revision} ({plan.hash})"
+        )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

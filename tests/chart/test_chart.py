@@ -49,16 +49,16 @@ def _triples(group: str, resources: list[str], verbs: list[str]) -> set[tuple[st
 CLUSTER_SCOPED_RULES = _triples("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]) | _triples(
     "", ["namespaces"], ["list", "watch"]
 )
-CRUD = ["get", "list", "watch", "create", "patch", "delete"]
+# Mirrors operator/weightsync_operator/rbac.md.
 NAMESPACED_RULES = (
-    _triples("", ["events"], ["create", "patch"])
-    | _triples("events.k8s.io", ["events"], ["create", "patch"])
-    | _triples("weightsync.io", ["weightsyncgroups"], ["get", "list", "watch", "patch"])
-    | _triples("weightsync.io", ["weightsyncgroups/status"], ["get", "patch"])
+    _triples("", ["events"], ["create"])
+    | _triples("weightsync.io", ["weightsyncgroups"], ["list", "watch", "patch"])
+    | _triples("weightsync.io", ["weightsyncgroups/status"], ["patch"])
     | _triples("", ["pods"], ["get", "list", "watch", "create", "delete", "patch"])
     | _triples("", ["pods/status"], ["get", "patch"])
-    | _triples("", ["services", "configmaps", "serviceaccounts"], CRUD)
-    | _triples("rbac.authorization.k8s.io", ["roles", "rolebindings"], CRUD)
+    | _triples("", ["configmaps"], ["get", "list", "watch", "create", "patch"])
+    | _triples("", ["services", "serviceaccounts"], ["get", "create", "patch"])
+    | _triples("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["get", "create", "patch"])
 )
 
 HARDENED_CONTAINER = {

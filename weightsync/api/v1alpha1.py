@@ -420,18 +420,17 @@ class WeightSyncGroup(BaseModel):
     status: WeightSyncGroupStatus | None = None
 
 
-#: Rules on ``metadata.name``, at the root of the schema (the only metadata CEL may read).
+#: Rules on ``metadata.name``, at the root of the schema (the only metadata CEL may read). They carry no
+#: fieldPath: the CRD schema leaves metadata to the API server, so there is no path to point into.
 ROOT_RULES = rules(
     CelRule(
         rule="self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
         message="name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter): "
         "it names the group's Service and pods",
-        field_path=".metadata.name",
     ),
     CelRule(
         rule=f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
         message=f"name must be at most {MAX_NAME_LENGTH} characters, "
         "so that pod names <name>-engine-<e>-<j> stay valid hostnames",
-        field_path=".metadata.name",
     ),
 )

@@ -136,6 +136,40 @@ def plan(
 
 
 @app.command()
+def render(
+    filename: GroupFile,
+    agent_image: Annotated[
+        str, typer.Option(help="Agent image for groups that set no spec.agent.image.")
+    ] = "ghcr.io/weightsync/weightsync-agent:" + __version__,
+    output: Annotated[str, typer.Option("-o", "--output", help="yaml, or name (kind/name per line).")] = "yaml",
+) -> None:
+    """Print every object the operator would create for a WeightSyncGroup (YAML), without a cluster."""
+    import yaml
+
+    from weightsync.api.v1alpha1 import WeightSyncGroup
+    from weightsync.plan import PlanError, plan_for
+    from weightsync_operator.builders.common import BuildError, BuildOptions
+    from weightsync_operator.builders.desired import desired_state
+
+    group = _load_one(filename)
+    assert isinstance(group, WeightSyncGroup)
+    if not group.metadata.uid:
+        # Owner references need the group's uid, which only the API server assigns.
+        group = group.model_copy(update={"metadata": group.metadata.model_copy(update={"uid": "<group-uid>"})})
+    try:
+        result = plan_for(group.spec, group=group.metadata.name, namespace=group.metadata.namespace)
+        state = desired_state(group, result, BuildOptions(agent_image=agent_image))
+    except (PlanError, BuildError) as exc:
+        err.print(f"[red]cannot render:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    if output == "name":
+        for obj in state.objects():
+            typer.echo(f"{obj['kind'].lower()}/{obj['metadata']['name']}")
+    else:
+        sys.stdout.write(yaml.safe_dump_all(state.objects(), sort_keys=False, width=120))
+
+
+@app.command()
 def operator(
     namespace: Annotated[
         list[str] | None,

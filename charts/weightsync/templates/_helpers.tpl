@@ -80,36 +80,40 @@ it hands to the agents' per-group Role (e.g. pods/status patch) must also appear
 
 {{/* What the operator needs in every namespace it watches. */}}
 {{- define "weightsync.rbac.namespacedRules" -}}
-# kopf: posts Kubernetes Events about handler progress and errors (core and events.k8s.io APIs).
+# The operator and kopf post Events (PlanCreated/PlanUpdated, PodFailed, InvalidSpec, handler errors).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
-# The custom resource: watched, finalizers/annotations patched by kopf, status written by the operator.
+  verbs: ["create"]
+# The custom resource: watched by kopf, which keeps its bookkeeping in weightsync.io/* annotations (patch).
 - apiGroups: ["weightsync.io"]
   resources: ["weightsyncgroups"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
+# The operator is the only writer of the group's status.
 - apiGroups: ["weightsync.io"]
   resources: ["weightsyncgroups/status"]
-  verbs: ["get", "patch"]
-# Trainer and engine pods: created and deleted directly (no Deployments/StatefulSets).
+  verbs: ["patch"]
+# Trainer and engine pods are bare pods: listed, created, deleted (surplus or failed) by the operator.
+# get/patch are never called by the operator: it holds them only to grant them to the agents' Role.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
-# Agents patch their own pod's status (readiness condition); the operator grants that, so it must hold it.
+# Held only to grant it: agents set their weightsync.io/agent-ready condition on their own pod.
 - apiGroups: [""]
   resources: ["pods/status"]
   verbs: ["get", "patch"]
-# Per-group headless Service, plan ConfigMap and agent ServiceAccount.
+# The plan ConfigMap (get, create, patch); list/watch held only to grant them to the agents.
 - apiGroups: [""]
-  resources: ["services", "configmaps", "serviceaccounts"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Per-group agent Role + RoleBinding.
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# The headless Service and the agents' ServiceAccount. No delete: they are owned by the group, and the
+# garbage collector removes them with it.
+- apiGroups: [""]
+  resources: ["services", "serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+# The agents' Role (its resourceNames follow scaling) and RoleBinding; also removed by the garbage collector.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "create", "patch"]
 {{- end }}
 
 {{/* Checks the schema cannot express (they compare two values). Included by deployment.yaml. */}}

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from weightsync_agent.config import AgentConfig, AgentConfigError
-from weightsync_agent.duties import SourceDuty, TargetDuty, duties
-from weightsync_agent.main import load_plan
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.plan import Plan, PlanError, plan_for
+from weightsync_agent.config import AgentConfig, AgentConfigError
+from weightsync_agent.duties import SourceDuty, TargetDuty, duties
+from weightsync_agent.main import load_plan
 
 GROUP = parse_group(yaml.safe_load(Path("examples/tcp-group.yaml").read_text()))
 PLAN = plan_for(GROUP.spec, group="demo", namespace="default")

@@ -1,0 +1,69 @@
+"""Everything one group needs, in the order it is applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import WeightSyncGroup
+from weightsync.plan import Plan
+from weightsync_operator.builders.common import BuildOptions, JsonDict
+from weightsync_operator.builders.configmap import build_plan_config_map
+from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
+from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
+from weightsync_operator.builders.service import build_service
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    service_account: JsonDict
+    role: JsonDict
+    role_binding: JsonDict
+    service: JsonDict
+    config_map: JsonDict
+    #: Trainer pods by index, then engine pods engine-major.
+    pods: tuple[JsonDict, ...]
+
+    @property
+    def pod_names(self) -> tuple[str, ...]:
+        return tuple(str(p["metadata"]["name"]) for p in self.pods)
+
+    def supporting_objects(self) -> tuple[JsonDict, ...]:
+        """Everything but the pods, in apply order: identity before the pods that use it."""
+        return (self.service_account, self.role, self.role_binding, self.service, self.config_map)
+
+    def objects(self) -> tuple[JsonDict, ...]:
+        return (*self.supporting_objects(), *self.pods)
+
+
+def expected_pod_names(group: WeightSyncGroup) -> tuple[str, ...]:
+    """Names of every pod the group should have: trainers by index, then engines engine-major."""
+    spec = group.spec
+    name = group.metadata.name
+    trainers = [names.trainer_pod(name, i) for i in range(spec.trainer.replicas)]
+    engines = [
+        names.engine_pod(name, e, j)
+        for e in range(spec.inference.engines)
+        for j in range(spec.inference.pods_per_engine)
+    ]
+    return (*trainers, *engines)
+
+
+def desired_state(group: WeightSyncGroup, plan: Plan, options: BuildOptions | None = None) -> DesiredState:
+    options = options or BuildOptions()
+    spec = group.spec
+    trainers = [build_trainer_pod(group, i, options) for i in range(spec.trainer.replicas)]
+    engines = [
+        build_engine_pod(group, e, j, options)
+        for e in range(spec.inference.engines)
+        for j in range(spec.inference.pods_per_engine)
+    ]
+    pods = (*trainers, *engines)
+    return DesiredState(
+        service_account=build_service_account(group),
+        role=build_role(group, [str(p["metadata"]["name"]) for p in pods]),
+        role_binding=build_role_binding(group),
+        service=build_service(group),
+        config_map=build_plan_config_map(group, plan),
+        pods=pods,
+    )

@@ -1,0 +1,291 @@
+"""Trainer and engine pods: the user's template plus what weightsync needs.
+
+Pods are bare (no StatefulSet): the operator owns rank identity and recreation. A pod's name carries
+its ranks (``<group>-trainer-<i>``, ``<group>-engine-<e>-<j>``), and nothing in a pod depends on how
+many pods the group has, so scaling never touches the pods that stay.
+
+What is added to the template (everything else is the user's and passes through untouched):
+
+- metadata: labels ``weightsync.io/{group,role,rank[,engine]}``, the Multus networks annotation when
+  ``rdma.networks`` is set, the owner reference, and ``weightsync.io/pod-spec-hash`` (a hash of the
+  pod as built, so drift is detected without comparing against server-defaulted fields);
+- the agent as a native sidecar (init container, ``restartPolicy: Always``) with its env, port and
+  resources;
+- the RDMA resource (request = limit) on the first user container and the agent;
+- ``IPC_LOCK`` (merged into the user's capabilities) on every user container and the agent;
+- a memory-backed ``/dev/shm`` shared by every container (the CPU replica lives there);
+- ``hostname``/``subdomain`` for stable DNS through the headless Service, the agent-ready readiness
+  gate, the agents' ServiceAccount, ``restartPolicy: Always``, and host networking when asked.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import AGENT_CONTAINER, WeightSyncGroup
+from weightsync_operator.builders.common import (
+    BuildError,
+    BuildOptions,
+    JsonDict,
+    content_hash,
+    group_labels,
+    object_meta,
+)
+
+#: Name of the memory-backed volume the operator adds (unless the template already mounts /dev/shm).
+SHM_VOLUME = "weightsync-shm"
+IPC_LOCK = "IPC_LOCK"
+AGENT_COMMAND = ["weightsync"]
+AGENT_ARGS = ["agent"]
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """Who a pod is: everything rank-related, derived from the spec and the pod's indices."""
+
+    role: names.Role
+    name: str
+    #: Trainer pod index, or the pod's index inside its engine.
+    index: int
+    engine: int | None
+    #: Global trainer ranks (sources), or ranks inside the engine (targets).
+    ranks: tuple[int, ...]
+
+    @property
+    def rank_label(self) -> str:
+        return str(self.index) if self.engine is None else f"{self.engine}-{self.index}"
+
+
+def trainer_identity(group: WeightSyncGroup, index: int) -> PodIdentity:
+    trainer = group.spec.trainer
+    if not 0 <= index < trainer.replicas:
+        raise ValueError(f"trainer pod index {index} out of range 0..{trainer.replicas - 1}")
+    per_pod = trainer.ranks_per_pod
+    return PodIdentity(
+        role="trainer",
+        name=names.trainer_pod(group.metadata.name, index),
+        index=index,
+        engine=None,
+        ranks=tuple(index * per_pod + local for local in range(per_pod)),
+    )
+
+
+def engine_identity(group: WeightSyncGroup, engine: int, pod: int) -> PodIdentity:
+    inference = group.spec.inference
+    if inference.ranks_per_engine % inference.ranks_per_pod:
+        raise BuildError(
+            "InvalidLayout",
+            f"inference.ranksPerEngine ({inference.ranks_per_engine}) must be a multiple of "
+            f"inference.ranksPerPod ({inference.ranks_per_pod})",
+        )
+    if not 0 <= engine < inference.engines:
+        raise ValueError(f"engine index {engine} out of range 0..{inference.engines - 1}")
+    if not 0 <= pod < inference.pods_per_engine:
+        raise ValueError(f"engine pod index {pod} out of range 0..{inference.pods_per_engine - 1}")
+    per_pod = inference.ranks_per_pod
+    return PodIdentity(
+        role="engine",
+        name=names.engine_pod(group.metadata.name, engine, pod),
+        index=pod,
+        engine=engine,
+        ranks=tuple(pod * per_pod + local for local in range(per_pod)),
+    )
+
+
+def build_trainer_pod(group: WeightSyncGroup, index: int, options: BuildOptions | None = None) -> JsonDict:
+    """Trainer pod ``index`` (``<group>-trainer-<index>``)."""
+    return build_pod(group, trainer_identity(group, index), options or BuildOptions())
+
+
+def build_engine_pod(group: WeightSyncGroup, engine: int, pod: int, options: BuildOptions | None = None) -> JsonDict:
+    """Pod ``pod`` of engine ``engine`` (``<group>-engine-<engine>-<pod>``)."""
+    return build_pod(group, engine_identity(group, engine, pod), options or BuildOptions())
+
+
+def agent_image(group: WeightSyncGroup, options: BuildOptions) -> str:
+    image = group.spec.agent.image or options.agent_image
+    if not image:
+        raise BuildError(
+            "NoAgentImage",
+            "no agent image: set spec.agent.image, or install the operator with its default "
+            f"agent image (environment variable {names.OPERATOR_ENV_AGENT_IMAGE})",
+        )
+    return image
+
+
+def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -> JsonDict:
+    spec = group.spec
+    template = spec.trainer.template if who.role == "trainer" else spec.inference.template
+    template = copy.deepcopy(template)
+    tmeta: Mapping[str, Any] = template.get("metadata") or {}
+    pod_spec: JsonDict = dict(template.get("spec") or {})
+    containers: list[JsonDict] = [dict(c) for c in pod_spec.get("containers") or []]
+    if not containers:
+        raise BuildError("InvalidTemplate", f"{who.role} template has no containers")
+
+    # --- metadata --------------------------------------------------------------------------------
+    # The user's labels first, ours last (ours win).
+    reserved = {names.LABEL_GROUP, names.LABEL_ROLE, names.LABEL_RANK, names.LABEL_ENGINE}
+    labels: dict[str, str] = {
+        **{k: v for k, v in (tmeta.get("labels") or {}).items() if k not in reserved},
+        **group_labels(group),
+        names.LABEL_ROLE: who.role,
+        names.LABEL_RANK: who.rank_label,
+    }
+    if who.engine is not None:
+        labels[names.LABEL_ENGINE] = str(who.engine)
+    annotations: dict[str, str] = dict(tmeta.get("annotations") or {})
+    annotations.pop(names.ANNOTATION_SPEC_HASH, None)
+    if spec.rdma.networks:
+        annotations[names.MULTUS_NETWORKS] = ",".join(spec.rdma.networks)
+    meta = object_meta(group, who.name, annotations=annotations)
+    meta["labels"] = labels
+
+    # --- /dev/shm ----------------------------------------------------------------------------------
+    volumes: list[JsonDict] = [dict(v) for v in pod_spec.get("volumes") or []]
+    shm_volume = _existing_shm_volume(containers)
+    if shm_volume is None:
+        shm_volume = SHM_VOLUME
+        volumes = [v for v in volumes if v.get("name") != SHM_VOLUME]
+        volumes.append(
+            {
+                "name": SHM_VOLUME,
+                "emptyDir": {"medium": "Memory", "sizeLimit": f"{spec.rdma.shm_size_gi_b}Gi"},
+            }
+        )
+    pod_spec["volumes"] = volumes
+
+    # --- user containers ---------------------------------------------------------------------------
+    rdma = spec.rdma
+    for position, container in enumerate(containers):
+        _add_shm_mount(container, shm_volume)
+        _add_capability(container, IPC_LOCK)
+        if position == 0 and rdma.resource_name:
+            _add_resource(container, rdma.resource_name, rdma.resource_count)
+    pod_spec["containers"] = containers
+
+    # --- the agent sidecar ---------------------------------------------------------------------------
+    init_containers = [dict(c) for c in pod_spec.get("initContainers") or [] if c.get("name") != AGENT_CONTAINER]
+    init_containers.append(_agent_container(group, who, options, shm_volume))
+    pod_spec["initContainers"] = init_containers
+
+    # --- pod-level settings ------------------------------------------------------------------------
+    pod_spec["restartPolicy"] = "Always"
+    pod_spec["hostname"] = who.name
+    pod_spec["subdomain"] = names.service(group.metadata.name)
+    pod_spec["serviceAccountName"] = names.agent_service_account(group.metadata.name)
+    pod_spec.pop("serviceAccount", None)  # deprecated alias; would contradict serviceAccountName
+    gates = [dict(g) for g in pod_spec.get("readinessGates") or []]
+    if not any(g.get("conditionType") == names.CONDITION_AGENT_READY for g in gates):
+        gates.append({"conditionType": names.CONDITION_AGENT_READY})
+    pod_spec["readinessGates"] = gates
+    if rdma.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+
+    pod: JsonDict = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    meta["annotations"] = {
+        **meta.get("annotations", {}),
+        names.ANNOTATION_SPEC_HASH: pod_spec_hash(pod),
+    }
+    return pod
+
+
+def pod_spec_hash(pod: Mapping[str, Any]) -> str:
+    """Hash of what the operator decides about a pod: labels, annotations (but the hash) and spec."""
+    meta = pod.get("metadata") or {}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != names.ANNOTATION_SPEC_HASH}
+    return content_hash({"labels": meta.get("labels") or {}, "annotations": annotations, "spec": pod.get("spec")})
+
+
+def _agent_container(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions, shm_volume: str) -> JsonDict:
+    spec = group.spec
+    agent = spec.agent
+    container: JsonDict = {
+        "name": AGENT_CONTAINER,
+        "image": agent_image(group, options),
+        "command": list(AGENT_COMMAND),
+        "args": list(AGENT_ARGS),
+        "restartPolicy": "Always",
+        "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": agent.port, "protocol": "TCP"}],
+        "env": agent_env(group, who),
+        "volumeMounts": [{"name": shm_volume, "mountPath": names.SHM_PATH}],
+        "securityContext": {"capabilities": {"add": [IPC_LOCK]}},
+    }
+    if agent.image_pull_policy:
+        container["imagePullPolicy"] = agent.image_pull_policy
+    if agent.resources:
+        container["resources"] = {kind: dict(values) for kind, values in agent.resources.items()}
+    if spec.rdma.resource_name:
+        _add_resource(container, spec.rdma.resource_name, spec.rdma.resource_count)
+    return container
+
+
+def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
+    """The agent's environment: its identity in the group and where to find the plan."""
+    spec = group.spec
+    values: list[tuple[str, str]] = [
+        (names.ENV_GROUP, group.metadata.name),
+        (names.ENV_NAMESPACE, group.metadata.namespace),
+        (names.ENV_ROLE, who.role),
+        (names.ENV_POD_INDEX, str(who.index)),
+    ]
+    if who.engine is not None:
+        values.append((names.ENV_ENGINE_INDEX, str(who.engine)))
+    values += [
+        (names.ENV_RANKS, ",".join(str(r) for r in who.ranks)),
+        (names.ENV_PLAN_CONFIG_MAP, names.plan_config_map(group.metadata.name)),
+        (names.ENV_AGENT_PORT, str(spec.agent.port)),
+    ]
+    if who.role == "engine":
+        values += [
+            (names.ENV_ENGINE_PORT, str(spec.inference.port)),
+            (names.ENV_ADAPTER, spec.inference.adapter),
+        ]
+    values.append((names.ENV_DEVICES, ",".join(spec.rdma.devices)))
+    env: list[JsonDict] = [{"name": key, "value": value} for key, value in values]
+    env += [
+        {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    return env
+
+
+def _existing_shm_volume(containers: Sequence[Mapping[str, Any]]) -> str | None:
+    """The volume the template already mounts at /dev/shm, if any (then the agent shares that one)."""
+    for container in containers:
+        for mount in container.get("volumeMounts") or []:
+            if mount.get("mountPath") == names.SHM_PATH and mount.get("name"):
+                return str(mount["name"])
+    return None
+
+
+def _add_shm_mount(container: JsonDict, volume: str) -> None:
+    mounts = [dict(m) for m in container.get("volumeMounts") or []]
+    if not any(m.get("mountPath") == names.SHM_PATH for m in mounts):
+        mounts.append({"name": volume, "mountPath": names.SHM_PATH})
+    container["volumeMounts"] = mounts
+
+
+def _add_capability(container: JsonDict, capability: str) -> None:
+    security: JsonDict = dict(container.get("securityContext") or {})
+    capabilities: JsonDict = dict(security.get("capabilities") or {})
+    added = list(capabilities.get("add") or [])
+    if capability not in added:
+        added.append(capability)
+    capabilities["add"] = added
+    security["capabilities"] = capabilities
+    container["securityContext"] = security
+
+
+def _add_resource(container: JsonDict, name: str, count: int) -> None:
+    resources: JsonDict = dict(container.get("resources") or {})
+    for kind in ("requests", "limits"):
+        values: JsonDict = dict(resources.get(kind) or {})
+        values[name] = count
+        resources[kind] = values
+    container["resources"] = resources

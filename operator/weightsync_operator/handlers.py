@@ -1,0 +1,213 @@
+"""kopf handlers, kept thin: they decide *when* a group is reconciled; :mod:`apply` decides *what*.
+
+Triggers, all funnelled through one per-group lock (a reconcile never overlaps itself, and a burst of
+pod events collapses into one follow-up reconcile):
+
+- create / update / resume of a WeightSyncGroup;
+- any event of a pod labelled ``weightsync.io/group`` (readiness, annotations, failure, deletion: a
+  deleted pod is recreated);
+- a periodic resync of every known group (``WEIGHTSYNC_RESYNC_SECONDS``, default 30 s).
+
+No finalizer is ever added: there are no deletion handlers, and the resync is an operator-level task
+rather than a kopf timer (kopf puts a finalizer on objects with timers or daemons). Deleting a group
+is left to the garbage collector through the owner references, and is never blocked by the operator,
+even while it is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import GROUP, PLURAL, VERSION
+from weightsync_operator import kube, metrics
+from weightsync_operator.apply import Reconciler, Result
+from weightsync_operator.config import OperatorConfig
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of everything kopf itself stores on objects (progress, last-handled configuration).
+KOPF_PREFIX = "weightsync.io"
+#: Never added (no handler needs one); set so that nothing of kopf's defaults lands on our objects.
+FINALIZER = f"{KOPF_PREFIX}/finalizer"
+#: Delay before kopf retries a create/update/resume whose reconcile hit an API error.
+RETRY_DELAY = 10.0
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=KOPF_PREFIX, key="last-handled-configuration"
+    )
+    # Only warnings and errors of handlers become Kubernetes Events; the operator posts its own.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "weightsync-operator"
+    settings.posting.event_name_prefix = "weightsync-"
+    # Watch only the pods of groups, server-side.
+    settings.watching.label_selectors["v1", "pods"] = names.LABEL_GROUP
+    # Reconnect watches that go quiet (a known kopf failure mode is a silently dead stream).
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.error_backoffs = [1, 2, 5, 10, 20, 30]
+    settings.queueing.error_delays = [1, 2, 5, 10, 20, 30, 60]
+    settings.execution.max_workers = 8
+
+
+class Operator:
+    """The operator's in-process state for one run (reset on every startup)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.config = OperatorConfig()
+        self.api: kube.KubeApi | None = None
+        self.reconciler: Reconciler | None = None
+        self.index: Mapping[Key, Any] | None = None
+        self.locks: dict[Key, asyncio.Lock] = {}
+        self.pending: set[Key] = set()
+        self.resync_task: asyncio.Task[None] | None = None
+        self.last_resync = time.monotonic()
+
+    def start(self, config: OperatorConfig, index: Mapping[Key, Any] | None, settings: kopf.OperatorSettings) -> None:
+        self._reset()  # a fresh state per run (kopf may run again in the same process, as in tests)
+        self.config = config
+        self.index = index
+        self.api = kube.KubeApi(lambda: kube.login(settings=settings))
+        self.reconciler = Reconciler(self.api, options=config.build_options)
+        self.resync_task = asyncio.create_task(self._resync_forever(), name="weightsync-resync")
+
+    async def stop(self) -> None:
+        if self.resync_task is not None:
+            self.resync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.resync_task
+        if self.api is not None:
+            await self.api.close()
+
+    def body_of(self, key: Key) -> Mapping[str, Any] | None:
+        store = (self.index or {}).get(key)
+        return next(iter(store), None) if store is not None else None
+
+    async def reconcile_now(self, key: Key, body: Mapping[str, Any]) -> Result:
+        """Reconcile with this (fresh) body, then whatever was requested meanwhile."""
+        assert self.reconciler is not None, "the operator has not started"
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            self.pending.discard(key)
+            result = await self.reconciler.reconcile(body)
+            await self._drain(key)
+        return result
+
+    async def poke(self, key: Key) -> None:
+        """Ask for a reconcile of ``key`` from its latest indexed body; coalesces with a running one."""
+        self.pending.add(key)
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        if lock.locked():
+            return  # the holder drains ``pending`` before it lets go
+        async with lock:
+            await self._drain(key)
+
+    async def _drain(self, key: Key) -> None:
+        while key in self.pending and self.reconciler is not None:
+            self.pending.discard(key)
+            body = self.body_of(key)
+            if body is not None:
+                await self.reconciler.reconcile(body)
+
+    async def _resync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resync_seconds)
+            for key in list(self.index or {}):
+                try:
+                    await self.poke(key)
+                except Exception:  # never let one group stop the resync of the others
+                    logger.exception("periodic reconcile of %s/%s failed", *key)
+            self.last_resync = time.monotonic()
+
+    def forget(self, key: Key, uid: str | None) -> None:
+        self.locks.pop(key, None)
+        self.pending.discard(key)
+        if self.reconciler is not None and uid:
+            self.reconciler.forget(uid)
+        metrics.forget(f"{key[0]}/{key[1]}")
+
+
+OPERATOR = Operator()
+
+
+def plain(value: Any) -> Any:
+    """A deep, plain-dict copy of a kopf body (its views are read-only and live)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+    configure(settings)
+    config = OperatorConfig.from_env()
+    OPERATOR.start(config, kwargs.get("wsg_index"), settings)
+    logger.info(
+        "weightsync operator started: default agent image %s, resync every %ss",
+        config.agent_image or "(none: groups must set spec.agent.image)",
+        config.resync_seconds,
+    )
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    await OPERATOR.stop()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo:
+    return kube.login(**kwargs)
+
+
+@kopf.on.probe(id="resync_age_seconds")
+def resync_age(**_: Any) -> float:
+    return round(time.monotonic() - OPERATOR.last_resync, 1)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def wsg_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, dict[str, Any]]:
+    """Every group's latest body, by ``(namespace, name)``: what pod events and the resync reconcile."""
+    return {(namespace or "", name): plain(body)}
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def reconcile_group(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
+    result = await OPERATOR.reconcile_now((namespace or "", name), plain(body))
+    if result.retry and result.problem is not None:
+        # Transient (API) trouble: let kopf retry soon. Spec problems are not retried: they are in the
+        # status, and the next update of the spec reconciles again.
+        raise kopf.TemporaryError(result.problem.message, delay=RETRY_DELAY)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def group_event(event: kopf.RawEvent, namespace: str | None, name: str, uid: str, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        OPERATOR.forget((namespace or "", name), uid)
+
+
+@kopf.on.event("v1", "pods", labels={names.LABEL_GROUP: kopf.PRESENT})
+async def pod_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    group = labels.get(names.LABEL_GROUP)
+    key = (namespace or "", group or "")
+    if group and OPERATOR.body_of(key) is not None:
+        await OPERATOR.poke(key)

@@ -1,0 +1,223 @@
+"""A small async Kubernetes REST client on aiohttp: get, list, create, merge-patch, delete.
+
+Why not the ``kubernetes`` package's generated API: that client is synchronous (it would need a
+thread per call) and turns objects into model classes; the operator builds and compares plain
+camelCase dicts. Credentials come from the same place as kopf's: :func:`login` (the ``kubernetes``
+package's in-cluster or kubeconfig loading, via kopf's piggybacking), so there is one auth path.
+On a 401 the client logs in again once (service account tokens rotate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import kopf
+
+logger = logging.getLogger(__name__)
+
+ConnectFn = Callable[[], kopf.ConnectionInfo]
+
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, status: int, reason: str, message: str, *, method: str = "", path: str = "") -> None:
+        super().__init__(f"{method} {path}: {status} {reason}: {message}".strip())
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    plural: str
+    namespaced: bool = True
+
+    def base(self) -> str:
+        return f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
+
+    def collection(self, namespace: str | None) -> str:
+        if self.namespaced and namespace:
+            return f"{self.base()}/namespaces/{quote(namespace)}/{self.plural}"
+        return f"{self.base()}/{self.plural}"
+
+    def item(self, namespace: str | None, name: str) -> str:
+        return f"{self.collection(namespace)}/{quote(name)}"
+
+
+KINDS: dict[str, Kind] = {
+    "Pod": Kind("v1", "pods"),
+    "Service": Kind("v1", "services"),
+    "ConfigMap": Kind("v1", "configmaps"),
+    "ServiceAccount": Kind("v1", "serviceaccounts"),
+    "Event": Kind("v1", "events"),
+    "Role": Kind("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "WeightSyncGroup": Kind("weightsync.io/v1alpha1", "weightsyncgroups"),
+}
+
+
+def kind_of(obj: Mapping[str, Any]) -> Kind:
+    try:
+        return KINDS[str(obj["kind"])]
+    except KeyError as exc:
+        raise ValueError(f"the operator does not manage objects of kind {obj.get('kind')!r}") from exc
+
+
+def path_of(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return kind_of(obj).item(meta.get("namespace"), str(meta["name"]))
+
+
+def login(**kwargs: Any) -> kopf.ConnectionInfo:
+    """Credentials, as kopf would find them: through the ``kubernetes`` package (in-cluster service
+    account, else the kubeconfig it finds), else kopf's own minimal service-account/kubeconfig readers
+    (which read ``$KUBECONFIG`` at call time)."""
+    settings = kwargs.pop("settings", None) or kopf.OperatorSettings()
+    log = kwargs.pop("logger", None) or logger
+    info: kopf.ConnectionInfo | None = None
+    try:
+        info = kopf.login_via_client(logger=log, settings=settings)
+    except kopf.LoginError as exc:
+        log.debug("kubernetes client login failed (%s); trying the service account and $KUBECONFIG", exc)
+    if info is None:
+        info = kopf.login_with_service_account(settings=settings)
+    if info is None:
+        info = kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise kopf.LoginError("no credentials: neither a service account nor a kubeconfig was found")
+    return info
+
+
+class KubeApi:
+    """The operator's API access. One aiohttp session, created lazily in the running loop."""
+
+    def __init__(self, connect: ConnectFn, *, timeout: float = 30.0, user_agent: str = "weightsync-operator") -> None:
+        self._connect = connect
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._user_agent = user_agent
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ensure(self, *, fresh: bool = False) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
+        async with self._lock:
+            if fresh or self._session is None or self._info is None or self._session.closed:
+                if self._session is not None and not self._session.closed:
+                    await self._session.close()
+                info = await asyncio.to_thread(self._connect)
+                use_tls = info.server.startswith("https")
+                connector = aiohttp.TCPConnector(ssl=info.as_ssl_context() if use_tls else False, limit=32)
+                headers = {"User-Agent": self._user_agent, "Accept": JSON, **info.as_http_headers()}
+                self._session = aiohttp.ClientSession(
+                    base_url=info.server.rstrip("/") + "/",
+                    connector=connector,
+                    headers=headers,
+                    timeout=self._timeout,
+                    trust_env=info.trust_env,
+                )
+                self._info = info
+            return self._session, self._info
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._session is not None and not self._session.closed:
+                await self._session.close()
+            self._session = None
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = JSON,
+    ) -> Any:
+        for attempt in (1, 2):
+            session, _ = await self._ensure(fresh=attempt == 2)
+            data = json.dumps(body) if body is not None else None
+            headers = {"Content-Type": content_type} if data is not None else {}
+            async with session.request(method, path.lstrip("/"), params=params, data=data, headers=headers) as response:
+                text = await response.text()
+                if response.status == 401 and attempt == 1:
+                    logger.info("API server answered 401; logging in again")
+                    continue
+                if response.status >= 400:
+                    reason, message = _error_of(response.status, text)
+                    raise ApiError(response.status, reason, message, method=method, path=path)
+                return json.loads(text) if text else None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # --- Verbs -----------------------------------------------------------------------------------
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            result = await self.request("GET", path)
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+        return result if isinstance(result, dict) else None
+
+    async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        result = await self.request("GET", path, params=params)
+        items = (result or {}).get("items") or []
+        return [i for i in items if isinstance(i, dict)]
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj.get("metadata") or {}
+        path = kind_of(obj).collection(meta.get("namespace"))
+        result = await self.request("POST", path, body=obj)
+        return result if isinstance(result, dict) else dict(obj)
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        result = await self.request("PATCH", path, body=patch, content_type=MERGE_PATCH)
+        return result if isinstance(result, dict) else {}
+
+    async def delete(self, path: str, *, uid: str | None = None) -> bool:
+        """Delete (background propagation); with ``uid``, only that incarnation. False if absent."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+        }
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            await self.request("DELETE", path, body=body)
+        except ApiError as exc:
+            if exc.not_found or exc.conflict:  # gone, or already replaced by a new incarnation
+                return False
+            raise
+        return True
+
+
+def _error_of(status: int, text: str) -> tuple[str, str]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return str(status), text[:500]
+    if isinstance(data, dict):
+        return str(data.get("reason") or status), str(data.get("message") or "")[:500]
+    return str(status), text[:500]

@@ -1,0 +1,478 @@
+"""Fold what the operator observed into the group's status. Pure: no I/O, the clock is an argument.
+
+The operator is the only writer of ``WeightSyncGroup.status``. Agents report on their own pods (the
+``weightsync.io/agent-ready`` condition, which gates pod readiness, and two annotations); this module
+turns those pods, the plan and any configuration problem into counters, conditions and a phase.
+
+Conditions (``metav1.Condition``; ``lastTransitionTime`` moves only when ``status`` flips):
+
+- ``Ready``: every desired pod is Ready (so every agent reported ready) and the spec is usable.
+- ``Progressing``: pods are being created, scheduled or started, or run an outdated pod spec (the
+  operator never kills a running pod to apply a template change: deleting it does).
+- ``Degraded``: a configuration problem, an API error, or pods that failed or crash-loop.
+- ``PlanReady``: a plan for the current spec exists and is published.
+
+Phase, first match wins: ``Failed`` (configuration problem the user must fix), ``Degraded``,
+``Syncing`` (all ready and trainers published a version the engines do not hold yet), ``Ready``,
+``Provisioning`` (some pod is scheduled), ``Pending``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import Condition, PlanStatus, SyncStatus, WeightSyncGroupSpec, WeightSyncGroupStatus
+from weightsync.plan import Plan
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+PLAN_READY = "PlanReady"
+CONDITION_ORDER = (READY, PROGRESSING, DEGRADED, PLAN_READY)
+
+MAX_MESSAGE = 1024
+
+#: Container waiting reasons that mean "this will not get better by itself".
+BAD_WAITING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the group cannot be (fully) reconciled."""
+
+    reason: str
+    message: str
+    #: True: configuration the user must fix (phase Failed). False: transient (phase Degraded).
+    fatal: bool = True
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    pod: str
+    #: Identifies this failure occurrence, so it is reported once (pod uid, reason, restart count).
+    key: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the status is folded from."""
+
+    name: str
+    generation: int
+    now: datetime
+    previous: Mapping[str, Any] | None = None
+    spec: WeightSyncGroupSpec | None = None
+    plan: Plan | None = None
+    pods: Sequence[Mapping[str, Any]] = ()
+    problem: Problem | None = None
+    #: Pods whose spec hash differs from what the current spec builds (left running).
+    outdated: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class Folded:
+    #: ``WeightSyncGroupStatus``-shaped, camelCase; cleared optional fields are ``None`` (a merge
+    #: patch then removes them).
+    status: dict[str, Any]
+    failures: tuple[PodFailure, ...] = ()
+    #: ``(reason, message)`` pairs worth a Warning event (e.g. a garbled last-round annotation).
+    warnings: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+# --- Pods ----------------------------------------------------------------------------------------
+
+
+def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = pod.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    status = pod.get("status")
+    return status if isinstance(status, Mapping) else {}
+
+
+def pod_name(pod: Mapping[str, Any]) -> str:
+    return str(_meta(pod).get("name", ""))
+
+
+def is_terminating(pod: Mapping[str, Any]) -> bool:
+    return bool(_meta(pod).get("deletionTimestamp"))
+
+
+def is_pod_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's Ready condition is True (with the readiness gate, that includes the agent)."""
+    if is_terminating(pod):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in _status(pod).get("conditions") or [])
+
+
+def is_scheduled(pod: Mapping[str, Any]) -> bool:
+    if (pod.get("spec") or {}).get("nodeName"):
+        return True
+    return any(
+        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in _status(pod).get("conditions") or []
+    )
+
+
+def pod_failure(pod: Mapping[str, Any]) -> PodFailure | None:
+    """What is wrong with a pod that will not recover by itself, if anything."""
+    if is_terminating(pod):
+        return None
+    name = pod_name(pod)
+    uid = str(_meta(pod).get("uid") or name)
+    status = _status(pod)
+    phase = status.get("phase")
+    if phase in ("Failed", "Succeeded"):
+        reason = str(status.get("reason") or ("PodFailed" if phase == "Failed" else "PodExited"))
+        detail = status.get("message") or f"pod phase is {phase}"
+        return PodFailure(name, f"{uid}/{phase}", reason, _clip(f"pod {name}: {reason}: {detail}"))
+    statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    for container in statuses:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        waiting_reason = waiting.get("reason")
+        if waiting_reason in BAD_WAITING_REASONS:
+            restarts = container.get("restartCount", 0)
+            detail = waiting.get("message") or ""
+            text = f"pod {name}, container {container.get('name')}: {waiting_reason}"
+            return PodFailure(
+                name,
+                f"{uid}/{container.get('name')}/{waiting_reason}/{restarts}",
+                str(waiting_reason),
+                _clip(f"{text}: {detail}" if detail else text),
+            )
+    return None
+
+
+def pending_reason(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod is not scheduled yet (e.g. not enough RDMA devices), if the scheduler said so."""
+    for c in _status(pod).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return f"{c.get('reason') or 'Unschedulable'}: {c.get('message') or ''}".strip(": ")
+    return None
+
+
+def parse_version(pod: Mapping[str, Any]) -> int | None:
+    raw = (_meta(pod).get("annotations") or {}).get(names.ANNOTATION_WEIGHT_VERSION)
+    if raw is None:
+        return None
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def parse_last_round(text: str) -> SyncStatus:
+    """The coordinator's last-round annotation. Raises ``ValueError`` when it is not a SyncStatus."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    try:
+        return SyncStatus.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(problems) from exc
+
+
+# --- Conditions ----------------------------------------------------------------------------------
+
+
+def timestamp(now: datetime) -> str:
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=UTC)
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_conditions(
+    previous: Iterable[Mapping[str, Any]],
+    updates: Iterable[tuple[str, ConditionStatus, str, str]],
+    *,
+    now: datetime,
+    generation: int,
+) -> list[dict[str, Any]]:
+    """New conditions from ``(type, status, reason, message)``; ``lastTransitionTime`` is kept unless
+    ``status`` changed. Conditions of other types in ``previous`` are kept as they are."""
+    before = {str(c.get("type")): c for c in previous if isinstance(c, Mapping)}
+    out: dict[str, dict[str, Any]] = {}
+    for type_, status, reason, message in updates:
+        old = before.get(type_)
+        changed = old is None or old.get("status") != status or not old.get("lastTransitionTime")
+        out[type_] = {
+            "type": type_,
+            "status": status,
+            "reason": reason,
+            "message": _clip(message),
+            "lastTransitionTime": timestamp(now) if changed or old is None else str(old["lastTransitionTime"]),
+            "observedGeneration": generation,
+        }
+    others = [c for c in (_valid(Condition, c) for t, c in before.items() if t not in out) if c is not None]
+    ordered = [out[t] for t in CONDITION_ORDER if t in out] + [c for t, c in out.items() if t not in CONDITION_ORDER]
+    return ordered + others
+
+
+def condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
+    for c in (status or {}).get("conditions") or []:
+        if isinstance(c, Mapping) and c.get("type") == type_:
+            return c
+    return None
+
+
+# --- The fold ------------------------------------------------------------------------------------
+
+
+def _expected(spec: WeightSyncGroupSpec, group: str) -> tuple[list[str], list[str]]:
+    trainers = [names.trainer_pod(group, i) for i in range(spec.trainer.replicas)]
+    engines = [
+        names.engine_pod(group, e, j)
+        for e in range(spec.inference.engines)
+        for j in range(max(spec.inference.ranks_per_engine // spec.inference.ranks_per_pod, 1))
+    ]
+    return trainers, engines
+
+
+def plan_status(plan: Plan, group: str) -> dict[str, Any]:
+    return {
+        "hash": plan.hash,
+        "revision": plan.revision,
+        "policy": plan.policy,
+        "sources": plan.layout.sources,
+        "targets": plan.layout.targets,
+        "maxTargetsPerSource": plan.balance.max_targets_per_source,
+        "maxShapesPerSource": plan.balance.max_shapes_per_source,
+        "balanced": plan.balance.perfect,
+        "movedTargets": plan.moved_targets,
+        "configMap": names.plan_config_map(group),
+    }
+
+
+def fold_status(obs: Observation) -> Folded:
+    previous: Mapping[str, Any] = obs.previous or {}
+    warnings: list[tuple[str, str]] = []
+    by_name = {pod_name(p): p for p in obs.pods if pod_name(p)}
+
+    # --- who should exist, who is ready ----------------------------------------------------------
+    if obs.spec is not None:
+        trainer_names, engine_names = _expected(obs.spec, obs.name)
+    else:  # an unusable spec: report what is there, keep the last known desired counts
+        trainer_names = sorted(n for n, p in by_name.items() if _role(p) == "trainer")
+        engine_names = sorted(n for n, p in by_name.items() if _role(p) == "engine")
+    trainers_desired = len(trainer_names) if obs.spec else _previous_count(previous, "trainers")
+    engines_desired = len(engine_names) if obs.spec else _previous_count(previous, "engines")
+    ready_trainers = [n for n in trainer_names if n in by_name and is_pod_ready(by_name[n])]
+    ready_engines = [n for n in engine_names if n in by_name and is_pod_ready(by_name[n])]
+    expected = [*trainer_names, *engine_names]
+    present = [by_name[n] for n in expected if n in by_name]
+    not_ready = [n for n in expected if n not in by_name or not is_pod_ready(by_name[n])]
+    all_ready = obs.spec is not None and not not_ready
+
+    failures = tuple(f for f in (pod_failure(p) for p in present) if f is not None)
+
+    # --- versions --------------------------------------------------------------------------------
+    engine_versions = [parse_version(by_name[n]) if n in by_name else None for n in engine_names]
+    weight_version: int | None = None
+    if engine_versions and all(v is not None for v in engine_versions):
+        weight_version = min(v for v in engine_versions if v is not None)
+    published = [v for v in (parse_version(by_name[n]) for n in trainer_names if n in by_name) if v is not None]
+
+    last_sync: dict[str, Any] | None = previous.get("lastSync") if isinstance(previous.get("lastSync"), dict) else None
+    last_round: SyncStatus | None = None
+    coordinator = by_name.get(names.trainer_pod(obs.name, 0))
+    if coordinator is not None:
+        text = (_meta(coordinator).get("annotations") or {}).get(names.ANNOTATION_LAST_ROUND)
+        if text:
+            try:
+                last_round = parse_last_round(str(text))
+            except ValueError as exc:
+                warnings.append(
+                    (
+                        "BadLastRound",
+                        _clip(
+                            f"ignored annotation {names.ANNOTATION_LAST_ROUND} on pod {pod_name(coordinator)}: {exc}"
+                        ),
+                    )
+                )
+            else:
+                last_sync = last_round.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if last_round is None and last_sync is not None:
+        try:
+            last_round = SyncStatus.model_validate(last_sync)
+        except ValidationError:
+            last_sync, last_round = None, None
+
+    newest = max(published) if published else None
+    syncing = (
+        all_ready
+        and newest is not None
+        and (weight_version is None or newest > weight_version)
+        and not (last_round is not None and last_round.version >= newest and last_round.result != "Succeeded")
+    )
+
+    # --- phase and conditions ----------------------------------------------------------------------
+    problem = obs.problem
+    scheduled = any(is_scheduled(p) for p in present)
+    if problem is not None and problem.fatal:
+        phase = "Failed"
+    elif problem is not None or failures:
+        phase = "Degraded"
+    elif all_ready:
+        phase = "Syncing" if syncing else "Ready"
+    elif scheduled:
+        phase = "Provisioning"
+    else:
+        phase = "Pending"
+
+    counts = (
+        f"{len(ready_trainers)}/{trainers_desired} trainer pods and "
+        f"{len(ready_engines)}/{engines_desired} engine pods ready"
+    )
+    updates: list[tuple[str, ConditionStatus, str, str]] = []
+    if problem is not None and problem.fatal:
+        updates.append((READY, "False", problem.reason, problem.message))
+        updates.append((PROGRESSING, "False", problem.reason, "waiting for the spec to be fixed"))
+    elif all_ready:
+        updates.append((READY, "True", "AllPodsReady", counts))
+        if obs.outdated:
+            updates.append(
+                (
+                    PROGRESSING,
+                    "True",
+                    "PodsOutdated",
+                    f"{len(obs.outdated)} pods run an older pod spec; delete them to apply the current one: "
+                    + _names(list(obs.outdated)),
+                )
+            )
+        else:
+            updates.append((PROGRESSING, "False", "Stable", counts))
+    else:
+        updates.append((READY, "False", "PodsNotReady", counts))
+        updates.append((PROGRESSING, "True", "PodsStarting", _waiting_message(not_ready, by_name, counts)))
+
+    if problem is not None:
+        updates.append((DEGRADED, "True", problem.reason, problem.message))
+    elif failures:
+        more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
+        updates.append((DEGRADED, "True", "PodFailures", "; ".join(f.message for f in failures[:3]) + more))
+    else:
+        updates.append((DEGRADED, "False", "AsExpected", ""))
+
+    if obs.plan is not None:
+        updates.append((PLAN_READY, "True", "PlanPublished", _plan_message(obs.plan)))
+    elif problem is not None and problem.fatal:
+        updates.append((PLAN_READY, "False", problem.reason, problem.message))
+    else:
+        updates.append((PLAN_READY, "Unknown", "NotPlanned", "no plan computed yet"))
+
+    conditions = set_conditions(previous.get("conditions") or [], updates, now=obs.now, generation=obs.generation)
+
+    # What the previous status held is kept only if it still fits the schema (an older operator, or
+    # a hand edit, must not wedge every later reconcile).
+    plan = plan_status(obs.plan, obs.name) if obs.plan is not None else _valid(PlanStatus, previous.get("plan"))
+    status = WeightSyncGroupStatus.model_validate(
+        {
+            "observedGeneration": obs.generation,
+            "phase": phase,
+            "conditions": conditions,
+            "trainers": {"desired": trainers_desired, "ready": len(ready_trainers)},
+            "engines": {"desired": engines_desired, "ready": len(ready_engines)},
+            "plan": plan,
+            "weightVersion": weight_version,
+            "lastSync": last_sync,
+        }
+    )
+    return Folded(
+        status=status.model_dump(mode="json", by_alias=True),
+        failures=failures,
+        warnings=tuple(warnings),
+    )
+
+
+def _valid(model: type[Condition] | type[PlanStatus], value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, Mapping):
+        return None
+    try:
+        return model.model_validate(value).model_dump(mode="json", by_alias=True, exclude_none=True)
+    except ValidationError:
+        return None
+
+
+def _role(pod: Mapping[str, Any]) -> str | None:
+    role = (_meta(pod).get("labels") or {}).get(names.LABEL_ROLE)
+    return str(role) if role is not None else None
+
+
+def _previous_count(previous: Mapping[str, Any], key: str) -> int:
+    counts = previous.get(key)
+    if isinstance(counts, Mapping):
+        try:
+            return max(int(counts.get("desired", 0)), 0)
+        except (TypeError, ValueError):
+            return 0
+    return 0
+
+
+def _waiting_message(not_ready: Sequence[str], pods: Mapping[str, Mapping[str, Any]], counts: str) -> str:
+    missing = [n for n in not_ready if n not in pods]
+    parts = [counts]
+    if missing:
+        parts.append(f"creating {_names(missing)}")
+    starting = [n for n in not_ready if n in pods]
+    if starting:
+        parts.append(f"waiting for {_names(starting)}")
+    reasons = {r for r in (pending_reason(pods[n]) for n in starting) if r}
+    if reasons:
+        parts.append("unschedulable: " + " | ".join(sorted(reasons)[:2]))
+    return "; ".join(parts)
+
+
+def _names(items: Sequence[str], limit: int = 5) -> str:
+    head = ", ".join(items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _plan_message(plan: Plan) -> str:
+    balance = plan.balance
+    text = (
+        f"revision {plan.revision} ({plan.hash}, {plan.policy}): {plan.layout.sources} sources -> "
+        f"{plan.layout.targets} targets, at most {balance.max_targets_per_source} targets and "
+        f"{balance.max_shapes_per_source} replica shapes per source, "
+        f"{'balanced' if balance.perfect else 'unbalanced'}"
+    )
+    if balance.note:
+        text += f" ({balance.note})"
+    return text
+
+
+def _clip(text: str, limit: int = MAX_MESSAGE) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def strip_none(value: Any) -> Any:
+    """``value`` without ``None`` entries (how the API server stores what a merge patch sent)."""
+    if isinstance(value, Mapping):
+        return {k: strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [strip_none(v) for v in value]
+    return value

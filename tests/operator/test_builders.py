@@ -1,0 +1,481 @@
+"""The pure manifest builders: every object a group needs, field by field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from builders import DEFAULT_AGENT_IMAGE, GroupBuilder, container, template
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import AGENT_CONTAINER
+from weightsync.plan import Plan, plan_for
+from weightsync_operator.builders import (
+    BuildError,
+    BuildOptions,
+    build_engine_pod,
+    build_plan_config_map,
+    build_role,
+    build_role_binding,
+    build_service,
+    build_service_account,
+    build_trainer_pod,
+    decide_plan,
+    desired_state,
+    expected_pod_names,
+)
+from weightsync_operator.builders.pods import pod_spec_hash
+
+
+def agent_of(pod: dict[str, Any]) -> dict[str, Any]:
+    (agent,) = [c for c in pod["spec"]["initContainers"] if c["name"] == AGENT_CONTAINER]
+    return agent
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in agent_of(pod)["env"]}
+
+
+def state_for(builder: GroupBuilder, options: BuildOptions | None = None) -> Any:
+    group = builder.model()
+    return desired_state(group, plan_for(group.spec, group=group.metadata.name, namespace="default"), options)
+
+
+# --- names and counts --------------------------------------------------------------------------
+
+
+def test_pod_names_and_order() -> None:
+    state = state_for(GroupBuilder("demo").trainers(2).engines(2, tp=4, ranks_per_pod=2))
+    assert state.pod_names == (
+        "demo-trainer-0",
+        "demo-trainer-1",
+        "demo-engine-0-0",
+        "demo-engine-0-1",
+        "demo-engine-1-0",
+        "demo-engine-1-1",
+    )
+    assert state.pod_names == expected_pod_names(
+        GroupBuilder("demo").trainers(2).engines(2, tp=4, ranks_per_pod=2).model()
+    )
+
+
+def test_out_of_range_indices_are_refused() -> None:
+    group = GroupBuilder().trainers(2).engines(1, tp=2, ranks_per_pod=1).model()
+    with pytest.raises(ValueError):
+        build_trainer_pod(group, 2)
+    with pytest.raises(ValueError):
+        build_engine_pod(group, 1, 0)
+    with pytest.raises(ValueError):
+        build_engine_pod(group, 0, 2)
+
+
+# --- the agent sidecar ---------------------------------------------------------------------------
+
+
+def test_agent_is_a_native_sidecar() -> None:
+    pod = build_trainer_pod(GroupBuilder().agent(port=9999, pull_policy="IfNotPresent").model(), 0)
+    agent = agent_of(pod)
+    assert agent["restartPolicy"] == "Always"
+    assert agent["image"] == DEFAULT_AGENT_IMAGE
+    assert agent["imagePullPolicy"] == "IfNotPresent"
+    assert agent["command"] == ["weightsync"] and agent["args"] == ["agent"]
+    assert agent["ports"] == [{"name": "agent", "containerPort": 9999, "protocol": "TCP"}]
+    assert all(c["name"] != AGENT_CONTAINER for c in pod["spec"]["containers"])
+
+
+def test_agent_image_defaults_to_the_operators_and_is_required() -> None:
+    group = GroupBuilder().agent(image=None).model()
+    pod = build_trainer_pod(group, 0, BuildOptions(agent_image="op/agent:1"))
+    assert agent_of(pod)["image"] == "op/agent:1"
+    with pytest.raises(BuildError) as caught:
+        build_trainer_pod(group, 0, BuildOptions())
+    assert caught.value.reason == "NoAgentImage"
+    assert names.OPERATOR_ENV_AGENT_IMAGE in caught.value.message
+
+
+def test_agent_comes_after_the_users_init_containers_and_replaces_a_stale_one() -> None:
+    tpl = template(container("trainer"), initContainers=[container("fetch"), container(AGENT_CONTAINER, "old")])
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["fetch", AGENT_CONTAINER]
+    assert agent_of(pod)["image"] == DEFAULT_AGENT_IMAGE
+
+
+def test_agent_resources_come_from_the_spec() -> None:
+    resources = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+    pod = build_trainer_pod(GroupBuilder().agent(resources=resources).model(), 0)
+    assert agent_of(pod)["resources"] == resources
+    assert "resources" not in agent_of(build_trainer_pod(GroupBuilder().model(), 0))
+
+
+def test_trainer_agent_env() -> None:
+    group = GroupBuilder("g").trainers(3, ranks_per_pod=4).devices("mlx5_0", "mlx5_1").agent(port=9500).model()
+    env = env_of(build_trainer_pod(group, 2))
+    assert env == {
+        names.ENV_GROUP: "g",
+        names.ENV_NAMESPACE: "default",
+        names.ENV_ROLE: "trainer",
+        names.ENV_POD_INDEX: "2",
+        names.ENV_RANKS: "8,9,10,11",
+        names.ENV_PLAN_CONFIG_MAP: "g-plan",
+        names.ENV_AGENT_PORT: "9500",
+        names.ENV_DEVICES: "mlx5_0,mlx5_1",
+        names.ENV_POD_NAME: {"fieldRef": {"fieldPath": "metadata.name"}},
+        names.ENV_POD_IP: {"fieldRef": {"fieldPath": "status.podIP"}},
+    }
+
+
+def test_engine_agent_env() -> None:
+    group = GroupBuilder("g").engines(3, tp=8, ranks_per_pod=4).adapter("reference", port=31000).model()
+    env = env_of(build_engine_pod(group, 2, 1))
+    assert env[names.ENV_ROLE] == "engine"
+    assert env[names.ENV_ENGINE_INDEX] == "2"
+    assert env[names.ENV_POD_INDEX] == "1"
+    assert env[names.ENV_RANKS] == "4,5,6,7"
+    assert env[names.ENV_ENGINE_PORT] == "31000"
+    assert env[names.ENV_ADAPTER] == "reference"
+    assert env[names.ENV_DEVICES] == ""
+    assert names.ENV_ENGINE_INDEX not in env_of(build_trainer_pod(group, 0))
+
+
+# --- RDMA, capabilities, shm, networking ---------------------------------------------------------
+
+
+def test_rdma_request_and_limit_on_the_first_container_and_the_agent_only() -> None:
+    tpl = template(container("trainer", resources={"limits": {"nvidia.com/gpu": 8}}), container("logger"))
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).rdma("rdma/hca_shared_devices_a", 2).model(), 0)
+    first, second = pod["spec"]["containers"]
+    assert first["resources"] == {
+        "limits": {"nvidia.com/gpu": 8, "rdma/hca_shared_devices_a": 2},
+        "requests": {"rdma/hca_shared_devices_a": 2},
+    }
+    assert "resources" not in second
+    assert agent_of(pod)["resources"] == {
+        "requests": {"rdma/hca_shared_devices_a": 2},
+        "limits": {"rdma/hca_shared_devices_a": 2},
+    }
+
+
+def test_no_rdma_resource_without_a_resource_name() -> None:
+    pod = build_engine_pod(GroupBuilder().model(), 0, 0)
+    assert "resources" not in pod["spec"]["containers"][0]
+    assert "resources" not in agent_of(pod)
+
+
+def test_ipc_lock_is_merged_with_the_users_capabilities() -> None:
+    caps = {"capabilities": {"add": ["NET_ADMIN"], "drop": ["ALL"]}, "runAsUser": 1000}
+    tpl = template(
+        container("trainer", securityContext=caps),
+        container("side", securityContext={"capabilities": {"add": ["IPC_LOCK"]}}),
+    )
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
+    first, second = pod["spec"]["containers"]
+    assert first["securityContext"] == {
+        "capabilities": {"add": ["NET_ADMIN", "IPC_LOCK"], "drop": ["ALL"]},
+        "runAsUser": 1000,
+    }
+    assert second["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert agent_of(pod)["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def test_multus_annotation_only_when_networks_are_given() -> None:
+    with_networks = build_engine_pod(GroupBuilder().networks("rdma-net", "other/rdma-net2").model(), 0, 0)
+    assert with_networks["metadata"]["annotations"][names.MULTUS_NETWORKS] == "rdma-net,other/rdma-net2"
+    without = build_engine_pod(GroupBuilder().model(), 0, 0)
+    assert names.MULTUS_NETWORKS not in without["metadata"]["annotations"]
+
+
+def test_shm_is_memory_backed_sized_and_mounted_everywhere() -> None:
+    tpl = template(container("trainer"), container("logger"))
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).shm(64).model(), 0)
+    assert {"name": "weightsync-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["spec"]["volumes"]
+    for c in [*pod["spec"]["containers"], agent_of(pod)]:
+        assert {"name": "weightsync-shm", "mountPath": "/dev/shm"} in c["volumeMounts"], c["name"]
+
+
+def test_a_template_that_already_mounts_shm_keeps_its_volume_and_the_agent_shares_it() -> None:
+    mount = {"name": "my-shm", "mountPath": "/dev/shm"}
+    tpl = template(
+        container("trainer", volumeMounts=[mount]),
+        container("logger"),
+        volumes=[{"name": "my-shm", "emptyDir": {"medium": "Memory"}}],
+    )
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["my-shm"]
+    assert pod["spec"]["containers"][0]["volumeMounts"] == [mount]
+    assert pod["spec"]["containers"][1]["volumeMounts"] == [mount]
+    assert agent_of(pod)["volumeMounts"] == [mount]
+
+
+def test_host_network() -> None:
+    pod = build_trainer_pod(GroupBuilder().host_network().model(), 0)
+    assert pod["spec"]["hostNetwork"] is True
+    assert pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+    plain = build_trainer_pod(GroupBuilder().model(), 0)
+    assert "hostNetwork" not in plain["spec"] and "dnsPolicy" not in plain["spec"]
+
+
+# --- identity, ownership, DNS, readiness ---------------------------------------------------------
+
+
+def test_labels_keep_the_users_but_ours_win() -> None:
+    tpl = template(container("engine"), labels={"team": "rl", names.LABEL_GROUP: "spoofed", names.LABEL_ENGINE: "9"})
+    pod = build_engine_pod(GroupBuilder("g").engines(2, tp=2, ranks_per_pod=1).engine_template(tpl).model(), 1, 1)
+    assert pod["metadata"]["labels"] == {
+        "team": "rl",
+        names.LABEL_GROUP: "g",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+        names.LABEL_ROLE: "engine",
+        names.LABEL_RANK: "1-1",
+        names.LABEL_ENGINE: "1",
+    }
+    trainer = build_trainer_pod(GroupBuilder("g").trainers(2).model(), 1)["metadata"]["labels"]
+    assert trainer[names.LABEL_ROLE] == "trainer" and trainer[names.LABEL_RANK] == "1"
+    assert names.LABEL_ENGINE not in trainer
+
+
+def test_owner_reference_makes_the_group_the_controller() -> None:
+    group = GroupBuilder("g").uid("u-123").model()
+    state = desired_state(group, plan_for(group.spec, group="g", namespace="default"))
+    for obj in state.objects():
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "weightsync.io/v1alpha1",
+                "kind": "WeightSyncGroup",
+                "name": "g",
+                "uid": "u-123",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], obj["kind"]
+        assert obj["metadata"]["namespace"] == "default"
+
+
+def test_pod_level_settings() -> None:
+    tpl = template(container("trainer"), readinessGates=[{"conditionType": "example.com/warm"}], restartPolicy="Never")
+    pod = build_trainer_pod(GroupBuilder("g").trainer_template(tpl).model(), 0)
+    spec = pod["spec"]
+    assert spec["hostname"] == "g-trainer-0"
+    assert spec["subdomain"] == "g"
+    assert spec["serviceAccountName"] == "g-agent"
+    assert spec["restartPolicy"] == "Always"
+    assert spec["readinessGates"] == [
+        {"conditionType": "example.com/warm"},
+        {"conditionType": names.CONDITION_AGENT_READY},
+    ]
+
+
+def test_user_containers_are_untouched_but_for_what_weightsync_adds() -> None:
+    user = container(
+        "trainer",
+        "trainer:1",
+        command=["python", "train.py"],
+        env=[{"name": "A", "value": "1"}],
+        ports=[{"containerPort": 8000}],
+        resources={"limits": {"nvidia.com/gpu": 8}},
+    )
+    tpl = template(user, nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}])
+    pod = build_trainer_pod(GroupBuilder().trainer_template(copy.deepcopy(tpl)).model(), 0)
+    built = pod["spec"]["containers"][0]
+    for key in ("name", "image", "command", "env", "ports", "resources"):
+        assert built[key] == user[key]
+    assert set(built) - set(user) == {"volumeMounts", "securityContext"}
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pod["spec"]["tolerations"] == tpl["spec"]["tolerations"]
+
+
+def test_spec_hash_detects_drift_but_not_scaling() -> None:
+    base = GroupBuilder("g").trainers(2).engines(2)
+    pod = build_trainer_pod(base.model(), 1)
+    assert pod["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH] == pod_spec_hash(pod)
+    scaled = build_trainer_pod(GroupBuilder("g").trainers(5).engines(7).model(), 1)
+    assert scaled == pod
+    changed = build_trainer_pod(GroupBuilder("g").trainers(2).agent(image="other:2").model(), 1)
+    assert changed["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH] != pod_spec_hash(pod)
+
+
+# --- Service, ConfigMap, RBAC --------------------------------------------------------------------
+
+
+def test_service_is_headless_and_publishes_not_ready_pods() -> None:
+    svc = build_service(GroupBuilder("g").agent(port=9500).model())
+    assert svc["metadata"]["name"] == "g"
+    assert svc["spec"] == {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": {names.LABEL_GROUP: "g"},
+        "ports": [{"name": "agent", "port": 9500, "targetPort": 9500, "protocol": "TCP"}],
+    }
+
+
+def test_plan_config_map() -> None:
+    group = GroupBuilder("g").trainers(2).engines(2, tp=2).model()
+    plan = plan_for(group.spec, group="g", namespace="default")
+    cm = build_plan_config_map(group, plan)
+    assert cm["metadata"]["name"] == "g-plan"
+    assert cm["metadata"]["annotations"] == {
+        names.ANNOTATION_PLAN_HASH: plan.hash,
+        names.ANNOTATION_PLAN_REVISION: "1",
+    }
+    assert Plan.from_json(cm["data"][names.PLAN_KEY]) == plan
+
+
+def test_role_grants_the_plan_and_the_groups_pods_and_nothing_more() -> None:
+    group = GroupBuilder("g").trainers(1).engines(2).model()
+    role = build_role(group, expected_pod_names(group))
+    assert role["metadata"]["name"] == "g-agent"
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["g-plan"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {
+            "apiGroups": [""],
+            "resources": ["pods", "pods/status"],
+            "resourceNames": ["g-trainer-0", "g-engine-0-0", "g-engine-1-0"],
+            "verbs": ["get", "patch"],
+        },
+    ]
+    binding = build_role_binding(group)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "g-agent"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "g-agent", "namespace": "default"}]
+    assert build_service_account(group)["metadata"]["name"] == "g-agent"
+
+
+def test_role_follows_scaling() -> None:
+    small, large = (state_for(GroupBuilder("g").engines(n)) for n in (1, 3))
+    assert small.role["rules"][1]["resourceNames"] == ["g-trainer-0", "g-engine-0-0"]
+    assert large.role["rules"][1]["resourceNames"] == [
+        "g-trainer-0",
+        "g-engine-0-0",
+        "g-engine-1-0",
+        "g-engine-2-0",
+    ]
+
+
+def test_every_object_is_valid_kubernetes() -> None:
+    state = state_for(
+        GroupBuilder("g")
+        .trainers(2, ranks_per_pod=2)
+        .engines(2, tp=2, ranks_per_pod=1)
+        .rdma("rdma/hca_shared_devices_a")
+        .networks("rdma-net")
+        .devices("mlx5_0")
+        .agent(resources={"requests": {"cpu": "500m"}})
+    )
+    for obj in state.objects():
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+
+
+# --- Plan decisions ------------------------------------------------------------------------------
+
+
+def _config_map_of(builder: GroupBuilder, plan: Plan) -> dict[str, Any]:
+    return build_plan_config_map(builder.model(), plan)
+
+
+def test_first_plan_is_revision_one() -> None:
+    spec = GroupBuilder("g").trainers(2).engines(2).model().spec
+    decision = decide_plan(spec, group="g", namespace="default", config_map=None)
+    assert decision.plan.revision == 1 and decision.previous is None and decision.changed
+
+
+def test_same_spec_keeps_the_stored_plan_and_revision() -> None:
+    builder = GroupBuilder("g").trainers(2).engines(2)
+    first = decide_plan(builder.model().spec, group="g", namespace="default", config_map=None).plan
+    again = decide_plan(builder.model().spec, group="g", namespace="default", config_map=_config_map_of(builder, first))
+    assert again.plan == first and not again.changed
+
+
+def test_scaling_bumps_the_revision_once() -> None:
+    builder = GroupBuilder("g").trainers(2).engines(2, tp=2)
+    first = decide_plan(builder.model().spec, group="g", namespace="default", config_map=None).plan
+    bigger = builder.engines(4, tp=2)
+    scaled = decide_plan(bigger.model().spec, group="g", namespace="default", config_map=_config_map_of(bigger, first))
+    assert scaled.changed and scaled.previous == first
+    assert scaled.plan.revision == 2
+    assert scaled.plan.layout.engines == 4
+    settled = decide_plan(
+        bigger.model().spec, group="g", namespace="default", config_map=_config_map_of(bigger, scaled.plan)
+    )
+    assert settled.plan.revision == 2 and not settled.changed
+
+
+@pytest.mark.parametrize("garbage", ["{not json", json.dumps({"schemaVersion": "weightsync.io/plan/v1", "hash": "x"})])
+def test_an_unreadable_stored_plan_is_replaced_with_a_newer_revision(garbage: str) -> None:
+    builder = GroupBuilder("g")
+    cm = {
+        "metadata": {"annotations": {names.ANNOTATION_PLAN_REVISION: "7"}},
+        "data": {names.PLAN_KEY: garbage},
+    }
+    decision = decide_plan(builder.model().spec, group="g", namespace="default", config_map=cm)
+    assert decision.previous is None and decision.plan.revision == 8
+    assert "unreadable" in decision.note
+
+
+# --- Properties ----------------------------------------------------------------------------------
+
+layouts = st.tuples(
+    st.integers(1, 6),  # trainer replicas
+    st.integers(1, 4),  # trainer ranks per pod
+    st.integers(1, 6),  # engines
+    st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4)]),  # (ranks per engine, per pod)
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts)
+def test_any_layout_gives_unique_pods_and_every_rank_exactly_once(
+    layout: tuple[int, int, int, tuple[int, int]],
+) -> None:
+    replicas, trainer_rpp, engines, (rpe, engine_rpp) = layout
+    builder = (
+        GroupBuilder("g")
+        .trainers(replicas, ranks_per_pod=trainer_rpp)
+        .engines(engines, tp=rpe, ranks_per_pod=engine_rpp)
+    )
+    state = state_for(builder)
+    assert len(set(state.pod_names)) == len(state.pods) == replicas + engines * (rpe // engine_rpp)
+    assert set(state.role["rules"][1]["resourceNames"]) == set(state.pod_names)
+
+    trainer_ranks: list[int] = []
+    engine_ranks: dict[int, list[int]] = {}
+    for pod in state.pods:
+        env = env_of(pod)
+        ranks = [int(r) for r in env[names.ENV_RANKS].split(",")]
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"]
+        if env[names.ENV_ROLE] == "trainer":
+            trainer_ranks += ranks
+        else:
+            engine_ranks.setdefault(int(env[names.ENV_ENGINE_INDEX]), []).extend(ranks)
+    assert sorted(trainer_ranks) == list(range(replicas * trainer_rpp))
+    assert sorted(engine_ranks) == list(range(engines))
+    for ranks in engine_ranks.values():
+        assert sorted(ranks) == list(range(rpe))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(1, 6)), min_size=2, max_size=4),
+    st.sampled_from(["balanced", "miles"]),
+)
+def test_replanning_settles_after_each_change(steps: list[tuple[int, int]], policy: str) -> None:
+    """The operator replans from the stored plan on every reconcile: that must reach a fixpoint at
+    once, or the plan (and its revision) would churn while nothing changes."""
+    cm: dict[str, Any] | None = None
+    revision = 0
+    for trainers, engines in steps:
+        builder = GroupBuilder("g").trainers(trainers).engines(engines, tp=2).planner(policy)
+        spec = builder.model().spec
+        decision = decide_plan(spec, group="g", namespace="default", config_map=cm)
+        assert decision.plan.revision == revision + (1 if decision.changed else 0)
+        revision = decision.plan.revision
+        cm = build_plan_config_map(builder.model(), decision.plan)
+        again = decide_plan(spec, group="g", namespace="default", config_map=cm)
+        assert not again.changed and again.plan == decision.plan

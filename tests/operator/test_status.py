@@ -1,0 +1,333 @@
+"""Folding observed pods and the plan into the group's status (pure)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from builders import GroupBuilder, PodState
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import WeightSyncGroupStatus
+from weightsync.plan import plan_for
+from weightsync_operator.builders import desired_state
+from weightsync_operator.status import (
+    Observation,
+    Problem,
+    condition,
+    fold_status,
+    pod_failure,
+    set_conditions,
+    strip_none,
+)
+
+T0 = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
+T1 = T0 + timedelta(minutes=5)
+
+
+def group_and_pods(builder: GroupBuilder) -> tuple[Any, Any, list[dict[str, Any]]]:
+    group = builder.model()
+    plan = plan_for(group.spec, group=group.metadata.name, namespace="default")
+    return group, plan, list(desired_state(group, plan).pods)
+
+
+def observe(builder: GroupBuilder, pods: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    group = builder.model()
+    obs = Observation(
+        name=group.metadata.name,
+        generation=group.metadata.generation,
+        now=kw.pop("now", T0),
+        spec=kw.pop("spec", group.spec),
+        plan=kw.pop("plan", plan_for(group.spec, group=group.metadata.name, namespace="default")),
+        pods=pods,
+        **kw,
+    )
+    return fold_status(obs).status
+
+
+def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    found = condition(status, type_)
+    assert found is not None, type_
+    return dict(found)
+
+
+BUILDER = GroupBuilder("g").trainers(2).engines(2, tp=2, ranks_per_pod=1)
+
+
+def test_all_ready() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    status = observe(BUILDER, [PodState(p).ready().build() for p in pods])
+    WeightSyncGroupStatus.model_validate(status)  # the CRD's shape
+    assert status["phase"] == "Ready"
+    assert status["observedGeneration"] == 1
+    assert status["trainers"] == {"desired": 2, "ready": 2}
+    assert status["engines"] == {"desired": 4, "ready": 4}
+    assert cond(status, "Ready")["status"] == "True"
+    assert cond(status, "Progressing")["status"] == "False"
+    assert cond(status, "Degraded") | {"lastTransitionTime": None} == {
+        "type": "Degraded",
+        "status": "False",
+        "reason": "AsExpected",
+        "message": "",
+        "lastTransitionTime": None,
+        "observedGeneration": 1,
+    }
+    assert cond(status, "PlanReady")["status"] == "True"
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "PlanReady"]
+
+
+def test_counts_and_phases_while_starting() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    assert observe(BUILDER, [])["phase"] == "Pending"
+    assert observe(BUILDER, [PodState(p).build() for p in pods])["phase"] == "Pending"
+    partly = [PodState(p).ready().build() for p in pods[:3]] + [PodState(p).running().build() for p in pods[3:5]]
+    status = observe(BUILDER, partly)
+    assert status["phase"] == "Provisioning"
+    assert status["trainers"] == {"desired": 2, "ready": 2}
+    assert status["engines"] == {"desired": 4, "ready": 1}
+    progressing = cond(status, "Progressing")
+    assert progressing["status"] == "True" and progressing["reason"] == "PodsStarting"
+    assert "creating g-engine-1-1" in progressing["message"]
+    assert "waiting for g-engine-0-1, g-engine-1-0" in progressing["message"]
+    assert cond(status, "Ready")["reason"] == "PodsNotReady"
+
+
+def test_unschedulable_pods_explain_why() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    msg = "0/4 nodes are available: 4 Insufficient rdma/hca_shared_devices_a."
+    status = observe(BUILDER, [PodState(p).unschedulable(msg).build() for p in pods])
+    assert status["phase"] == "Pending"
+    assert msg in cond(status, "Progressing")["message"]
+
+
+def test_terminating_and_foreign_pods_do_not_count() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().build() for p in pods]
+    observed[0] = PodState(pods[0]).ready().terminating().build()
+    stray = PodState(pods[1]).ready().build()
+    stray["metadata"]["name"] = "g-trainer-7"  # not in the spec (e.g. a surplus pod on its way out)
+    status = observe(BUILDER, [*observed, stray])
+    assert status["trainers"] == {"desired": 2, "ready": 1}
+    assert status["phase"] == "Provisioning"
+
+
+def test_conditions_keep_their_transition_time_until_status_flips() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    starting = observe(BUILDER, [PodState(p).running().build() for p in pods], now=T0)
+    assert cond(starting, "Ready")["lastTransitionTime"] == "2030-01-01T12:00:00Z"
+    # Same status (False), different message: the time stays.
+    half = [PodState(p).ready().build() for p in pods[:3]] + [PodState(p).running().build() for p in pods[3:]]
+    later = observe(BUILDER, half, now=T1, previous=starting)
+    assert cond(later, "Ready")["message"] != cond(starting, "Ready")["message"]
+    assert cond(later, "Ready")["lastTransitionTime"] == "2030-01-01T12:00:00Z"
+    # Flip to True: the time moves.
+    ready = observe(BUILDER, [PodState(p).ready().build() for p in pods], now=T1, previous=later)
+    assert cond(ready, "Ready")["lastTransitionTime"] == "2030-01-01T12:05:00Z"
+    assert cond(ready, "Degraded")["lastTransitionTime"] == "2030-01-01T12:00:00Z"
+    # Nothing changes: the status is identical (so the operator writes nothing).
+    again = observe(BUILDER, [PodState(p).ready().build() for p in pods], now=T1 + timedelta(hours=1), previous=ready)
+    assert strip_none(again) == strip_none(ready)
+
+
+def test_set_conditions_keeps_unknown_types_and_stamps_generation() -> None:
+    previous = [{"type": "Custom", "status": "True", "reason": "X", "message": "", "lastTransitionTime": "t"}]
+    out = set_conditions(previous, [("Ready", "True", "AllPodsReady", "ok")], now=T0, generation=4)
+    assert out[0]["observedGeneration"] == 4 and out[0]["lastTransitionTime"] == "2030-01-01T12:00:00Z"
+    assert out[1] == previous[0]
+
+
+def test_weight_version_is_the_minimum_over_engine_pods() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    trainers, engines = pods[:2], pods[2:]
+    observed = [PodState(p).ready().weight_version(9).build() for p in trainers] + [
+        PodState(p).ready().weight_version(v).build() for p, v in zip(engines, [7, 5, 6, 7], strict=True)
+    ]
+    status = observe(BUILDER, observed)
+    assert status["weightVersion"] == 5
+    assert status["phase"] == "Syncing"  # trainers published 9, engines hold 5..7
+
+
+def test_weight_version_needs_every_engine_pod() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().weight_version(3).build() for p in pods]
+    observed[-1] = PodState(pods[-1]).ready().build()  # no annotation yet
+    assert observe(BUILDER, observed)["weightVersion"] is None
+    observed[-1] = PodState(pods[-1]).ready().annotate(names.ANNOTATION_WEIGHT_VERSION, "garbage").build()
+    assert observe(BUILDER, observed)["weightVersion"] is None
+    assert observe(BUILDER, observed[:-1])["weightVersion"] is None  # a missing pod
+    observed[-1] = PodState(pods[-1]).ready().weight_version(3).build()
+    status = observe(BUILDER, observed)
+    assert status["weightVersion"] == 3 and status["phase"] == "Ready"  # all hold what was published
+
+
+def test_last_sync_comes_from_the_coordinator() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().build() for p in pods]
+    observed[0] = (
+        PodState(pods[0]).ready().last_round(version=4, result="Succeeded", durationSeconds=1.5, gbps=180.0).build()
+    )
+    folded = fold_status(Observation(name="g", generation=1, now=T0, spec=BUILDER.model().spec, pods=observed))
+    # None entries make the merge patch remove what the previous round had.
+    assert strip_none(folded.status["lastSync"]) == {
+        "version": 4,
+        "result": "Succeeded",
+        "durationSeconds": 1.5,
+        "gbps": 180.0,
+    }
+    assert folded.warnings == ()
+
+
+@pytest.mark.parametrize(
+    "annotation",
+    ["{not json", '{"version": -1, "result": "Succeeded"}', '{"version": 1, "result": "Maybe"}', "[1, 2]"],
+)
+def test_a_bad_last_round_annotation_is_ignored_with_a_warning(annotation: str) -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().build() for p in pods]
+    observed[0] = PodState(pods[0]).ready().annotate(names.ANNOTATION_LAST_ROUND, annotation).build()
+    previous = {"lastSync": {"version": 2, "result": "Succeeded"}}
+    folded = fold_status(
+        Observation(name="g", generation=1, now=T0, spec=BUILDER.model().spec, pods=observed, previous=previous)
+    )
+    assert strip_none(folded.status["lastSync"]) == {
+        "version": 2,
+        "result": "Succeeded",
+    }  # the last good stays
+    ((reason, message),) = folded.warnings
+    assert reason == "BadLastRound" and "g-trainer-0" in message
+
+
+def test_a_failed_round_is_not_syncing_forever() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().weight_version(5).build() for p in pods[2:]]
+    observed = [
+        PodState(pods[0]).ready().weight_version(6).last_round(version=6, result="Failed", reason="peer lost").build(),
+        PodState(pods[1]).ready().weight_version(6).build(),
+        *observed,
+    ]
+    status = observe(BUILDER, observed)
+    assert status["phase"] == "Ready" and status["weightVersion"] == 5
+    assert status["lastSync"]["result"] == "Failed"
+
+
+def test_plan_status() -> None:
+    _, plan, _ = group_and_pods(BUILDER)
+    status = observe(BUILDER, [], plan=plan.model_copy(update={"revision": 3, "moved_targets": 2}))
+    assert status["plan"] == {
+        "hash": plan.hash,
+        "revision": 3,
+        "policy": plan.policy,
+        "sources": 2,
+        "targets": 4,
+        "maxTargetsPerSource": plan.balance.max_targets_per_source,
+        "maxShapesPerSource": plan.balance.max_shapes_per_source,
+        "balanced": plan.balance.perfect,
+        "movedTargets": 2,
+        "configMap": "g-plan",
+    }
+    assert f"revision 3 ({plan.hash}" in cond(status, "PlanReady")["message"]
+
+
+def test_a_spec_problem_fails_the_group_but_keeps_what_is_known() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    good = observe(BUILDER, [PodState(p).ready().build() for p in pods], now=T0)
+    problem = Problem("InvalidSpec", "spec rejected: inference.adapter: Input should be 'sglang' or 'reference'")
+    bad = observe(
+        BUILDER,
+        [PodState(p).ready().build() for p in pods],
+        now=T1,
+        previous=good,
+        spec=None,
+        plan=None,
+        problem=problem,
+    )
+    assert bad["phase"] == "Failed"
+    assert bad["plan"] == good["plan"]  # the published plan still stands
+    assert bad["trainers"] == {"desired": 2, "ready": 2}
+    degraded = cond(bad, "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True",
+        "InvalidSpec",
+        problem.message,
+    )
+    assert degraded["lastTransitionTime"] == "2030-01-01T12:05:00Z"
+    assert cond(bad, "Ready")["status"] == "False" and cond(bad, "Ready")["reason"] == "InvalidSpec"
+    assert cond(bad, "PlanReady")["status"] == "False"
+
+
+def test_a_transient_problem_degrades() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    status = observe(
+        BUILDER, [PodState(p).ready().build() for p in pods], problem=Problem("ApiError", "boom", fatal=False)
+    )
+    assert status["phase"] == "Degraded"
+    assert cond(status, "Degraded")["reason"] == "ApiError"
+    assert cond(status, "Ready")["status"] == "True"
+
+
+def test_failing_pods_degrade_the_group() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().build() for p in pods]
+    observed[2] = PodState(pods[2]).crash_looping("engine", restarts=4).build()
+    observed[3] = PodState(pods[3]).failed().build()
+    folded = fold_status(Observation(name="g", generation=1, now=T0, spec=BUILDER.model().spec, pods=observed))
+    assert folded.status["phase"] == "Degraded"
+    assert [f.pod for f in folded.failures] == ["g-engine-0-0", "g-engine-0-1"]
+    assert [f.reason for f in folded.failures] == ["CrashLoopBackOff", "Evicted"]
+    degraded = cond(folded.status, "Degraded")
+    assert degraded["reason"] == "PodFailures" and "CrashLoopBackOff" in degraded["message"]
+
+
+def test_pod_failure_keys_change_with_each_restart() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    one = pod_failure(PodState(pods[0]).crash_looping(restarts=1).build())
+    two = pod_failure(PodState(pods[0]).crash_looping(restarts=2).build())
+    assert one is not None and two is not None and one.key != two.key
+    assert pod_failure(PodState(pods[0]).ready().build()) is None
+    assert pod_failure(PodState(pods[0]).failed().terminating().build()) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(["missing", "pending", "running", "ready", "crash"]), min_size=6, max_size=6))
+def test_status_always_fits_the_crd(states: list[str]) -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = []
+    for pod, state in zip(pods, states, strict=True):
+        if state == "missing":
+            continue
+        dress = {
+            "pending": lambda s: s,
+            "running": PodState.running,
+            "ready": PodState.ready,
+            "crash": PodState.crash_looping,
+        }[state]
+        observed.append(dress(PodState(pod)).build())
+    status = observe(BUILDER, observed)
+    WeightSyncGroupStatus.model_validate(status)
+    ready = sum(s == "ready" for s in states)
+    assert status["trainers"]["ready"] + status["engines"]["ready"] == ready
+    assert (status["phase"] == "Ready") == (ready == 6)
+
+
+def test_outdated_pods_are_reported_not_hidden() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    status = observe(BUILDER, [PodState(p).ready().build() for p in pods], outdated=("g-trainer-0", "g-engine-1-1"))
+    assert status["phase"] == "Ready"
+    progressing = cond(status, "Progressing")
+    assert progressing["status"] == "True" and progressing["reason"] == "PodsOutdated"
+    assert "g-trainer-0, g-engine-1-1" in progressing["message"]
+
+
+def test_garbage_in_the_previous_status_does_not_wedge_the_fold() -> None:
+    previous = {
+        "plan": {"hash": "x", "someFieldFromTheFuture": 1},
+        "lastSync": {"version": "not a number"},
+        "conditions": [{"type": "Custom"}, {"type": "Ready", "status": "True"}],
+    }
+    status = observe(BUILDER, [], previous=previous, plan=None)
+    WeightSyncGroupStatus.model_validate(status)
+    assert status["plan"] is None and status["lastSync"] is None
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "PlanReady"]

@@ -1,0 +1,82 @@
+"""The command line, end to end in-process: plan, render, --help, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from weightsync.api.load import load_groups
+from weightsync.cli.main import app
+from weightsync.plan import Plan, plan_for
+
+ROOT = Path(__file__).resolve().parents[3]
+TCP = ROOT / "examples" / "tcp-group.yaml"
+RDMA = ROOT / "examples" / "rdma-group.yaml"
+runner = CliRunner()
+
+
+def test_help_lists_every_command() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("crd", "validate", "plan", "render", "reference", "operator", "agent", "cluster"):
+        assert command in result.output
+
+
+def test_plan_json_is_the_planners_document() -> None:
+    result = runner.invoke(app, ["plan", "-f", str(TCP), "--json"])
+    assert result.exit_code == 0, result.output
+    printed = Plan.from_json(result.stdout)
+    (group,) = load_groups(TCP)
+    assert printed == plan_for(group.spec, group="demo", namespace="default")
+
+
+def test_plan_table_names_every_source_and_its_targets() -> None:
+    result = runner.invoke(app, ["plan", "-f", str(RDMA)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "32 sources → 4 engines × TP8" in result.output
+    assert "kimi-rl-trainer-3" in result.output
+    assert "(balanced)" in result.output
+
+
+def test_render_yaml_builds_every_object() -> None:
+    result = runner.invoke(app, ["render", "-f", str(TCP)])
+    assert result.exit_code == 0, result.output
+    objects = list(yaml.safe_load_all(result.stdout))
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["ConfigMap", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    pods = {o["metadata"]["name"] for o in objects if o["kind"] == "Pod"}
+    assert pods == {"demo-trainer-0", "demo-trainer-1", "demo-engine-0-0", "demo-engine-1-0"}
+
+
+def test_render_names() -> None:
+    result = runner.invoke(app, ["render", "-f", str(RDMA), "-o", "name"])
+    assert result.exit_code == 0
+    assert "pod/kimi-rl-engine-3-0" in result.stdout.split()
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["plan", "-f", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert "cannot read" in result.output
+
+
+def test_file_without_a_group_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "cm.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    result = runner.invoke(app, ["plan", "-f", str(path)])
+    assert result.exit_code == 2
+    assert "no WeightSyncGroup found" in result.output
+
+
+def test_unplannable_cap_is_refused(tmp_path: Path) -> None:
+    obj = yaml.safe_load(RDMA.read_text())
+    obj["spec"]["trainer"]["replicas"] = 1
+    obj["spec"]["trainer"]["ranksPerPod"] = 2
+    obj["spec"]["transfer"]["maxReplicaShapesPerSource"] = 1
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    result = runner.invoke(app, ["plan", "-f", str(path)])
+    assert result.exit_code == 2
+    assert "cannot plan" in result.output and "at least 4" in result.output
