@@ -26,11 +26,12 @@ def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
         return Plan.from_json(path.read_text())
     if not config.plan_config_map:
         raise PlanError(f"no plan: set {names.ENV_PLAN_CONFIG_MAP} or {names.ENV_PLAN_FILE}")
-    from kubernetes import client
-    from kubernetes import config as kube_config
+    from kubernetes.client.exceptions import ApiException
 
-    kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
-    cm = client.CoreV1Api().read_namespaced_config_map(config.plan_config_map, config.namespace)
+    try:
+        cm = kube_core_api().read_namespaced_config_map(config.plan_config_map, config.namespace)
+    except ApiException as exc:
+        raise PlanError(f"cannot read ConfigMap {config.plan_config_map}: {exc.status} {exc.reason}") from exc
     data = (cm.data or {}).get(names.PLAN_KEY)
     if not data:
         raise PlanError(f"ConfigMap {config.plan_config_map} has no {names.PLAN_KEY}")

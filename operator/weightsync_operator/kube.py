@@ -182,8 +182,12 @@ class KubeApi:
     async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         params = {"labelSelector": label_selector} if label_selector else None
         result = await self.request("GET", path, params=params)
-        items = (result or {}).get("items") or []
-        return [i for i in items if isinstance(i, dict)]
+        # A real API server leaves kind/apiVersion off the items of a List; put them back from the
+        # list's own kind ("PodList" -> "Pod") so every item can be addressed on its own.
+        kind = str((result or {}).get("kind") or "").removesuffix("List")
+        api_version = (result or {}).get("apiVersion")
+        items = [i for i in (result or {}).get("items") or [] if isinstance(i, dict)]
+        return [{"apiVersion": api_version, "kind": kind, **i} if kind and api_version else i for i in items]
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj.get("metadata") or {}

@@ -121,11 +121,19 @@ def is_terminating(pod: Mapping[str, Any]) -> bool:
     return bool(_meta(pod).get("deletionTimestamp"))
 
 
+def _condition_true(pod: Mapping[str, Any], condition: str) -> bool:
+    return any(c.get("type") == condition and c.get("status") == "True" for c in _status(pod).get("conditions") or [])
+
+
 def is_pod_ready(pod: Mapping[str, Any]) -> bool:
-    """The pod's Ready condition is True (with the readiness gate, that includes the agent)."""
+    """Ready, and its agent said so itself.
+
+    A kubelet never reports Ready while the ``weightsync.io/agent-ready`` gate is unmet, but not every
+    node agent honours readiness gates (virtual kubelets, kwok), so the gate is checked explicitly.
+    """
     if is_terminating(pod):
         return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in _status(pod).get("conditions") or [])
+    return _condition_true(pod, "Ready") and _condition_true(pod, names.CONDITION_AGENT_READY)
 
 
 def is_scheduled(pod: Mapping[str, Any]) -> bool:

@@ -79,6 +79,18 @@ def test_all_ready() -> None:
     assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "PlanReady"]
 
 
+def test_a_pod_counts_as_ready_only_when_its_agent_said_so() -> None:
+    """Node agents that ignore readiness gates (kwok, virtual kubelets) report Ready without the agent."""
+    _, _, pods = group_and_pods(BUILDER)
+    states = [PodState(p).ready().build() for p in pods]
+    for pod in states[:2]:
+        pod["status"]["conditions"] = [c for c in pod["status"]["conditions"] if c["type"] != names.CONDITION_AGENT_READY]
+    status = observe(BUILDER, states)
+    assert status["trainers"] == {"desired": 2, "ready": 0}
+    assert status["engines"] == {"desired": 4, "ready": 4}
+    assert cond(status, "Ready")["status"] == "False"
+
+
 def test_counts_and_phases_while_starting() -> None:
     _, _, pods = group_and_pods(BUILDER)
     assert observe(BUILDER, [])["phase"] == "Pending"

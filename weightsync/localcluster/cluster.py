@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -31,6 +32,20 @@ DEFAULT_NODE_RESOURCES = {
     "rdma/ib": "8",
     "rdma/rdma_shared_device_a": "64",
 }
+
+
+_READINESS_GATES = re.compile(r"^[ \t]*\{\{ range \.spec\.readinessGates \}\}.*?\{\{ end \}\}[ \t]*\n", re.S | re.M)
+
+
+def without_readiness_gates(stages: str) -> str:
+    """kwok's pod-ready stage marks every readiness gate True; on a real node only the gate's owner does.
+
+    Our agents own ``weightsync.io/agent-ready``, so the fake nodes must leave it to them.
+    """
+    stripped, count = _READINESS_GATES.subn("", stages)
+    if count != 1:
+        raise ClusterError(f"expected one readinessGates block in kwok's pod-ready stage, found {count}")
+    return stripped
 
 
 class ClusterError(RuntimeError):
@@ -149,13 +164,15 @@ class LocalCluster:
                     f"--secure-port={free_port()}",
                 ],
             )
+            stages = self.directory / "kwok-stages.yaml"
+            stages.write_text(without_readiness_gates(self.binaries.kwok_stages.read_text()))
             self._start(
                 state,
                 "kwok",
                 self.binaries.kwok,
                 [
                     f"--kubeconfig={state.kubeconfig}",
-                    f"--config={self.binaries.kwok_stages}",
+                    f"--config={stages}",
                     "--manage-all-nodes=false",
                     "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                     "--node-lease-duration-seconds=40",

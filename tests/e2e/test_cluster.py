@@ -1,0 +1,249 @@
+"""Real API server: Helm install, schema/CEL rejections, and a group's whole life under the operator."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from agents import Agents
+from conftest import ROOT, SYSTEM_NS, Kube, OperatorProcess, load_example, token_kubeconfig, wait_for
+
+from weightsync.api import names
+from weightsync.api.load import parse_group
+from weightsync.plan import Plan, plan_for
+
+INVALID = sorted((ROOT / "tests" / "fixtures" / "invalid").glob("*.yaml"))
+NS = "e2e"
+
+
+def expectation(path: Path) -> str:
+    found = dict(re.findall(r"^# (expect(?:-local|-server)?): (.+)$", path.read_text(), flags=re.M))
+    return found.get("expect-server") or found["expect"]
+
+
+# --- Install -------------------------------------------------------------------------------------
+
+
+def test_chart_installs_crd_and_operator(admin: Kube, chart: str) -> None:
+    crd = admin.json("get", "crd", "weightsyncgroups.weightsync.io")
+    established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert established["Established"] == "True"
+    deployment = admin.json("-n", SYSTEM_NS, "get", "deployment", chart)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["status"].get("availableReplicas") == 1
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "replicaCount=2"], "replicaCount"),
+        (["--set", "metrics.port=99999"], "/metrics/port"),
+        (["--set", "watchNamespaces[0]=Bad_NS"], "/watchNamespaces/0"),
+        (["--set", "unknownKey=1"], "unknownKey"),
+    ],
+)
+def test_helm_install_rejects_bad_values(admin: Kube, values: list[str], message: str) -> None:
+    result = admin.helm("install", "bad-values", str(ROOT / "charts" / "weightsync"), "-n", "bad-values",
+                        "--create-namespace", *values, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "bad-values" not in admin.helm("list", "-A", "-q").stdout.split()
+
+
+# --- Validation on the server ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def invalid_ns(admin: Kube, chart: str) -> str:
+    admin.kubectl("create", "namespace", "e2e-invalid")
+    return "e2e-invalid"
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
+def test_api_server_rejects_invalid_group(admin: Kube, invalid_ns: str, path: Path) -> None:
+    result = admin.kubectl("-n", invalid_ns, "apply", "-f", str(path), check=False)
+    assert result.returncode != 0, f"{path.name} was accepted"
+    assert expectation(path) in result.stderr, result.stderr
+    assert admin.kubectl("-n", invalid_ns, "get", "wsg", "-o", "name").stdout.strip() == ""
+
+
+def test_immutable_fields_are_enforced_by_the_server(admin: Kube, invalid_ns: str) -> None:
+    obj = load_example("tcp-group.yaml", invalid_ns)
+    obj["metadata"]["name"] = "immutable"
+    admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+    try:
+        result = admin.kubectl("-n", invalid_ns, "patch", "wsg", "immutable", "--type=merge",
+                               "-p", '{"spec":{"inference":{"ranksPerEngine":4}}}', check=False)
+        assert result.returncode != 0
+        assert "inference.ranksPerEngine is immutable" in result.stderr
+        scaled = admin.kubectl("-n", invalid_ns, "patch", "wsg", "immutable", "--type=merge",
+                               "-p", '{"spec":{"inference":{"engines":3}}}', check=False)
+        assert scaled.returncode == 0, scaled.stderr
+    finally:
+        admin.kubectl("-n", invalid_ns, "delete", "wsg", "immutable", "--wait=false")
+
+
+# --- A group's life ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group_ns(admin: Kube, operator: OperatorProcess) -> str:
+    admin.kubectl("create", "namespace", NS)
+    return NS
+
+
+def pods(admin: Kube, group: str) -> dict[str, dict[str, Any]]:
+    items = admin.json("-n", NS, "get", "pods", "-l", f"{names.LABEL_GROUP}={group}")["items"]
+    return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+
+
+def status(admin: Kube, group: str) -> dict[str, Any]:
+    return admin.json("-n", NS, "get", "wsg", group).get("status") or {}
+
+
+def stored_plan(admin: Kube, group: str) -> Plan:
+    cm = admin.json("-n", NS, "get", "configmap", names.plan_config_map(group))
+    return Plan.from_json(cm["data"][names.PLAN_KEY])
+
+
+@pytest.fixture(scope="module")
+def agents(cluster: Any, admin: Kube, group_ns: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agents]:
+    state, _ = cluster
+    directory = tmp_path_factory.mktemp("agents")
+    wait_for("the agents' ServiceAccount",
+             lambda: admin.kubectl("-n", NS, "get", "sa", "demo-agent", check=False).returncode == 0)
+    kubeconfig = token_kubeconfig(state, admin, NS, "demo-agent", directory / "kubeconfig")
+    running = Agents(kubeconfig, directory)
+    try:
+        yield running
+    finally:
+        running.stop_all()
+
+
+RDMA_GROUP = "rdma"
+
+
+def test_rdma_group_pods_carry_everything_rdma_needs(admin: Kube, group_ns: str) -> None:
+    obj = load_example("rdma-group.yaml", NS, trainer__replicas=2, inference__engines=2)
+    obj["metadata"]["name"] = RDMA_GROUP
+    obj["spec"]["rdma"]["networks"] = ["e2e/rdma-net"]
+    admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+    expected = {"rdma-trainer-0", "rdma-trainer-1", "rdma-engine-0-0", "rdma-engine-1-0"}
+    found = wait_for("the RDMA group's pods", lambda: (p := pods(admin, RDMA_GROUP)) and set(p) == expected and p)
+    for pod in found.values():
+        spec = pod["spec"]
+        sidecar = next(c for c in spec["initContainers"] if c["name"] == "weightsync-agent")
+        assert sidecar["restartPolicy"] == "Always"
+        user = spec["containers"][0]
+        for container in (user, sidecar):
+            assert container["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+            assert container["resources"]["requests"]["rdma/hca_shared_devices_a"] == "1"
+            assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+            assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
+        shm = next(v for v in spec["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory")
+        assert shm["emptyDir"]["sizeLimit"] == "64Gi"
+        assert pod["metadata"]["annotations"][names.MULTUS_NETWORKS] == "e2e/rdma-net"
+        assert {"conditionType": names.CONDITION_AGENT_READY} in spec["readinessGates"]
+        labels = pod["metadata"]["labels"]
+        assert labels[names.LABEL_GROUP] == RDMA_GROUP and labels[names.LABEL_ROLE] in ("trainer", "engine")
+    # The scheduler placed them on the fake GPU/RDMA nodes and kwok runs them.
+    wait_for("RDMA pods running", lambda: all(p["status"].get("phase") == "Running" for p in pods(admin, RDMA_GROUP).values()))
+    admin.kubectl("-n", NS, "delete", "wsg", RDMA_GROUP)
+    wait_for("the RDMA group's pods to go", lambda: not pods(admin, RDMA_GROUP), timeout=90)
+
+
+def test_group_comes_up_and_agents_report_ready(admin: Kube, group_ns: str, agents: Agents | None = None) -> None:
+    admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(load_example("tcp-group.yaml", NS)))
+    expected = {"demo-trainer-0", "demo-trainer-1", "demo-engine-0-0", "demo-engine-1-0"}
+    wait_for("the group's pods", lambda: set(pods(admin, "demo")) == expected)
+    # The plan ConfigMap is the planner's output for this spec.
+    group = parse_group(admin.json("-n", NS, "get", "wsg", "demo"))
+    plan = stored_plan(admin, "demo")
+    assert plan.hash == plan_for(group.spec, group="demo", namespace=NS).hash
+    assert plan.revision == 1
+    # Nobody is ready before the agents say so, even though kwok marks the pods Ready.
+    first = wait_for("a first status", lambda: (s := status(admin, "demo")).get("plan") and s)
+    assert first["trainers"]["ready"] == 0 and first["engines"]["ready"] == 0
+
+
+def test_agents_make_the_group_ready(admin: Kube, group_ns: str, agents: Agents) -> None:
+    for pod in pods(admin, "demo").values():
+        agents.start(pod)
+    final = wait_for("the group to be Ready", lambda: (s := status(admin, "demo")).get("phase") == "Ready" and s,
+                     timeout=90)
+    assert final["trainers"] == {"desired": 2, "ready": 2}
+    assert final["engines"] == {"desired": 2, "ready": 2}
+    table = admin.kubectl("-n", NS, "get", "wsg").stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "READY", "TRAINERS", "ENGINES", "MODE", "VERSION", "LAST-SYNC", "AGE"]
+    assert table[1].split()[:6] == ["demo", "Ready", "True", "2", "2", "p2p"]
+
+
+def test_scaling_engines_replans_and_creates_pods(admin: Kube, group_ns: str, agents: Agents) -> None:
+    admin.kubectl("-n", NS, "patch", "wsg", "demo", "--type=merge", "-p", '{"spec":{"inference":{"engines":3}}}')
+    wait_for("the third engine's pod", lambda: "demo-engine-2-0" in pods(admin, "demo"))
+    plan = wait_for("plan revision 2", lambda: (p := stored_plan(admin, "demo")).revision == 2 and p)
+    assert plan.layout.engines == 3
+    agents.start(pods(admin, "demo")["demo-engine-2-0"])
+    final = wait_for("3 engines ready", lambda: (s := status(admin, "demo"))["engines"] == {"desired": 3, "ready": 3}
+                     and s.get("phase") == "Ready" and s, timeout=90)
+    assert final["plan"]["revision"] == 2 and final["plan"]["targets"] == 6
+    events = admin.kubectl("-n", NS, "get", "events", "--field-selector", "involvedObject.name=demo",
+                           "-o", "jsonpath={.items[*].reason}").stdout.split()
+    assert "PlanUpdated" in events
+
+
+def test_scaling_down_deletes_pods(admin: Kube, group_ns: str, agents: Agents) -> None:
+    admin.kubectl("-n", NS, "patch", "wsg", "demo", "--type=merge", "-p", '{"spec":{"inference":{"engines":1}}}')
+    wait_for("surplus engine pods to go", lambda: set(pods(admin, "demo")) == {"demo-trainer-0", "demo-trainer-1", "demo-engine-0-0"})
+    agents.stop("demo-engine-1-0")
+    agents.stop("demo-engine-2-0")
+    plan = wait_for("plan revision 3", lambda: (p := stored_plan(admin, "demo")).revision == 3 and p)
+    assert plan.layout.engines == 1
+    wait_for("status for 1 engine", lambda: status(admin, "demo")["engines"] == {"desired": 1, "ready": 1})
+    role = admin.json("-n", NS, "get", "role", "demo-agent")
+    pod_rule = next(r for r in role["rules"] if "pods" in r["resources"])
+    assert set(pod_rule["resourceNames"]) == {"demo-trainer-0", "demo-trainer-1", "demo-engine-0-0"}
+
+
+def test_a_deleted_pod_is_recreated(admin: Kube, group_ns: str, agents: Agents) -> None:
+    old_uid = pods(admin, "demo")["demo-trainer-1"]["metadata"]["uid"]
+    admin.kubectl("-n", NS, "delete", "pod", "demo-trainer-1", "--wait=true")
+    recreated = wait_for("demo-trainer-1 to come back",
+                         lambda: (p := pods(admin, "demo").get("demo-trainer-1")) and p["metadata"]["uid"] != old_uid and p)
+    agents.start(recreated)
+    wait_for("the group Ready again", lambda: status(admin, "demo").get("phase") == "Ready", timeout=90)
+
+
+def test_operator_restart_resumes_without_duplicates(admin: Kube, group_ns: str, operator: OperatorProcess) -> None:
+    before = {name: p["metadata"]["uid"] for name, p in pods(admin, "demo").items()}
+    revision = stored_plan(admin, "demo").revision
+    operator.restart()
+    # Give the resumed operator time to reconcile at least once (resync is 5 s in these tests).
+    wait_for("the operator to resume", lambda: "resum" in operator.output().lower() or "Handler" in operator.output(),
+             timeout=30)
+    import time
+
+    time.sleep(8)
+    after = {name: p["metadata"]["uid"] for name, p in pods(admin, "demo").items()}
+    assert after == before
+    assert stored_plan(admin, "demo").revision == revision
+    all_pods = admin.json("-n", NS, "get", "pods")["items"]
+    assert len(all_pods) == len(before)
+
+
+def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: str, agents: Agents) -> None:
+    admin.kubectl("-n", NS, "delete", "wsg", "demo")
+    agents.stop_all()
+
+    def gone() -> bool:
+        left = admin.kubectl("-n", NS, "get", "pods,services,configmaps,serviceaccounts,roles,rolebindings",
+                             "-l", f"{names.LABEL_GROUP}=demo", "-o", "name").stdout.split()
+        named = admin.kubectl("-n", NS, "get", "configmap/demo-plan", "service/demo", "sa/demo-agent",
+                              "role/demo-agent", "rolebinding/demo-agent", check=False)
+        return not left and named.returncode != 0 and named.stdout.strip() == ""
+
+    wait_for("garbage collection of the group's objects", gone, timeout=120)
