@@ -7,13 +7,9 @@ Set WEIGHTSYNC_E2E=0 to skip this tier (it is on by default and in CI).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +17,17 @@ import pytest
 import yaml
 
 from weightsync.localcluster import binaries as binaries_mod
-from weightsync.localcluster.cluster import ClusterState, LocalCluster, free_port
-from weightsync.localcluster.pki import Pki, kubeconfig
+from weightsync.localcluster.cluster import ClusterState, LocalCluster
+from weightsync.localcluster.session import (
+    Agents,
+    Kube,
+    OperatorProcess,
+    install_chart,
+    token_kubeconfig,
+    wait_for,
+)
+
+__all__ = ["Agents", "Kube", "OperatorProcess", "token_kubeconfig", "wait_for"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "weightsync"
@@ -30,53 +35,6 @@ SYSTEM_NS = "weightsync-system"
 
 if os.environ.get("WEIGHTSYNC_E2E", "1") == "0":
     pytest.skip("WEIGHTSYNC_E2E=0: real-cluster tests skipped", allow_module_level=True)
-
-
-@dataclass
-class Kube:
-    """kubectl and helm bound to one kubeconfig."""
-
-    kubeconfig: Path
-    binaries: binaries_mod.Binaries
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
-            input=input,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
-        return result
-
-    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [str(self.binaries.helm), f"--kubeconfig={self.kubeconfig}", *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stderr}")
-        return result
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.kubectl(*args, "-o", "json").stdout)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="session")
@@ -100,73 +58,8 @@ def admin(cluster: tuple[ClusterState, Kube]) -> Kube:
 @pytest.fixture(scope="session")
 def chart(admin: Kube) -> str:
     """`helm install` the chart; the operator Deployment's pod goes Running on a kwok node."""
-    admin.helm(
-        "install",
-        RELEASE,
-        str(ROOT / "charts" / "weightsync"),
-        "--namespace",
-        SYSTEM_NS,
-        "--create-namespace",
-        "--wait",
-        "--timeout",
-        "2m",
-    )
+    install_chart(admin, release=RELEASE, namespace=SYSTEM_NS)
     return RELEASE
-
-
-def token_kubeconfig(state: ClusterState, admin: Kube, namespace: str, service_account: str, path: Path) -> Path:
-    token = admin.kubectl("-n", namespace, "create", "token", service_account, "--duration=2h").stdout.strip()
-    path.write_text(kubeconfig(Pki(Path(state.directory) / "pki"), state.server, token=token, user=service_account))
-    return path
-
-
-class OperatorProcess:
-    """`weightsync operator` as a local process, with the chart ServiceAccount's identity."""
-
-    def __init__(self, kubeconfig_path: Path, log: Path) -> None:
-        self.kubeconfig = kubeconfig_path
-        self.log = log
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "WEIGHTSYNC_RESYNC_SECONDS": "5",
-            "WEIGHTSYNC_AGENT_IMAGE": "weightsync/agent:e2e",
-        }
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "weightsync.cli.main",
-                    "operator",
-                    "--verbose",
-                    "--liveness",
-                    f"http://127.0.0.1:{free_port()}/healthz",
-                ],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")

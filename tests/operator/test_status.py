@@ -84,7 +84,9 @@ def test_a_pod_counts_as_ready_only_when_its_agent_said_so() -> None:
     _, _, pods = group_and_pods(BUILDER)
     states = [PodState(p).ready().build() for p in pods]
     for pod in states[:2]:
-        pod["status"]["conditions"] = [c for c in pod["status"]["conditions"] if c["type"] != names.CONDITION_AGENT_READY]
+        pod["status"]["conditions"] = [
+            c for c in pod["status"]["conditions"] if c["type"] != names.CONDITION_AGENT_READY
+        ]
     status = observe(BUILDER, states)
     assert status["trainers"] == {"desired": 2, "ready": 0}
     assert status["engines"] == {"desired": 4, "ready": 4}

@@ -1,0 +1,221 @@
+"""Driving a (local) cluster the way a user does: kubectl, helm, the operator and agents as processes.
+
+Shared by ``weightsync demo`` and the end-to-end tests, so the demo shows exactly what is tested.
+Agents run as local processes *bound to their pods* (the pods themselves run on kwok nodes, which have
+no container runtime): each gets the environment the operator wrote into the pod's sidecar, with the
+downward-API fields resolved as a kubelet would (POD_IP becomes loopback, where its data plane listens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import AGENT_CONTAINER
+from weightsync.localcluster.binaries import Binaries
+from weightsync.localcluster.cluster import ClusterState, free_port
+from weightsync.localcluster.pki import Pki, kubeconfig
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "weightsync"
+
+
+@dataclass
+class Kube:
+    """kubectl and helm bound to one kubeconfig."""
+
+    kubeconfig: Path
+    binaries: Binaries
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
+        return result
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.binaries.helm), f"--kubeconfig={self.kubeconfig}", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed:\n{result.stderr}")
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
+    """Poll ``check`` until it returns something truthy; an AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def token_kubeconfig(state: ClusterState, admin: Kube, namespace: str, service_account: str, path: Path) -> Path:
+    """A kubeconfig with a ServiceAccount's token: run as that account, so its RBAC is what's tested."""
+    token = admin.kubectl("-n", namespace, "create", "token", service_account, "--duration=2h").stdout.strip()
+    path.write_text(kubeconfig(Pki(Path(state.directory) / "pki"), state.server, token=token, user=service_account))
+    return path
+
+
+class OperatorProcess:
+    """``weightsync operator`` as a local process."""
+
+    def __init__(self, kubeconfig_path: Path, log: Path, *, resync_seconds: int = 5) -> None:
+        self.kubeconfig = kubeconfig_path
+        self.log = log
+        self.resync_seconds = resync_seconds
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            names.OPERATOR_ENV_RESYNC_SECONDS: str(self.resync_seconds),
+            names.OPERATOR_ENV_AGENT_IMAGE: "ghcr.io/weightsync/weightsync-agent:local",
+        }
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "weightsync.cli.main",
+                    "operator",
+                    "--verbose",
+                    "--liveness",
+                    f"http://127.0.0.1:{free_port()}/healthz",
+                    "--metrics-port",
+                    str(self.metrics_port),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def reconciles(self) -> float:
+        """Group reconciles since this process started (its Prometheus counter); 0 while it is starting."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as response:
+                text = response.read().decode()
+        except OSError:
+            return 0.0
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("weightsync_operator_reconciles_total{")
+        )
+
+
+def agent_env(pod: dict[str, Any]) -> dict[str, str]:
+    """The environment of a pod's agent sidecar, resolved as a kubelet would, with a free local port."""
+    sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == AGENT_CONTAINER)
+    env: dict[str, str] = {}
+    for item in sidecar.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if field == "metadata.name":
+            env[item["name"]] = pod["metadata"]["name"]
+        elif field == "metadata.namespace":
+            env[item["name"]] = pod["metadata"]["namespace"]
+        elif field == "status.podIP":
+            env[item["name"]] = "127.0.0.1"
+    env[names.ENV_AGENT_PORT] = str(free_port())
+    return env
+
+
+class Agents:
+    """Agent processes bound to pods, stopped together."""
+
+    def __init__(self, kubeconfig_path: Path, logs: Path) -> None:
+        self.kubeconfig = kubeconfig_path
+        self.logs = logs
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        self.stop(name)
+        env = {**os.environ, **agent_env(pod), "KUBECONFIG": str(self.kubeconfig)}
+        with open(self.logs / f"{name}.log", "ab") as out:
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.cli.main", "agent"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stop(self, name: str) -> None:
+        process = self.processes.pop(name, None)
+        if process and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.processes):
+            self.stop(name)
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def group_pods(admin: Kube, namespace: str, group: str) -> dict[str, dict[str, Any]]:
+    """The group's pods that are not being deleted, by name."""
+    items = admin.json("-n", namespace, "get", "pods", "-l", f"{names.LABEL_GROUP}={group}")["items"]
+    return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+
+
+def install_chart(admin: Kube, *, release: str = "weightsync", namespace: str = "weightsync-system") -> None:
+    admin.helm(
+        "install", release, str(CHART), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "2m"
+    )
