@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -167,6 +168,23 @@ def render(
             typer.echo(f"{obj['kind'].lower()}/{obj['metadata']['name']}")
     else:
         sys.stdout.write(yaml.safe_dump_all(state.objects(), sort_keys=False, width=120))
+
+
+DEMO_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tcp-group.yaml"
+DEMO_DIR = Path(os.environ.get("WEIGHTSYNC_DEMO_DIR", Path.home() / ".cache" / "weightsync" / "demo-cluster"))
+
+
+@app.command()
+def demo(
+    example: Annotated[Path, typer.Option("-f", "--filename", help="The group to run.")] = DEMO_EXAMPLE,
+    scale_to: Annotated[int, typer.Option(min=1, max=8, help="Engines to scale to once the group is Ready.")] = 3,
+    directory: Annotated[Path, typer.Option("--dir", help="Where the demo cluster keeps its state.")] = DEMO_DIR,
+    keep: Annotated[bool, typer.Option(help="Leave the cluster, operator and agents running.")] = False,
+) -> None:
+    """Run the main job on an embedded local cluster: chart, operator, a group, agents, a replan."""
+    from weightsync.localcluster.demo import run_demo
+
+    raise typer.Exit(run_demo(directory, example=example.resolve(), scale_to=scale_to, keep=keep, console=Console()))
 
 
 @app.command()

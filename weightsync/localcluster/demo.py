@@ -1,0 +1,158 @@
+"""``weightsync demo``: the main job on one machine, on the embedded local cluster.
+
+Starts a real control plane (built from Go modules on first use), installs the Helm chart, runs the
+operator with the chart's ServiceAccount, applies the example group, binds agents to its pods, waits
+for the group to be Ready, then scales the engines to show a replan. Everything is torn down at the end
+unless ``keep`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import WeightSyncGroup
+from weightsync.cli.plan_view import render_plan
+from weightsync.localcluster import binaries as binaries_mod
+from weightsync.localcluster.cluster import LocalCluster
+from weightsync.localcluster.session import (
+    REPO,
+    Agents,
+    Kube,
+    OperatorProcess,
+    group_pods,
+    install_chart,
+    token_kubeconfig,
+    wait_for,
+)
+from weightsync.plan import Plan
+from weightsync_operator.builders.desired import expected_pod_names
+
+NAMESPACE = "demo"
+SYSTEM_NS = "weightsync-system"
+
+
+@contextlib.contextmanager
+def _step(console: Console, title: str) -> Iterator[None]:
+    started = time.monotonic()
+    with console.status(f"[bold]{title}[/]…"):
+        yield
+    console.print(f"[green]✓[/] {title} [dim]({time.monotonic() - started:.1f} s)[/]")
+
+
+def _show_groups(admin: Kube, console: Console) -> None:
+    console.print(f"[bold]$ kubectl -n {NAMESPACE} get wsg[/]")
+    console.print(admin.kubectl("-n", NAMESPACE, "get", "wsg").stdout.rstrip(), highlight=False, markup=False)
+
+
+def _stored_plan(admin: Kube, group: str) -> Plan:
+    cm = admin.json("-n", NAMESPACE, "get", "configmap", names.plan_config_map(group))
+    return Plan.from_json(cm["data"][names.PLAN_KEY])
+
+
+def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, console: Console) -> int:
+    group_obj: dict[str, Any] = yaml.safe_load(example.read_text())
+    group_obj["metadata"]["namespace"] = NAMESPACE
+    group = group_obj["metadata"]["name"]
+
+    with _step(console, "control-plane binaries (first run builds them from Go modules: ~12 min)"):
+        found = binaries_mod.ensure(quiet=True)
+    if directory.exists():
+        LocalCluster(directory, found).down()
+        shutil.rmtree(directory)
+    local = LocalCluster(directory, found)
+    operator: OperatorProcess | None = None
+    agents: Agents | None = None
+    try:
+        with _step(console, "local cluster: etcd, kube-apiserver, controller-manager, scheduler, 4 kwok GPU nodes"):
+            state = local.up(nodes=4)
+        admin = Kube(state.kubeconfig, found)
+        with _step(console, "helm install weightsync charts/weightsync"):
+            install_chart(admin, namespace=SYSTEM_NS)
+        with _step(console, "operator running as the chart's ServiceAccount"):
+            deployment = admin.json("-n", SYSTEM_NS, "get", "deployment", "weightsync")
+            account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+            operator_config = token_kubeconfig(state, admin, SYSTEM_NS, account, directory / "operator.kubeconfig")
+            operator = OperatorProcess(operator_config, directory / "logs" / "operator.log")
+            operator.start()
+        with _step(
+            console, f"kubectl apply -f {example.relative_to(REPO) if example.is_relative_to(REPO) else example}"
+        ):
+            admin.kubectl("create", "namespace", NAMESPACE)
+            admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(group_obj))
+            wait_for("the group's pods", lambda: len(group_pods(admin, NAMESPACE, group)) > 0)
+        with _step(console, "agents bound to their pods report ready"):
+            wait_for(
+                "the agents' ServiceAccount",
+                lambda: (
+                    admin.kubectl(
+                        "-n", NAMESPACE, "get", "sa", names.agent_service_account(group), check=False
+                    ).returncode
+                    == 0
+                ),
+            )
+            agent_config = token_kubeconfig(
+                state, admin, NAMESPACE, names.agent_service_account(group), directory / "agent.kubeconfig"
+            )
+            agents = Agents(agent_config, directory / "logs")
+            wait_for("every pod", lambda: _all_pods_there(admin, group, group_obj))
+            for pod in group_pods(admin, NAMESPACE, group).values():
+                agents.start(pod)
+            wait_for("the group to be Ready", lambda: _phase(admin, group) == "Ready", timeout=120)
+        _show_groups(admin, console)
+        render_plan(_stored_plan(admin, group), console)
+
+        with _step(console, f"scale inference.engines to {scale_to}: replan, new pods, agents ready"):
+            admin.kubectl(
+                "-n",
+                NAMESPACE,
+                "patch",
+                "wsg",
+                group,
+                "--type=merge",
+                "-p",
+                f'{{"spec":{{"inference":{{"engines":{scale_to}}}}}}}',
+            )
+            wait_for("the new plan", lambda: _stored_plan(admin, group).layout.engines == scale_to)
+            group_obj["spec"]["inference"]["engines"] = scale_to
+            wait_for("the new pods", lambda: _all_pods_there(admin, group, group_obj))
+            for name, pod in group_pods(admin, NAMESPACE, group).items():
+                if name not in agents.processes:
+                    agents.start(pod)
+            wait_for("the group to be Ready again", lambda: _phase(admin, group) == "Ready", timeout=120)
+        plan = _stored_plan(admin, group)
+        _show_groups(admin, console)
+        render_plan(plan, console)
+        console.print(f"replan moved {plan.moved_targets} existing target(s); revision {plan.revision}")
+        if keep:
+            console.print(
+                f"\n[bold]kept running.[/] export KUBECONFIG={state.kubeconfig}\n"
+                f"stop with: weightsync cluster down --dir {directory}"
+            )
+            operator = agents = None  # they run on in their own sessions
+        return 0
+    finally:
+        if agents:
+            agents.stop_all()
+        if operator:
+            operator.stop()
+        if not keep:
+            local.down()
+
+
+def _phase(admin: Kube, group: str) -> str | None:
+    status: dict[str, Any] = admin.json("-n", NAMESPACE, "get", "wsg", group).get("status") or {}
+    return status.get("phase")
+
+
+def _all_pods_there(admin: Kube, group: str, obj: dict[str, Any]) -> bool:
+    expected = set(expected_pod_names(WeightSyncGroup.model_validate(obj)))
+    return set(group_pods(admin, NAMESPACE, group)) == expected
