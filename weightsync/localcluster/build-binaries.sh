@@ -20,6 +20,10 @@ complete() {
 if complete; then echo "$OUT"; exit 0; fi
 
 log() { echo "[build-binaries $(date -u +%H:%M:%S)] $*" >&2; }
+if ! command -v go >/dev/null; then
+  echo "build-binaries: Go is needed (>= 1.26; GOTOOLCHAIN=auto fetches a newer one through the module proxy if required)" >&2
+  exit 1
+fi
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

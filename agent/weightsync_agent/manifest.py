@@ -1,0 +1,183 @@
+"""The target manifest: what an inference rank publishes so sources can write straight into its weights.
+
+Served by the engine (as the ``weights_info`` of ``/remote_instance_transfer_engine_info``, the route
+SGLang uses) together with the transfer session id. One entry per local weight tensor: where it lives
+(absolute address in the engine process), its dtype and shape, and how it is cut from the trainer's full
+tensors — a concatenation along ``cat_dim`` of slices of one or more full tensors (one part for a plain
+TP shard; three for a fused qkv; one whole-tensor part for a replicated norm).
+
+Sources read this once per target, check it, and build a CPU replica with the identical byte layout, so
+every bucket is a run of plain memory copies into remote addresses. Checks here are strict on purpose:
+a malformed manifest is refused before any byte is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from functools import cached_property
+from itertools import pairwise
+from typing import Final, Literal, Self
+
+from pydantic import ConfigDict, Field, model_validator
+
+from weightsync.api.v1alpha1 import ApiModel
+
+SCHEMA_VERSION: Final = "weightsync.io/manifest/v1"
+
+DType = Literal["float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64", "float8_e4m3fn"]
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+    "float8_e4m3fn": 1,
+}
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be trusted: refused before anything is written."""
+
+
+class ShardPart(ApiModel):
+    """``full[source]`` sliced to ``[start, start + length)`` along ``dim`` (the rest whole)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: str = Field(min_length=1, description="Name of the full (trainer-side) tensor.")
+    full_shape: tuple[int, ...]
+    dim: int = Field(ge=0)
+    start: int = Field(ge=0)
+    length: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.dim >= len(self.full_shape):
+            raise ManifestError(f"{self.source}: shard dim {self.dim} outside shape {list(self.full_shape)}")
+        if self.start + self.length > self.full_shape[self.dim]:
+            raise ManifestError(
+                f"{self.source}: slice [{self.start}, {self.start + self.length}) exceeds "
+                f"dim {self.dim} of size {self.full_shape[self.dim]}"
+            )
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] = self.length
+        return tuple(shape)
+
+
+class TensorEntry(ApiModel):
+    """One local weight tensor of the target rank."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(min_length=1)
+    dtype: DType
+    shape: tuple[int, ...]
+    address: int = Field(gt=0, description="Absolute address in the engine process (the transfer target).")
+    nbytes: int = Field(ge=0)
+    cat_dim: int = Field(default=0, ge=0, description="Parts are concatenated along this dimension.")
+    parts: tuple[ShardPart, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        expected = math.prod(self.shape) * ITEMSIZE[self.dtype]
+        if self.nbytes != expected:
+            raise ManifestError(
+                f"{self.name}: nbytes {self.nbytes} does not match shape {list(self.shape)} of {self.dtype} "
+                f"({expected} bytes)"
+            )
+        rank = len(self.shape)
+        if self.cat_dim >= max(rank, 1):
+            raise ManifestError(f"{self.name}: cat_dim {self.cat_dim} outside shape {list(self.shape)}")
+        along = 0
+        for part in self.parts:
+            if len(part.shape) != rank:
+                raise ManifestError(f"{self.name}: part from {part.source} has rank {len(part.shape)}, not {rank}")
+            for axis, (have, want) in enumerate(zip(part.shape, self.shape, strict=True)):
+                if axis != self.cat_dim and have != want:
+                    raise ManifestError(
+                        f"{self.name}: part from {part.source} has shape {list(part.shape)}, "
+                        f"which does not fit {list(self.shape)}"
+                    )
+            along += part.shape[self.cat_dim] if rank else 1
+        if rank and along != self.shape[self.cat_dim]:
+            raise ManifestError(
+                f"{self.name}: parts add up to {along} along dim {self.cat_dim}, tensor has {self.shape[self.cat_dim]}"
+            )
+        return self
+
+    @property
+    def end(self) -> int:
+        return self.address + self.nbytes
+
+
+class Region(ApiModel):
+    """A buffer registered with the transport; one transfer request must stay inside one region."""
+
+    model_config = ConfigDict(frozen=True)
+
+    address: int = Field(gt=0)
+    nbytes: int = Field(gt=0)
+
+    @property
+    def end(self) -> int:
+        return self.address + self.nbytes
+
+
+class Manifest(ApiModel):
+    """Everything a source needs to write one inference rank."""
+
+    model_config = ConfigDict(frozen=True)
+
+    schema_version: Literal["weightsync.io/manifest/v1"] = SCHEMA_VERSION
+    engine: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    session_id: str = Field(min_length=1, description="Transfer session, e.g. Mooncake '<host>:<rpc port>'.")
+    tensors: tuple[TensorEntry, ...] = Field(min_length=1)
+    regions: tuple[Region, ...] = Field(min_length=1, description="Registered buffers holding the tensors.")
+    staging: bool = Field(default=False, description="Addresses point into a staging area copied on commit.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            duplicated = sorted({n for n in names if names.count(n) > 1})
+            raise ManifestError(f"duplicate tensor names: {duplicated[:5]}")
+        ordered = sorted(self.tensors, key=lambda t: t.address)
+        for before, after in pairwise(ordered):
+            if after.address < before.end:
+                raise ManifestError(f"tensors {before.name} and {after.name} overlap in the engine's memory")
+        for tensor in self.tensors:
+            if tensor.nbytes and self.region_of(tensor.address, tensor.nbytes) is None:
+                raise ManifestError(f"{tensor.name} is not inside any registered region")
+        return self
+
+    def region_of(self, address: int, nbytes: int) -> Region | None:
+        for region in self.regions:
+            if region.address <= address and address + nbytes <= region.end:
+                return region
+        return None
+
+    @cached_property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @cached_property
+    def layout_fingerprint(self) -> str:
+        """Identifies the byte layout (names, dtypes, shapes, shards), not where it lives.
+
+        Targets with the same fingerprint can be written from one shared replica.
+        """
+        layout = [t.model_dump(mode="json", exclude={"address"}) for t in self.tensors]
+        return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
