@@ -1,0 +1,293 @@
+"""A sync round, as the coordinator (trainer rank 0's agent) runs it.
+
+    pause engines -> every source writes its targets -> targets verify -> commit v -> resume
+
+The invariant: **no engine reports version v unless it fully holds verified v.** Engines commit only
+after their own verification passed, and a target's commit is what changes the version it reports. Any
+failure or timeout aborts the round with a reason that names the peer and the bucket:
+
+- ``targetStaging: live`` — sources wrote into the engines' live weights, so the engines stay paused and
+  the round is retried from the replicas (which still hold v) up to ``retries`` times;
+- ``targetStaging: staged`` — sources wrote into a staging area; the engines abort it and keep serving
+  v-1, and resume.
+
+The driver does no I/O itself: it talks to engines and sources through the two small interfaces below,
+so the same logic runs against HTTP agents, in-process objects, or test fakes. Every call gets a
+deadline; calls run concurrently, so one slow peer costs time, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar
+
+from weightsync.plan import Plan, Target
+
+Staging = Literal["live", "staged"]
+T = TypeVar("T")
+
+
+class RoundError(RuntimeError):
+    """A step failed; ``peer`` and ``bucket`` say where, when known."""
+
+    def __init__(self, message: str, *, peer: str | None = None, bucket: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.bucket = bucket
+
+
+@dataclass(frozen=True)
+class SourceReport:
+    """What a source wrote: per target, the checksum of every bucket (what the target must verify)."""
+
+    source: int
+    ok: bool
+    checksums: Mapping[Target, Sequence[str]] = field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    failed_target: Target | None = None
+    failed_bucket: int | None = None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    ok: bool
+    mismatched: Sequence[int] = ()
+    error: str | None = None
+
+
+class EngineControl(Protocol):
+    """One engine (all its ranks), e.g. the reference engine's or SGLang's HTTP API."""
+
+    name: str
+
+    def pause(self, timeout: float) -> None: ...
+
+    def resume(self, timeout: float) -> None: ...
+
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> VerifyReport: ...
+
+    def commit(self, version: int, timeout: float) -> None: ...
+
+    def abort(self, version: int, timeout: float) -> None: ...
+
+
+class SourceControl(Protocol):
+    """One trainer rank's agent: writes its planned targets from its replicas."""
+
+    source: int
+
+    def publish(self, version: int, deadline: float) -> SourceReport: ...
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Shaped like the group's ``status.lastSync`` (the coordinator writes it on its own pod)."""
+
+    version: int
+    result: Literal["Succeeded", "Failed", "Aborted"]
+    started_at: str
+    duration_seconds: float
+    bytes: int
+    gbps: float
+    attempts: int
+    reason: str | None = None
+    engines_paused: bool = False
+
+    def as_status(self) -> dict[str, object]:
+        status: dict[str, object] = {
+            "version": self.version,
+            "result": self.result,
+            "startedAt": self.started_at,
+            "durationSeconds": round(self.duration_seconds, 4),
+            "bytes": self.bytes,
+            "gbps": round(self.gbps, 4),
+        }
+        if self.reason:
+            status["reason"] = self.reason
+        return status
+
+
+class RoundDriver:
+    def __init__(
+        self,
+        plan: Plan,
+        engines: Mapping[int, EngineControl],
+        sources: Mapping[int, SourceControl],
+        *,
+        staging: Staging = "live",
+        verify: bool = True,
+        timeout_seconds: float = 300.0,
+        call_timeout: float = 30.0,
+        retries: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        missing_engines = set(range(plan.layout.engines)) - set(engines)
+        missing_sources = {a.source for a in plan.sources if a.targets} - set(sources)
+        if missing_engines or missing_sources:
+            raise RoundError(
+                f"the plan needs engines {sorted(missing_engines)} and sources {sorted(missing_sources)}, "
+                "which the coordinator cannot reach"
+            )
+        self.plan = plan
+        self.engines = dict(engines)
+        self.sources = {s: sources[s] for s in sorted(sources) if plan.sources[s].targets}
+        self.staging = staging
+        self.verify = verify
+        self.timeout = timeout_seconds
+        self.call_timeout = call_timeout
+        self.retries = retries
+        self.clock = clock
+        self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + len(self.sources)))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- The round -----------------------------------------------------------------------------------
+
+    def run(self, version: int) -> RoundResult:
+        started = self.clock()
+        started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        attempts = 0
+        moved = 0
+        reason: str | None = None
+        try:
+            self._each_engine("pause", lambda e: e.pause(self.call_timeout))
+        except RoundError as exc:
+            # Nothing was written; whichever engines did pause must serve again.
+            self._resume_quietly()
+            return self._result(version, "Failed", started, started_at, 0, 1, f"pause failed: {exc}")
+        while attempts <= self.retries:
+            attempts += 1
+            try:
+                moved = self._attempt(version, started)
+            except RoundError as exc:
+                reason = str(exc)
+                if self.staging == "staged":
+                    self._abort_quietly(version)
+                    break
+                continue  # live: the replicas still hold v; write again
+            note = None
+            try:
+                self._each_engine("resume", lambda e: e.resume(self.call_timeout))
+            except RoundError as exc:
+                # Every engine holds and reports verified v; one is just not serving yet.
+                note = f"committed, but resume failed: {exc}"
+            return self._result(version, "Succeeded", started, started_at, moved, attempts, note)
+        if self.staging == "staged":
+            self._resume_quietly()
+            return self._result(version, "Aborted", started, started_at, moved, attempts, reason)
+        # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
+        # they no longer fully hold for serving) until a later round succeeds.
+        return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
+
+    def _attempt(self, version: int, started: float) -> int:
+        deadline = started + self.timeout
+        reports = self._publish(version, deadline)
+        if self.verify:
+            self._verify(version, reports, deadline)
+        self._each_engine("commit", lambda e: e.commit(version, self.call_timeout))
+        return sum(r.bytes for r in reports.values())
+
+    def _publish(self, version: int, deadline: float) -> dict[int, SourceReport]:
+        futures = {s: self.pool.submit(src.publish, version, deadline) for s, src in self.sources.items()}
+        reports: dict[int, SourceReport] = {}
+        for source, future in futures.items():
+            report = self._result_by(future, deadline, f"source {source}")
+            if not report.ok:
+                target = report.failed_target
+                where = f" writing engine {target[0]} rank {target[1]}" if target else ""
+                bucket = f", bucket {report.failed_bucket}" if report.failed_bucket is not None else ""
+                raise RoundError(
+                    f"source {source} failed{where}{bucket}: {report.error}",
+                    peer=f"source {source}",
+                    bucket=report.failed_bucket,
+                )
+            reports[source] = report
+        return reports
+
+    def _verify(self, version: int, reports: Mapping[int, SourceReport], deadline: float) -> None:
+        jobs: dict[Target, Future[VerifyReport]] = {}
+        for assignment in self.plan.sources:
+            report = reports.get(assignment.source)
+            for target in assignment.targets:
+                if report is None or target not in report.checksums:
+                    raise RoundError(
+                        f"source {assignment.source} reported nothing for engine {target[0]} rank {target[1]}",
+                        peer=f"engine {target[0]}",
+                    )
+                engine = self.engines[target[0]]
+                sums = report.checksums[target]
+                jobs[target] = self.pool.submit(engine.verify, target[1], version, sums, self.call_timeout)
+        for target, future in sorted(jobs.items()):
+            result = self._result_by(future, deadline, f"engine {target[0]} rank {target[1]} verify")
+            if not result.ok:
+                detail = f"buckets {list(result.mismatched)[:8]} differ" if result.mismatched else result.error
+                raise RoundError(
+                    f"engine {target[0]} rank {target[1]} failed verification of version {version}: {detail}",
+                    peer=f"engine {target[0]}",
+                    bucket=result.mismatched[0] if result.mismatched else None,
+                )
+
+    # --- Helpers -------------------------------------------------------------------------------------
+
+    def _result_by(self, future: Future[T], deadline: float, what: str) -> T:
+        try:
+            return future.result(timeout=max(0.0, deadline - self.clock()))
+        except FutureTimeout as exc:
+            raise RoundError(f"{what} did not finish before the round's deadline", peer=what) from exc
+        except RoundError:
+            raise
+        except Exception as exc:  # an engine or source client error: name the peer
+            raise RoundError(f"{what}: {exc}", peer=what) from exc
+
+    def _each_engine(self, step: str, action: Callable[[EngineControl], None]) -> None:
+        futures = {index: self.pool.submit(action, engine) for index, engine in self.engines.items()}
+        deadline = self.clock() + self.call_timeout
+        for index, future in futures.items():
+            self._result_by(future, deadline, f"engine {index} {step}")
+
+    def _resume_quietly(self) -> None:
+        for engine in self.engines.values():
+            try:
+                engine.resume(self.call_timeout)
+            except Exception:  # best effort: the failure already being reported matters more
+                continue
+
+    def _abort_quietly(self, version: int) -> None:
+        for engine in self.engines.values():
+            try:
+                engine.abort(version, self.call_timeout)
+            except Exception:
+                continue
+
+    def _result(
+        self,
+        version: int,
+        result: Literal["Succeeded", "Failed", "Aborted"],
+        started: float,
+        started_at: str,
+        nbytes: int,
+        attempts: int,
+        reason: str | None,
+        *,
+        paused: bool = False,
+    ) -> RoundResult:
+        seconds = max(self.clock() - started, 1e-9)
+        return RoundResult(
+            version=version,
+            result=result,
+            started_at=started_at,
+            duration_seconds=seconds,
+            bytes=nbytes,
+            gbps=nbytes * 8 / seconds / 1e9,
+            attempts=attempts,
+            reason=reason,
+            engines_paused=paused,
+        )

@@ -1,0 +1,213 @@
+"""The round protocol's logic, against fake engines and sources (its I/O is tested elsewhere)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.plan import Plan, Target, plan_for
+from weightsync_agent.rounds import RoundDriver, RoundError, SourceReport, VerifyReport
+
+TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
+
+
+def make_plan(sources: int = 2, engines: int = 2, tp: int = 2) -> Plan:
+    spec = WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": sources, "template": TEMPLATE},
+            "inference": {"engines": engines, "ranksPerEngine": tp, "template": TEMPLATE},
+        }
+    )
+    return plan_for(spec, group="g", namespace="ns")
+
+
+@dataclass
+class Log:
+    events: list[tuple[str, ...]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, *event: str) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def kinds(self, kind: str) -> list[tuple[str, ...]]:
+        return [e for e in self.events if e[0] == kind]
+
+
+@dataclass
+class FakeEngine:
+    index: int
+    log: Log
+    bad_buckets: dict[int, list[int]] = field(default_factory=dict)  # rank -> mismatching buckets
+    fail_verify_times: int = 0
+    fail: set[str] = field(default_factory=set)
+    version: int = 0
+    verified: dict[int, int] = field(default_factory=dict)  # rank -> version verified
+
+    @property
+    def name(self) -> str:
+        return f"engine-{self.index}"
+
+    def pause(self, timeout: float) -> None:
+        self.log.add("pause", self.name)
+        if "pause" in self.fail:
+            raise RuntimeError("pause refused")
+
+    def resume(self, timeout: float) -> None:
+        self.log.add("resume", self.name)
+
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> VerifyReport:
+        self.log.add("verify", self.name, str(rank))
+        if self.fail_verify_times > 0 and rank in self.bad_buckets:
+            self.fail_verify_times -= 1
+            return VerifyReport(ok=False, mismatched=self.bad_buckets[rank])
+        self.verified[rank] = version
+        return VerifyReport(ok=True)
+
+    def commit(self, version: int, timeout: float) -> None:
+        self.log.add("commit", self.name)
+        self.version = version
+
+    def abort(self, version: int, timeout: float) -> None:
+        self.log.add("abort", self.name)
+
+
+@dataclass
+class FakeSource:
+    source: int
+    targets: tuple[Target, ...]
+    log: Log
+    fail_with: str | None = None
+    hang: float = 0.0
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        self.log.add("publish", str(self.source))
+        if self.hang:
+            time.sleep(self.hang)
+        if self.fail_with:
+            return SourceReport(
+                self.source, False, error=self.fail_with, failed_target=self.targets[0], failed_bucket=3
+            )
+        return SourceReport(self.source, True, {t: ["aa", "bb"] for t in self.targets}, bytes=1000, seconds=0.1)
+
+
+def setup(plan: Plan, **engine_kw: object) -> tuple[Log, dict[int, FakeEngine], dict[int, FakeSource]]:
+    log = Log()
+    engines = {e: FakeEngine(e, log) for e in range(plan.layout.engines)}
+    sources = {a.source: FakeSource(a.source, a.targets, log) for a in plan.sources}
+    return log, engines, sources
+
+
+def test_a_round_pauses_writes_verifies_commits_and_resumes_in_order() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    result = RoundDriver(plan, engines, sources).run(7)
+    assert result.result == "Succeeded" and result.attempts == 1 and result.bytes == 2000
+    kinds = [e[0] for e in log.events]
+    last_pause = max(i for i, k in enumerate(kinds) if k == "pause")
+    first_publish = min(i for i, k in enumerate(kinds) if k == "publish")
+    last_verify = max(i for i, k in enumerate(kinds) if k == "verify")
+    first_commit = min(i for i, k in enumerate(kinds) if k == "commit")
+    first_resume = min(i for i, k in enumerate(kinds) if k == "resume")
+    assert (
+        last_pause < first_publish
+        and last_verify < first_commit
+        and max(i for i, k in enumerate(kinds) if k == "commit") < first_resume
+    )
+    assert len(log.kinds("verify")) == 4  # every target
+    assert all(e.version == 7 for e in engines.values())
+    assert result.as_status()["result"] == "Succeeded"
+
+
+def test_live_mode_retries_from_the_replicas_after_a_bad_bucket() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[1].bad_buckets = {0: [2]}
+    engines[1].fail_verify_times = 1
+    result = RoundDriver(plan, engines, sources, staging="live", retries=1).run(3)
+    assert result.result == "Succeeded" and result.attempts == 2
+    assert len(log.kinds("publish")) == 4  # both sources wrote twice
+
+
+def test_live_mode_gives_up_paused_and_never_commits_unverified_data() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[1].bad_buckets = {1: [5, 6]}
+    engines[1].fail_verify_times = 99
+    result = RoundDriver(plan, engines, sources, staging="live", retries=2).run(4)
+    assert result.result == "Failed" and result.attempts == 3 and result.engines_paused
+    assert "engine 1 rank 1 failed verification of version 4: buckets [5, 6] differ" in (result.reason or "")
+    assert log.kinds("commit") == [] and log.kinds("resume") == []
+    assert all(e.version == 0 for e in engines.values())
+
+
+def test_staged_mode_aborts_and_keeps_serving_the_old_version() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    sources[1].fail_with = "target 127.0.0.1:1 refused the write"
+    result = RoundDriver(plan, engines, sources, staging="staged").run(9)
+    assert result.result == "Aborted"
+    assert "source 1 failed writing engine" in (result.reason or "") and "bucket 3" in (result.reason or "")
+    assert len(log.kinds("abort")) == 2 and len(log.kinds("resume")) == 2
+    assert log.kinds("commit") == []
+
+
+def test_a_hung_source_fails_the_round_within_its_timeout() -> None:
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    sources[0].hang = 5.0
+    started = time.monotonic()
+    result = RoundDriver(plan, engines, sources, staging="staged", timeout_seconds=0.5).run(2)
+    assert time.monotonic() - started < 2.0
+    assert result.result == "Aborted" and "source 0 did not finish before the round's deadline" in (result.reason or "")
+
+
+def test_a_failed_pause_writes_nothing_and_resumes_the_others() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[0].fail.add("pause")
+    result = RoundDriver(plan, engines, sources).run(1)
+    assert result.result == "Failed" and "pause failed" in (result.reason or "")
+    assert log.kinds("publish") == [] and len(log.kinds("resume")) == 2
+
+
+def test_a_plan_naming_unreachable_peers_is_refused() -> None:
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    del engines[1]
+    with pytest.raises(RoundError, match=r"engines \[1\]"):
+        RoundDriver(plan, engines, sources)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sources=st.integers(1, 4),
+    engines=st.integers(1, 3),
+    tp=st.sampled_from([1, 2]),
+    bad=st.sets(st.integers(0, 5), max_size=3),
+    staging=st.sampled_from(["live", "staged"]),
+)
+def test_no_engine_commits_a_version_unless_every_target_verified_it(
+    sources: int, engines: int, tp: int, bad: set[int], staging: str
+) -> None:
+    plan = make_plan(sources, engines, tp)
+    _log, fake_engines, fake_sources = setup(plan)
+    for engine in fake_engines.values():
+        if engine.index in bad:
+            engine.bad_buckets = {0: [0]}
+            engine.fail_verify_times = 99
+    result = RoundDriver(plan, fake_engines, fake_sources, staging=staging, retries=1).run(5)  # type: ignore[arg-type]
+    committed = [e for e in fake_engines.values() if e.version == 5]
+    if result.result == "Succeeded":
+        assert len(committed) == engines
+    else:
+        assert committed == []
+    for engine in committed:
+        assert engine.verified == dict.fromkeys(range(tp), 5)
