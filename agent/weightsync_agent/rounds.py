@@ -1,6 +1,7 @@
 """A sync round, as the coordinator (trainer rank 0's agent) runs it.
 
-    pause engines -> every source writes its targets -> targets verify -> commit v -> resume
+    (live: pause engines) -> begin v -> every source writes its targets -> targets verify -> commit v
+    -> (live: resume)
 
 The invariant: **no engine reports version v unless it fully holds verified v.** Engines commit only
 after their own verification passed, and a target's commit is what changes the version it reports. Any
@@ -8,8 +9,8 @@ failure or timeout aborts the round with a reason that names the peer and the bu
 
 - ``targetStaging: live`` — sources wrote into the engines' live weights, so the engines stay paused and
   the round is retried from the replicas (which still hold v) up to ``retries`` times;
-- ``targetStaging: staged`` — sources wrote into a staging area; the engines abort it and keep serving
-  v-1, and resume.
+- ``targetStaging: staged`` — sources write into a staging area while the engines keep serving v-1 (no
+  pause); on failure the engines abort the staging area and simply go on serving v-1.
 
 The driver does no I/O itself: it talks to engines and sources through the two small interfaces below,
 so the same logic runs against HTTP agents, in-process objects, or test fakes. Every call gets a
@@ -70,6 +71,10 @@ class EngineControl(Protocol):
     def pause(self, timeout: float) -> None: ...
 
     def resume(self, timeout: float) -> None: ...
+
+    def begin(self, version: int, timeout: float) -> None:
+        """Open round ``version``: from here until commit or abort the engine expects writes."""
+        ...
 
     def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> VerifyReport: ...
 
@@ -157,12 +162,17 @@ class RoundDriver:
         attempts = 0
         moved = 0
         reason: str | None = None
+        pausing = self.staging == "live"
         try:
-            self._each_engine("pause", lambda e: e.pause(self.call_timeout))
+            if pausing:
+                self._each_engine("pause", lambda e: e.pause(self.call_timeout))
+            self._each_engine("begin", lambda e: e.begin(version, self.call_timeout))
         except RoundError as exc:
             # Nothing was written; whichever engines did pause must serve again.
-            self._resume_quietly()
-            return self._result(version, "Failed", started, started_at, 0, 1, f"pause failed: {exc}")
+            self._abort_quietly(version)
+            if pausing:
+                self._resume_quietly()
+            return self._result(version, "Failed", started, started_at, 0, 1, f"could not start the round: {exc}")
         while attempts <= self.retries:
             attempts += 1
             try:
@@ -175,13 +185,13 @@ class RoundDriver:
                 continue  # live: the replicas still hold v; write again
             note = None
             try:
-                self._each_engine("resume", lambda e: e.resume(self.call_timeout))
+                if pausing:
+                    self._each_engine("resume", lambda e: e.resume(self.call_timeout))
             except RoundError as exc:
                 # Every engine holds and reports verified v; one is just not serving yet.
                 note = f"committed, but resume failed: {exc}"
             return self._result(version, "Succeeded", started, started_at, moved, attempts, note)
         if self.staging == "staged":
-            self._resume_quietly()
             return self._result(version, "Aborted", started, started_at, moved, attempts, reason)
         # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
         # they no longer fully hold for serving) until a later round succeeds.

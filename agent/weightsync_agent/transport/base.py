@@ -12,6 +12,11 @@ import enum
 import time
 from typing import Protocol
 
+# Transports split a write larger than this into requests of this size (docs/transport.md has the
+# measurements). The target checks each request on its own, so a write that overruns its region has
+# its in-range chunks applied before the failure is reported.
+DEFAULT_CHUNK_BYTES = 64 << 20
+
 
 class TransferState(enum.Enum):
     PENDING = "pending"

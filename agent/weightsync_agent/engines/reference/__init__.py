@@ -1,0 +1,1 @@
+"""The reference engine: a tiny tensor-parallel transformer (``model``) behind SGLang-shaped HTTP (``server``)."""

@@ -1,0 +1,261 @@
+"""Broadcast mode: trainer rank 0 sends every full tensor to all inference ranks in buckets, over
+torch.distributed (gloo on CPU, NCCL where CUDA is), and each receiver keeps only its own slices.
+
+The baseline the P2P transports are measured against, and a fallback where one-sided writes are not
+possible. Every receiver gets every byte, so it only pays off for few receivers or fast collectives.
+
+Protocol, one round (no round trips besides the collectives themselves, so all ranks agree from the
+first message on):
+
+1. header: ``int64[4] = [MAGIC, PROTOCOL, version, metadata bytes]``;
+2. metadata: UTF-8 JSON ``{"buckets": [{"nbytes": n, "tensors": [[name, dtype, shape, offset], ...]}]}``;
+3. one ``uint8`` broadcast per bucket, exactly ``nbytes`` long, tensors packed at 64-byte aligned offsets.
+
+Buckets hold whole tensors, packed in the order given, up to ``bucket_bytes``; a tensor larger than
+that travels alone in a bucket of its own size. Both sides keep two bucket buffers, so the sender packs
+bucket i+1 while bucket i is on the wire and receivers hand bucket i to ``on_bucket`` while bucket i+1
+arrives. ``on_bucket`` gets ``[(name, view), ...]``; the views are only valid during the call.
+
+The group is built from its own store, not with ``init_process_group``, so a trainer's own default
+process group is left alone; ``timeout_seconds`` bounds every collective (a dead peer raises
+:class:`TransportError` after it, and the group must then be rebuilt).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FileStore, PrefixStore, Store, TCPStore
+
+from weightsync_agent.transport.base import TransportError
+
+MAGIC = 0x5753_4243  # "WSBC"
+PROTOCOL = 1
+ALIGN = 64
+
+NamedViews = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * _dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    nbytes: int
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    version: int
+    buckets: int
+    nbytes: int
+    seconds: float
+
+
+def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketPlan]:
+    """Whole tensors, in order, packed at aligned offsets into buckets of at most ``bucket_bytes``."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes}")
+    plans: list[BucketPlan] = []
+    slots: list[Slot] = []
+    used = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        start = _align(used)
+        if slots and start + nbytes > bucket_bytes:
+            plans.append(BucketPlan(used, tuple(slots)))
+            slots, start = [], 0
+        slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), start))
+        used = start + nbytes
+    if slots:
+        plans.append(BucketPlan(used, tuple(slots)))
+    return plans
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransportError(f"unknown dtype {name!r} in broadcast metadata")
+    return dtype
+
+
+def _views(buffer: torch.Tensor, plan: BucketPlan) -> NamedViews:
+    return [
+        (slot.name, buffer[slot.offset : slot.offset + slot.nbytes].view(_dtype(slot.dtype)).view(slot.shape))
+        for slot in plan.slots
+    ]
+
+
+def _encode(plans: list[BucketPlan]) -> bytes:
+    buckets = [{"nbytes": p.nbytes, "tensors": [[s.name, s.dtype, s.shape, s.offset] for s in p.slots]} for p in plans]
+    doc = {"buckets": buckets}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _decode(raw: bytes) -> list[BucketPlan]:
+    doc = json.loads(raw)
+    return [
+        BucketPlan(b["nbytes"], tuple(Slot(n, d, tuple(shape), off) for n, d, shape, off in b["tensors"]))
+        for b in doc["buckets"]
+    ]
+
+
+def _store(init_method: str, rank: int, world_size: int, source_rank: int, timeout: timedelta) -> Store:
+    url = urlparse(init_method)
+    if url.scheme == "tcp" and url.hostname and url.port:
+        return TCPStore(url.hostname, url.port, world_size, rank == source_rank, timeout)
+    if url.scheme == "file" and url.path:
+        return FileStore(url.path, world_size)
+    raise ValueError(f"init_method must be tcp://HOST:PORT or file:///PATH, got {init_method!r}")
+
+
+class BroadcastGroup:
+    """One sender (``source_rank``) and ``world_size - 1`` receivers; every rank constructs one."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        backend: str = "auto",
+        timeout_seconds: float = 300.0,
+        *,
+        source_rank: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size or not 0 <= source_rank < world_size:
+            raise ValueError(f"rank {rank} / source {source_rank} outside a world of {world_size}")
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
+        self.rank, self.world_size, self.source_rank, self.backend = rank, world_size, source_rank, backend
+        self.timeout_seconds = timeout_seconds
+        timeout = timedelta(seconds=timeout_seconds)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        try:
+            base = _store(init_method, rank, world_size, source_rank, timeout)
+            self._store = PrefixStore("weightsync/broadcast", base)
+            self._pg: Any
+            if backend == "gloo":
+                self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+        except (RuntimeError, dist.DistError) as exc:
+            raise TransportError(f"rank {rank}: could not form the broadcast group via {init_method}: {exc}") from exc
+        self._buffers: list[torch.Tensor] = []
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == self.source_rank
+
+    def _broadcast(self, tensor: torch.Tensor) -> Any:
+        options = dist.BroadcastOptions()
+        options.rootRank = self.source_rank
+        return self._pg.broadcast([tensor], options)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except (RuntimeError, dist.DistError) as exc:
+            raise TransportError(
+                f"rank {self.rank}: broadcast of {what} failed or timed out ({self.timeout_seconds:g}s): {exc}; "
+                "rebuild the group before the next round"
+            ) from exc
+
+    def _buffer_pair(self, nbytes: int) -> list[torch.Tensor]:
+        if not self._buffers or self._buffers[0].numel() < nbytes:
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._buffers
+
+    def _exchange_plan(self, plans: list[BucketPlan] | None, version: int) -> tuple[list[BucketPlan], int]:
+        header = torch.zeros(4, dtype=torch.int64, device=self.device)
+        meta = _encode(plans) if plans is not None else b""
+        if self.is_source:
+            header.copy_(torch.tensor([MAGIC, PROTOCOL, version, len(meta)], dtype=torch.int64))
+        self._wait(self._broadcast(header), "the round header")
+        magic, protocol, version, size = (int(x) for x in header.cpu())
+        if magic != MAGIC or protocol != PROTOCOL:
+            raise TransportError(f"rank {self.rank}: not a weightsync broadcast (magic {magic:#x}, v{protocol})")
+        raw = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if self.is_source:
+            raw.copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        self._wait(self._broadcast(raw), "the bucket metadata")
+        return (plans if plans is not None else _decode(bytes(raw.cpu().numpy()))), version
+
+    def broadcast_buckets(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        *,
+        version: int = 0,
+    ) -> RoundStats:
+        """Sender: send every tensor (full, as the trainer holds it) to all receivers."""
+        if not self.is_source:
+            raise TransportError(f"rank {self.rank} is a receiver; it calls receive_buckets")
+        named = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        started = time.monotonic()
+        plans, _ = self._exchange_plan(plan_buckets(named, bucket_bytes), version)
+        by_name = dict(named)
+        buffers = self._buffer_pair(max((p.nbytes for p in plans), default=0))
+        in_flight: list[Any] = [None, None]
+        for index, plan in enumerate(plans):
+            slot = index % 2
+            if in_flight[slot] is not None:
+                self._wait(in_flight[slot], f"bucket {index - 2}")
+            buffer = buffers[slot][: plan.nbytes]
+            for name, view in _views(buffer, plan):
+                view.copy_(by_name[name])
+            in_flight[slot] = self._broadcast(buffer)
+        for slot, work in enumerate(in_flight):
+            if work is not None:
+                self._wait(work, f"bucket slot {slot}")
+        return RoundStats(version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
+
+    def receive_buckets(self, on_bucket: Callable[[NamedViews], None]) -> RoundStats:
+        """Receiver: call ``on_bucket`` once per bucket with views of the full tensors it holds."""
+        if self.is_source:
+            raise TransportError(f"rank {self.rank} is the sender; it calls broadcast_buckets")
+        started = time.monotonic()
+        plans, version = self._exchange_plan(None, 0)
+        buffers = self._buffer_pair(max((p.nbytes for p in plans), default=0))
+        work = self._broadcast(buffers[0][: plans[0].nbytes]) if plans else None
+        for index, plan in enumerate(plans):
+            self._wait(work, f"bucket {index}")
+            if index + 1 < len(plans):  # the other buffer's callback has returned: reuse it
+                work = self._broadcast(buffers[(index + 1) % 2][: plans[index + 1].nbytes])
+            on_bucket(_views(buffers[index % 2][: plan.nbytes], plan))
+        return RoundStats(version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
+
+    def close(self) -> None:
+        self._buffers = []
+        self._pg = None
