@@ -19,7 +19,7 @@ from weightsync_agent.checksums import checksum_ranges
 from weightsync_agent.engines.control import HttpEngineControl
 from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
 from weightsync_agent.engines.reference.model import RankWeights, forward_full, full_state, shard
-from weightsync_agent.rounds import RoundDriver
+from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
 from weightsync_agent.source import LocalSourceControl, Source
 from weightsync_agent.transport.mooncake import MooncakeTransport
 
@@ -113,3 +113,50 @@ def test_two_sources_sync_two_tp2_engines_bit_exactly(rig: tuple[Plan, list[Engi
                 torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
     finally:
         driver.close()
+
+
+class KillingSource:
+    """A source whose publish first kills one engine process: a target dies mid-round."""
+
+    def __init__(self, inner: LocalSourceControl, victim: EngineProcess) -> None:
+        self.inner = inner
+        self.source = inner.source
+        self.victim = victim
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        self.victim.process.kill()
+        self.victim.process.wait()
+        return self.inner.publish(version, deadline)
+
+
+def test_a_target_killed_mid_round_leaves_no_engine_claiming_the_version(
+    rig: tuple[Plan, list[EngineProcess], list[Source]],
+) -> None:
+    plan, engines, sources = rig
+    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
+    controls = {e: HttpEngineControl(e, engines[e].client(), bucket_bytes=bucket_bytes) for e in range(ENGINES)}
+    controls_sources: dict[int, SourceControl] = {s.source: LocalSourceControl(s) for s in sources}
+    controls_sources[0] = KillingSource(LocalSourceControl(sources[0]), engines[1])
+    survivor = engines[0].client()
+    before_version = survivor.weight_version()
+    staged = plan.transfer.target_staging == "staged"
+    before_logits = survivor.forward(TOKENS) if staged else None
+    full = training_step(full_state(seed=1), 1)
+    for source in sources:
+        source.replicas.stage_many(full)
+    driver = RoundDriver(
+        plan, controls, controls_sources, staging=plan.transfer.target_staging,
+        timeout_seconds=20, call_timeout=5, retries=1,
+    )  # fmt: skip
+    try:
+        result = driver.run(5)
+    finally:
+        driver.close()
+    assert result.result == ("Aborted" if staged else "Failed")
+    assert "engine 1" in (result.reason or ""), result.reason
+    # The survivor got every byte of v5 it was sent, yet it must not claim v5: engine 1 never verified.
+    assert survivor.weight_version() == before_version
+    if staged:
+        assert survivor.forward(TOKENS) == before_logits  # still serving v-1, untouched
+    else:
+        assert result.engines_paused  # live: stays paused until a later round succeeds
