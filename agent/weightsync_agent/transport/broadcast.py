@@ -79,8 +79,12 @@ def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
         raise ValueError(f"bucket size must be positive, got {bucket_bytes}")
     plans: list[BucketPlan] = []
     slots: list[Slot] = []
+    seen: set[str] = set()
     used = 0
     for name, tensor in tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} given twice")
+        seen.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         start = _align(used)
         if slots and start + nbytes > bucket_bytes:

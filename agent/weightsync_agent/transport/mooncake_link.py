@@ -3,8 +3,8 @@ handshake on a helper thread, and the bookkeeping of the writes in flight to it.
 
 Why a whole ``TransferEngine`` per peer: the Python wrapper holds one mutex per engine while it
 handshakes with a new peer, and a peer that accepts the TCP connection but never answers (hung, or not
-a Mooncake peer) holds it for 60 s; every call on that engine waits, including status polls of writes
-to healthy peers (measured: 61.7 s). A separate engine per peer confines that to the bad peer. The
+a Mooncake peer) holds it for 60 s; other calls on that engine wait (measured: a write to a healthy,
+already connected peer returned after 61.7 s). A separate engine per peer confines that to the bad peer. The
 handshake itself (a zero-length write, see ``_open_segment``) runs on a daemon thread, and writes to a
 peer whose handshake has not answered within the timeout fail.
 
@@ -257,7 +257,8 @@ class PeerLink:
         self._active.discard(transfer)
 
     def _reap_orphans(self) -> None:
-        if self._orphans and self._engine is not None:
+        # Only once READY: during a handshake the engine's mutex may be held for up to 60 s.
+        if self._orphans and self.state is LinkState.READY:
             self._orphans = [b for b in self._orphans if self._engine.transfer_check_status(b) == 0]
 
     # -------------------------------------------------------------------------------------- close

@@ -90,6 +90,8 @@ def test_bucket_plan_packs_in_order_aligned_and_lets_big_tensors_travel_alone() 
     assert _decode(_encode(plans)) == plans
     with pytest.raises(ValueError):
         plan_buckets(named, 0)
+    with pytest.raises(ValueError, match="twice"):
+        plan_buckets(named + named[:1], 128)
 
 
 def entry(name: str, parts: tuple[ShardPart, ...], shape: tuple[int, ...], cat_dim: int = 0) -> TensorEntry:
