@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,7 @@ import torch
 from refsync import write_version
 
 from weightsync_agent.engines.api import EngineAPIError, EngineClient
+from weightsync_agent.engines.reference.launch import launch_engine
 from weightsync_agent.engines.reference.model import forward_full, forward_tp, full_state, shard
 from weightsync_agent.transport.base import Transport
 from weightsync_agent.transport.mooncake import MooncakeTransport
@@ -32,36 +30,9 @@ def mooncake_transport() -> Transport:
     return MooncakeTransport("127.0.0.1", "tcp", "", force_tcp=True, timeout_seconds=10)
 
 
-def read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not out:
-        raise TimeoutError(f"no line from the engine within {timeout} s")
-    return out[0]
-
-
 def start_engine(*extra: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "weightsync_agent.engines.reference.server", "--engine", "2", "--tp", str(TP)]
-    cmd += ["--port", "0", "--seed", "0", "--transport", "mooncake", "--host", "127.0.0.1", *extra]
-    # the engine's stderr (Mooncake logs), shown if it fails to start; lives as long as the process
-    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        while True:
-            line = read_line(proc, 30)
-            if not line:
-                log.seek(0)
-                raise RuntimeError(f"engine exited with {proc.wait(5)} before its ready line:\n{log.read()[-3000:]}")
-            if line.startswith("{"):  # Mooncake logs may precede the ready line on stdout
-                ready = json.loads(line)
-                if ready.get("event") == "ready":
-                    return proc, ready
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    started = launch_engine(2, TP, seed=0, extra=extra, timeout=30)
+    return started.process, started.ready
 
 
 @pytest.fixture(scope="module")
