@@ -11,23 +11,20 @@ Two deployments, one API:
 
 * **Sidecar mode** (the default under the operator): the agent sidecar builds the replica(s) from its
   targets' manifests in ``/dev/shm`` and registers them; the trainer attaches to the same files
-  (:meth:`WeightSyncClient.from_env`) and only stages. ``publish`` hands the version to a
-  :class:`Publisher` that drives a sync round through the sidecar. **That publisher is not built yet**
-  (it belongs to the round/coordinator protocol); until then ``from_env`` without a publisher gives a
-  client that stages and refuses to publish with a clear message.
+  (:meth:`WeightSyncClient.from_env`) and only stages. ``publish`` goes to the sidecar
+  (:class:`SidecarPublisher`): every trainer rank calls it after staging, trainer rank 0's agent runs
+  the round (pause, write, verify, commit, resume; :mod:`weightsync_agent.coordinator`) and every rank
+  gets the round's result.
 * **In-process mode** (tests, single-process demos, no sidecar): :meth:`WeightSyncClient.in_process`
   (or ``from_env(transport=..., manifests=...)``) builds the :class:`~weightsync_agent.source.Source`
   itself and ``publish`` writes the targets directly (:class:`InProcessPublisher`). No engine is paused,
   nothing is verified by the targets and no version is committed on them: that is the round's job.
+  :meth:`WeightSyncClient.coordinating` also runs the round from this process (:class:`RoundPublisher`).
 
 The seam is :class:`Publisher`: ``publish(version, deadline) -> Outcome`` (``ok`` + ``summary()``). The
 client resets the staged flags only when the outcome is ``ok``, which a round publisher must return only
 once the version is *committed* on every target; on failure the replica keeps its bytes and flags so the
-same version can be retried without restaging. :class:`RoundPublisher` adapts the round driver
-(:mod:`weightsync_agent.rounds`) for a coordinator running in this process, with
-:class:`~weightsync_agent.source.LocalSourceControl` as its source; what is still missing for sidecar
-mode is the transport between the trainer process and its sidecar (a ``Publisher`` that asks the sidecar
-to run or join the round), and HTTP ``SourceControl`` / ``EngineControl`` clients.
+same version can be retried without restaging.
 """
 
 from __future__ import annotations
@@ -50,11 +47,8 @@ from weightsync_agent.rounds import EngineControl, RoundDriver, RoundResult, Sou
 from weightsync_agent.source import LocalSourceControl, Outcome, PublishError, PublishResult, Source
 from weightsync_agent.transport.base import Transport
 
-#: Folder holding this trainer rank's replica files (``<fingerprint>.replica``); the sidecar creates
-#: them, the trainer attaches. Default: :func:`replica_dir`. (Candidate for ``weightsync.api.names``.)
-ENV_REPLICA_PATH: Final = "WEIGHTSYNC_REPLICA_PATH"
-#: Which of ``WEIGHTSYNC_RANKS`` this trainer process is, when the pod runs several.
-ENV_SOURCE_RANK: Final = "WEIGHTSYNC_SOURCE_RANK"
+ENV_REPLICA_PATH: Final = names.ENV_REPLICA_PATH
+ENV_SOURCE_RANK: Final = names.ENV_SOURCE_RANK
 
 DEFAULT_TIMEOUT_S: Final = 300.0
 
@@ -126,6 +120,64 @@ class RoundPublisher:
         self.driver.close()
         if self.owns is not None:
             self.owns.close()
+
+
+class SidecarPublisher:
+    """Sidecar mode: tell this pod's agent the rank staged ``version`` and wait for the round's result.
+
+    Every trainer rank calls ``publish(v)`` after staging (like a collective): rank 0's agent then runs
+    the round, and each other rank's agent lets its source write once its own rank said so.
+    """
+
+    def __init__(self, agent_url: str, source_rank: int) -> None:
+        from weightsync_agent.remote import AgentClient
+
+        self.agent = AgentClient(agent_url)
+        self.source_rank = source_rank
+
+    def publish(self, version: int, deadline: float) -> RoundOutcome:
+        from weightsync_agent.remote import AgentError
+
+        timeout = max(1.0, deadline - time.monotonic())
+        try:
+            return RoundOutcome(self.agent.publish(version, self.source_rank, timeout))
+        except AgentError as exc:
+            raise PublishError(_Unreachable(str(exc))) from exc
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Unreachable:
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+    def summary(self) -> str:
+        return f"the weightsync agent could not run the round: {self.reason}"
+
+
+def wait_for_sidecar(agent_url: str, timeout: float) -> dict[str, object]:
+    """Block until the sidecar built this pod's replicas (it needs every target's manifest first)."""
+    from weightsync_agent.remote import AgentClient, AgentError
+
+    agent = AgentClient(agent_url, timeout=5.0)
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            state = agent.state()
+            sources = state.get("sources")
+            if isinstance(sources, dict) and sources.get("built"):
+                return state
+            last = "replicas not built yet (waiting for the engines' manifests)"
+        except AgentError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise ClientError(f"the weightsync sidecar at {agent_url} is not ready after {timeout:.0f} s: {last}")
 
 
 class WeightSyncClient:
@@ -226,12 +278,14 @@ class WeightSyncClient:
         transport: Transport | None = None,
         manifests: Mapping[Target, Manifest] | None = None,
         plan: Plan | None = None,
+        sidecar_timeout: float = 120.0,
     ) -> WeightSyncClient:
         """Build the client from the environment the operator gives trainer pods.
 
         With ``transport`` and ``manifests``: in-process mode (the plan comes from ``plan`` or the
         agent env's plan file / ConfigMap; replicas are created under the replica path). Otherwise:
-        attach the sidecar's replica files and publish through ``publisher``.
+        wait for the sidecar (same pod, agent port) to build the replicas, attach its replica files and
+        publish through it (:class:`SidecarPublisher`), or through ``publisher`` when given.
         """
         env = os.environ if env is None else env
         try:
@@ -251,6 +305,10 @@ class WeightSyncClient:
                 plan = load_plan(config, None)
             return cls.in_process(transport, plan, rank, manifests, shm_dir=path)
         timeout = float(plan.transfer.timeout_seconds) if plan is not None else DEFAULT_TIMEOUT_S
+        if publisher is None:
+            agent_url = f"http://127.0.0.1:{config.agent_port}"
+            wait_for_sidecar(agent_url, sidecar_timeout)
+            publisher = SidecarPublisher(agent_url, rank)
         return cls(ReplicaSet.attach(path), publisher, source_rank=rank, timeout=timeout)
 
     # --- Staging -------------------------------------------------------------------------------
@@ -280,9 +338,8 @@ class WeightSyncClient:
         """
         if self.publisher is None:
             raise ClientError(
-                "this client can stage but has no publisher: sidecar mode needs the sync-round publisher "
-                "(not built yet); use WeightSyncClient.in_process(...) or from_env(transport=..., manifests=...) "
-                "to write the targets from this process"
+                "this client can stage but has no publisher: build it with from_env() (sidecar), "
+                "in_process(...) or coordinating(...)"
             )
         if self.committed is not None and version <= self.committed:
             raise ClientError(f"version {version} is not newer than the last published version {self.committed}")

@@ -28,6 +28,11 @@ class AgentConfig(BaseModel):
     plan_file: str | None = None
     agent_port: int = Field(default=9470, ge=1, le=65535)
     pod_name: str | None = None
+    pod_ip: str | None = None
+    engine_port: int | None = Field(default=None, ge=1, le=65535)
+    engine_url: str | None = None
+    agent_url: str | None = None
+    directory_file: str | None = None
 
     @field_validator("ranks", mode="before")
     @classmethod
@@ -38,6 +43,17 @@ class AgentConfig(BaseModel):
             except ValueError as exc:
                 raise ValueError(f"{names.ENV_RANKS} must be comma-separated integers, got {value!r}") from exc
         return value
+
+    @property
+    def host(self) -> str:
+        """Where this agent listens and its transport binds: the pod's IP, else loopback."""
+        return self.pod_ip or "127.0.0.1"
+
+    def advertised_agent_url(self) -> str:
+        return self.agent_url or f"http://{self.host}:{self.agent_port}"
+
+    def advertised_engine_url(self, default_port: int) -> str:
+        return self.engine_url or f"http://{self.host}:{self.engine_port or default_port}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AgentConfig:
@@ -53,6 +69,11 @@ class AgentConfig(BaseModel):
             "plan_file": env.get(names.ENV_PLAN_FILE) or None,
             "agent_port": env.get(names.ENV_AGENT_PORT, "9470"),
             "pod_name": env.get(names.ENV_POD_NAME) or None,
+            "pod_ip": env.get(names.ENV_POD_IP) or None,
+            "engine_port": env.get(names.ENV_ENGINE_PORT) or None,
+            "engine_url": env.get(names.ENV_ENGINE_URL) or None,
+            "agent_url": env.get(names.ENV_AGENT_URL) or None,
+            "directory_file": env.get(names.ENV_DIRECTORY_FILE) or None,
         }
         try:
             return cls.model_validate(raw)

@@ -1,23 +1,26 @@
-"""``weightsync agent``: load identity and plan, check them, serve health and metrics."""
+"""``weightsync agent``: load identity and plan, check them, run the role and serve its HTTP API."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
 
-from prometheus_client import Gauge, start_http_server
-
 from weightsync.api import names
 from weightsync.plan import Plan, PlanError
+from weightsync_agent.client import replica_dir
 from weightsync_agent.config import AgentConfig, AgentConfigError
+from weightsync_agent.directory import Directory, DirectoryError, FileDirectory, PodDirectory
 from weightsync_agent.duties import duties
+from weightsync_agent.engines.reference.server import BackgroundServer
+from weightsync_agent.http_api import build_app
 from weightsync_agent.report import PodReporter, kube_core_api
+from weightsync_agent.runtime import AgentRuntime
+from weightsync_agent.transport.base import Transport
 
 log = logging.getLogger("weightsync.agent")
-
-PLAN_REVISION = Gauge("weightsync_agent_plan_revision", "Revision of the plan this agent runs", ["group"])
 
 
 def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
@@ -38,13 +41,41 @@ def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
     return Plan.from_json(data)
 
 
+def make_directory(config: AgentConfig, plan: Plan) -> Directory:
+    """A local directory file when given (runs without a cluster), else the pods' annotations."""
+    if config.directory_file:
+        return FileDirectory(config.directory_file)
+    return PodDirectory(kube_core_api(), config.namespace, config.group, plan.layout)
+
+
+def make_transport(config: AgentConfig, plan: Plan) -> Transport:
+    from weightsync_agent.transport.mooncake import MooncakeTransport
+
+    devices = os.environ.get(names.ENV_DEVICES, "")
+    return MooncakeTransport(
+        config.host,
+        plan.transfer.protocol,
+        devices,
+        timeout_seconds=float(plan.transfer.timeout_seconds),
+    )
+
+
+def replica_root(config: AgentConfig, rank: int) -> Path:
+    """Where rank ``rank``'s replica files go; ``WEIGHTSYNC_REPLICA_PATH`` names it for one-rank pods."""
+    explicit = os.environ.get(names.ENV_REPLICA_PATH)
+    if explicit and len(config.ranks) == 1:
+        return Path(explicit)
+    return replica_dir(config.group, rank)
+
+
 def run(plan_file: Path | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = AgentConfig.from_env()
         plan = load_plan(config, plan_file)
         work = duties(config, plan)
-    except (AgentConfigError, PlanError, OSError) as exc:
+        directory = make_directory(config, plan)
+    except (AgentConfigError, PlanError, DirectoryError, OSError) as exc:
         log.error("%s", exc)
         return 2
     log.info(
@@ -57,15 +88,27 @@ def run(plan_file: Path | None = None) -> int:
     )
     for duty in work:
         log.info("  %s", duty)
-    PLAN_REVISION.labels(config.group).set(plan.revision)
-    start_http_server(config.agent_port)
-    if config.pod_name:
-        # Bound to a pod: tell the operator (through the readiness gate) that this agent is up.
-        PodReporter(kube_core_api(), config.namespace, config.pod_name).set_ready(
-            True, "PlanLoaded", f"plan revision {plan.revision} ({plan.hash})"
-        )
+    reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
+    runtime = AgentRuntime(
+        config,
+        lambda: load_plan(config, plan_file),
+        directory,
+        make_transport=lambda p: make_transport(config, p),
+        replica_root=lambda rank: replica_root(config, rank),
+        reporter=reporter,
+        engine_url=config.advertised_engine_url(plan.layout.engine_port) if config.role == "engine" else None,
+        agent_url=config.advertised_agent_url(),
+        tick_seconds=float(os.environ.get("WEIGHTSYNC_TICK_SECONDS", "2")),
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    server = BackgroundServer(build_app(runtime), config.host, config.agent_port).start()
+    log.info("agent listening on %s", server.url)
+    try:
+        runtime.start()
+        stop.wait()
+    finally:
+        server.stop()
+        runtime.stop()
     return 0

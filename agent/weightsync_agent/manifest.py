@@ -155,6 +155,13 @@ class Manifest(ApiModel):
         for before, after in pairwise(ordered):
             if after.address < before.end:
                 raise ManifestError(f"tensors {before.name} and {after.name} overlap in the engine's memory")
+        regions = sorted(self.regions, key=lambda r: r.address)
+        for before_region, after_region in pairwise(regions):
+            if after_region.address < before_region.end:  # a transport refuses to register overlapping buffers
+                raise ManifestError(
+                    f"regions [{before_region.address:#x}, +{before_region.nbytes}) and "
+                    f"[{after_region.address:#x}, +{after_region.nbytes}) overlap; each buffer is registered once"
+                )
         for tensor in self.tensors:
             if tensor.nbytes and self.region_of(tensor.address, tensor.nbytes) is None:
                 raise ManifestError(f"{tensor.name} is not inside any registered region")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
@@ -132,17 +132,29 @@ class RoundDriver:
         call_timeout: float = 30.0,
         retries: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        covering: Collection[int] | None = None,
     ) -> None:
-        missing_engines = set(range(plan.layout.engines)) - set(engines)
-        missing_sources = {a.source for a in plan.sources if a.targets} - set(sources)
+        """``covering``: the engines this driver's rounds write (default: all). A catch-up round for
+        joining engines covers only them; the others are not paused, begun or committed."""
+        strangers = sorted({e for e in (*engines, *(covering or ())) if not 0 <= e < plan.layout.engines})
+        unknown_sources = sorted(s for s in sources if not 0 <= s < len(plan.sources))
+        if strangers or unknown_sources:
+            raise RoundError(
+                f"the plan has {plan.layout.engines} engines and {len(plan.sources)} trainer ranks; it does not know "
+                f"engines {strangers} or sources {unknown_sources} given to the coordinator"
+            )
+        self.covering = frozenset(range(plan.layout.engines) if covering is None else covering)
+        missing_engines = self.covering - set(engines)
+        needed = {a.source for a in plan.sources if any(t[0] in self.covering for t in a.targets)}
+        missing_sources = needed - set(sources)
         if missing_engines or missing_sources:
             raise RoundError(
                 f"the plan needs engines {sorted(missing_engines)} and sources {sorted(missing_sources)}, "
                 "which the coordinator cannot reach"
             )
         self.plan = plan
-        self.engines = dict(engines)
-        self.sources = {s: sources[s] for s in sorted(sources) if plan.sources[s].targets}
+        self.engines = {e: engines[e] for e in sorted(self.covering)}
+        self.sources = {s: sources[s] for s in sorted(needed)}
         self.staging = staging
         self.verify = verify
         self.timeout = timeout_seconds
@@ -227,6 +239,8 @@ class RoundDriver:
         for assignment in self.plan.sources:
             report = reports.get(assignment.source)
             for target in assignment.targets:
+                if target[0] not in self.covering:
+                    continue
                 if report is None or target not in report.checksums:
                     raise RoundError(
                         f"source {assignment.source} reported nothing for engine {target[0]} rank {target[1]}",
@@ -264,18 +278,18 @@ class RoundDriver:
             self._result_by(future, deadline, f"engine {index} {step}")
 
     def _resume_quietly(self) -> None:
-        for engine in self.engines.values():
-            try:
-                engine.resume(self.call_timeout)
-            except Exception:  # best effort: the failure already being reported matters more
-                continue
+        self._each_engine_quietly(lambda e: e.resume(self.call_timeout))
 
     def _abort_quietly(self, version: int) -> None:
-        for engine in self.engines.values():
-            try:
-                engine.abort(version, self.call_timeout)
-            except Exception:
-                continue
+        self._each_engine_quietly(lambda e: e.abort(version, self.call_timeout))
+
+    def _each_engine_quietly(self, action: Callable[[EngineControl], None]) -> None:
+        """Best effort, every engine at once, so a hung engine costs one ``call_timeout``, not one each.
+
+        Errors are dropped: the failure already being reported matters more, and an engine that missed an
+        abort has its round superseded by the next begin.
+        """
+        wait([self.pool.submit(action, engine) for engine in self.engines.values()], timeout=self.call_timeout)
 
     def _result(
         self,

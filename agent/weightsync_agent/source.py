@@ -17,14 +17,24 @@ the loop polls every in-flight transfer without blocking (sleeping between polls
 aborts whatever is still owed when the deadline passes. The replica is only read, so a retry resends
 the same bytes; staging flags are reset by the caller once the version is committed (see
 :mod:`weightsync_agent.client`).
+
+**Fencing late writes.** A publish returns (and so reports a failure) only once every write it submitted
+has settled: the writes of a failed target's window, of a half-submitted bucket and of targets cut off by
+the deadline are polled until the transport calls them DONE or FAILED, which it does within its own
+timeout of the peer's last progress. Only then may the caller abort, retry or restage, so a write of an
+aborted attempt cannot land on top of a later attempt's verified bytes. If a transport keeps a write
+pending beyond ``settle_timeout`` past the deadline, the next publish waits for it (until its own
+deadline) and otherwise refuses with ReplicaBusyError. docs/replica.md ("Fencing") has the reasoning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -79,6 +89,7 @@ class TargetReport:
     written: int = 0  # buckets the transport confirmed
     bytes: int = 0
     failure: PublishFailure | None = None
+    seconds: float | None = None  # after the publish began, when this target was done (confirmed or failed)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +107,10 @@ class PublishResult:
     bytes: int = 0  # confirmed written, summed over targets
     seconds: float = 0.0
     checksum_seconds: float = 0.0
+    # Fencing: time spent after the last useful work waiting for abandoned writes to settle, and how many
+    # were still pending when the publish stopped waiting (the next publish waits for those first).
+    settle_seconds: float = 0.0
+    unsettled: int = 0
 
     @property
     def ok(self) -> bool:
@@ -177,6 +192,7 @@ class Source:
         pin: bool | None = None,
         max_inflight: int = 2,
         poll_interval: float = 0.001,
+        settle_timeout: float | None = None,
     ) -> None:
         self.transport = transport
         self.plan = plan
@@ -188,6 +204,13 @@ class Source:
             raise SourceConfigError(f"max_inflight must be at least 1, got {max_inflight}")
         self.max_inflight = max_inflight
         self.poll_interval = poll_interval
+        # How long past its deadline a publish waits for abandoned writes to settle. Transports fail a write
+        # whose peer made no progress for their timeout, so that timeout plus a margin is enough.
+        self.settle_timeout = (
+            float(getattr(transport, "timeout_seconds", 30.0)) + 1.0 if settle_timeout is None else settle_timeout
+        )
+        self._publish_lock = threading.Lock()
+        self._unsettled: list[tuple[Target, Transfer]] = []  # writes an earlier publish gave up waiting for
         self.manifests: dict[Target, Manifest] = dict(manifests)
         self.targets: tuple[Target, ...] = validate(plan, source_rank, self.manifests)
         fingerprints = {m.layout_fingerprint for m in self.manifests.values()}
@@ -224,19 +247,38 @@ class Source:
 
     # --- Publishing ------------------------------------------------------------------------------
 
-    def publish(self, version: int, deadline: float | None = None, *, timeout: float | None = None) -> PublishResult:
-        """Write the staged replica(s) to every target of this source.
+    def publish(
+        self,
+        version: int,
+        deadline: float | None = None,
+        *,
+        timeout: float | None = None,
+        targets: Collection[Target] | None = None,
+        require_staged: bool = True,
+    ) -> PublishResult:
+        """Write the staged replica(s) to every target of this source (or only to ``targets``).
 
         ``deadline`` is a ``time.monotonic()`` instant; otherwise ``timeout`` seconds from now, else the
         plan's ``timeoutSeconds``. Raises :class:`IncompleteReplicaError` (nothing written) if any part
         is not staged, and ReplicaBusyError if the replica is being staged or sent elsewhere. Transport
         failures and the deadline don't raise: they are in the result (``ok`` is False).
+
+        ``require_staged=False`` sends what the replica holds whatever its staged flags say: for a
+        catch-up of a joining engine, when the caller knows the replica still holds a committed version.
         """
         start = time.monotonic()
         if deadline is None:
             deadline = start + (self.plan.transfer.timeout_seconds if timeout is None else timeout)
-        with self.replicas.publishing():
-            missing = self.replicas.missing()
+        chosen = self.targets
+        if targets is not None:
+            unknown = set(targets) - set(self.targets)
+            if unknown:
+                raise SourceConfigError(
+                    f"source {self.source} does not serve {sorted(unknown)}; its targets are {list(self.targets)}"
+                )
+            chosen = tuple(t for t in self.targets if t in set(targets))
+        with self._fenced(version, deadline), self.replicas.publishing():
+            missing = self.replicas.missing() if require_staged else []
             if missing:
                 shown = ", ".join(str(m) for m in missing[:5])
                 more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -244,11 +286,38 @@ class Source:
                     f"refusing to publish version {version}: {len(missing)} tensor part(s) missing from the "
                     f"replica: {shown}{more}; stage them first (nothing was written)"
                 )
-            result = _Run(self, version, deadline, self.poll_interval).run()
+            run = _Run(self, version, deadline, self.poll_interval, chosen)
+            result = run.run()
+            self._unsettled = run.unsettled
         result.seconds = time.monotonic() - start
         self.last_result = result
         (log.info if result.ok else log.warning)("%s", result.summary())
         return result
+
+    @contextlib.contextmanager
+    def _fenced(self, version: int, deadline: float) -> Iterator[None]:
+        """One publish at a time, and none while a write of an earlier one may still land.
+
+        A publish normally returns with all its writes settled; if one gave up waiting (a transport
+        that kept a write pending past ``settle_timeout``), this waits for those writes until
+        ``deadline``, then refuses. Nothing is written before that.
+        """
+        if not self._publish_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ReplicaBusyError(
+                f"source {self.source}: an earlier publish is still settling its writes; version {version} was "
+                "not sent (nothing was written)"
+            )
+        try:
+            self._unsettled = _settle(self._unsettled, deadline, self.poll_interval)
+            if self._unsettled:
+                targets = sorted({target for target, _ in self._unsettled})
+                raise ReplicaBusyError(
+                    f"source {self.source}: {len(self._unsettled)} write(s) of an earlier publish to {targets} may "
+                    f"still land; version {version} was not sent (nothing was written)"
+                )
+            yield
+        finally:
+            self._publish_lock.release()
 
     def close(self) -> None:
         """Unregister the replica buffers; release the replicas too if this Source created them.
@@ -299,8 +368,16 @@ class _Run:
     (layout, bucket) since targets sharing a layout share the replica bytes.
     """
 
-    def __init__(self, source: Source, version: int, deadline: float, poll_interval: float = 0.001) -> None:
+    def __init__(
+        self,
+        source: Source,
+        version: int,
+        deadline: float,
+        poll_interval: float = 0.001,
+        targets: tuple[Target, ...] | None = None,
+    ) -> None:
         self.source = source
+        self.targets = source.targets if targets is None else targets
         self.transport = source.transport
         self.deadline = deadline
         self.poll_interval = poll_interval
@@ -312,23 +389,32 @@ class _Run:
                 t: TargetReport(
                     t, source.manifests[t].session_id, source.manifests[t].layout_fingerprint, len(source.buckets[t])
                 )
-                for t in source.targets
+                for t in self.targets
             },
         )
         self._checksums: dict[tuple[str, int], str] = {}
-        self._queues: dict[Target, deque[_Send]] = {t: deque() for t in source.targets}
-        self._next: dict[Target, int] = dict.fromkeys(source.targets, 0)
+        self._queues: dict[Target, deque[_Send]] = {t: deque() for t in self.targets}
+        self._next: dict[Target, int] = dict.fromkeys(self.targets, 0)
+        self.started = time.monotonic()
+        self._draining: list[tuple[Target, Transfer]] = []  # given up on for the result, maybe still moving
+        self.unsettled: list[tuple[Target, Transfer]] = []  # still moving when settling gave up
 
     def run(self) -> PublishResult:
+        """Send, then settle: the result is returned only once no write this run submitted can still land."""
+        self._send()
+        self._settle_abandoned()
+        return self.result
+
+    def _send(self) -> None:
         while True:
             if time.monotonic() >= self.deadline:
                 self._reap()  # one last look: writes may have finished while we slept
-                if any(self._owed(t) for t in self.source.targets):
+                if any(self._owed(t) for t in self.targets):
                     self._abort()
-                return self.result
+                return
             self._fill()
             if not any(self._queues.values()):
-                return self.result
+                return
             if not self._reap():
                 time.sleep(self.poll_interval)
 
@@ -338,7 +424,7 @@ class _Run:
         """Top every live target's window up; hash what was just submitted."""
         src = self.source
         submitted: list[tuple[Target, Bucket]] = []
-        for target in src.targets:
+        for target in self.targets:
             queue, buckets = self._queues[target], src.buckets[target]
             while self._live(target) and len(queue) < src.max_inflight and self._next[target] < len(buckets):
                 bucket = buckets[self._next[target]]
@@ -364,6 +450,7 @@ class _Run:
                 self._fail(
                     "submit", target, bucket.index, f"write of {piece.length} B to {piece.remote_address:#x}: {exc}"
                 )
+                self._draining.extend((target, t) for t in transfers)  # the pieces already submitted may land
                 return None
         return transfers
 
@@ -389,7 +476,7 @@ class _Run:
                 failed = [t for t, s in zip(send.transfers, states, strict=True) if s is TransferState.FAILED]
                 if failed:
                     self._fail("transport", target, send.bucket.index, self._said(failed[0], send.bucket))
-                    queue.clear()  # later buckets of a failed target no longer matter
+                    self._abandon(target, queue)  # later buckets no longer matter, but may still land
                     progressed = True
                 elif all(s is TransferState.DONE for s in states):
                     queue.popleft()
@@ -419,7 +506,36 @@ class _Run:
                     f"{what}; {report.buckets - report.written} bucket(s) unconfirmed. Submitted writes may still "
                     f"land, so the target's memory is undefined until a complete publish",
                 )
-            queue.clear()
+            self._abandon(target, queue)
+
+    def _abandon(self, target: Target, queue: deque[_Send]) -> None:
+        """Stop counting ``queue``'s buckets toward the result; keep their writes for settling."""
+        self._draining.extend((target, transfer) for send in queue for transfer in send.transfers)
+        queue.clear()
+
+    def _settle_abandoned(self) -> None:
+        """The fence: wait until every abandoned write is DONE or FAILED before the result is reported.
+
+        A write the result no longer counts may still be moving. Reported early, the failure would let
+        the caller abort the round, start the next attempt or restage the replica while it lands. Each
+        transport fails a write whose peer made no progress for its timeout, so this ends within
+        ``settle_timeout`` past the deadline; whatever is pending then is left to the next publish.
+        """
+        if not self._draining:
+            return
+        began = time.monotonic()
+        until = max(self.deadline, began) + self.source.settle_timeout
+        self.unsettled = _settle(self._draining, until, self.poll_interval)
+        self.result.settle_seconds = time.monotonic() - began
+        self.result.unsettled = len(self.unsettled)
+        if self.unsettled:
+            log.error(
+                "source %s v%s: %d write(s) still pending %.1f s after the deadline; the next publish waits for them",
+                self.result.source,
+                self.result.version,
+                len(self.unsettled),
+                self.source.settle_timeout,
+            )
 
     def _owed(self, target: Target) -> bool:
         report = self.result.targets[target]
@@ -436,18 +552,30 @@ class _Run:
             return
         failure = PublishFailure(kind, target, report.session_id, bucket, report.buckets, detail)
         report.failure = failure
+        report.seconds = time.monotonic() - self.started
         self.result.failures.append(failure)
 
     def _written(self, target: Target, bucket: Bucket) -> None:
         report = self.result.targets[target]
         report.written += 1
         report.bytes += bucket.nbytes
+        if report.written == report.buckets:
+            report.seconds = time.monotonic() - self.started
         self.result.bytes += bucket.nbytes
 
     @staticmethod
     def _said(transfer: Transfer, bucket: Bucket) -> str:
         said = transfer.error() or "no detail from the transport"
         return f"write of {transfer.nbytes} B in a {bucket.nbytes} B bucket failed: {said}"
+
+
+def _settle(writes: list[tuple[Target, Transfer]], until: float, poll_interval: float) -> list[tuple[Target, Transfer]]:
+    """Poll ``writes`` until none is pending or ``until`` (time.monotonic) passes; returns those still pending."""
+    while True:
+        writes = [(target, write) for target, write in writes if write.poll() is TransferState.PENDING]
+        if not writes or time.monotonic() >= until:
+            return writes
+        time.sleep(poll_interval)
 
 
 def validate(plan: Plan, source_rank: int, manifests: Mapping[Target, Manifest]) -> tuple[Target, ...]:

@@ -11,21 +11,19 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from sync_helpers import TOKENS, expected_checksums, training_step
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import checksum_ranges
 from weightsync_agent.engines.control import HttpEngineControl
 from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
-from weightsync_agent.engines.reference.model import RankWeights, forward_full, full_state, shard
+from weightsync_agent.engines.reference.model import forward_full, full_state
 from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
 from weightsync_agent.source import LocalSourceControl, Source
 from weightsync_agent.transport.mooncake import MooncakeTransport
 
 TP = 2
 ENGINES = 2
-TOKENS = [3, 14, 15, 92, 65, 35]
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
 
@@ -44,21 +42,6 @@ def group_plan(staging: str) -> Plan:
         }
     )
     return plan_for(spec, group="g", namespace="ns")
-
-
-def training_step(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    return {name: t - 0.01 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for name, t in full.items()}
-
-
-def expected_checksums(full: dict[str, torch.Tensor], rank: int, bucket_bytes: int) -> list[str]:
-    """What the engine rank must hold, computed independently: the model's own shard() in a local buffer."""
-    weights = RankWeights(TP, rank)
-    weights.load(shard(full, TP, rank))
-    manifest = weights.manifest(engine=0, session_id="local:0")
-    return [
-        checksum_ranges([(p.remote_address, p.length) for p in b.pieces]) for b in plan_buckets(manifest, bucket_bytes)
-    ]
 
 
 @pytest.fixture(params=["live", "staged"])

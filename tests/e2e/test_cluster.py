@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.localcluster.session import group_pods
 from weightsync.plan import Plan, plan_for
+from weightsync_agent.engines.reference.model import full_state, shard
 
 INVALID = sorted((ROOT / "tests" / "fixtures" / "invalid").glob("*.yaml"))
 NS = "e2e"
@@ -213,6 +215,54 @@ def test_agents_make_the_group_ready(admin: Kube, group_ns: str, agents: Agents)
     assert table[1].split()[:6] == ["demo", "Ready", "True", "2", "2", "p2p"]
 
 
+def publish_everywhere(agents: Agents, version: int, seed: int) -> list[Any]:
+    """Trainer code on both trainer pods: stage a model's full tensors, publish ``version`` (a collective)."""
+    full = full_state(seed=seed)
+    clients = [agents.client(f"demo-trainer-{i}") for i in range(2)]
+    outcomes: list[Any] = [None, None]
+
+    def rank(i: int) -> None:
+        clients[i].stage_many(full)
+        outcomes[i] = clients[i].publish(version, check=False)
+
+    try:
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        for client in clients:
+            client.close()
+    return outcomes
+
+
+def engine_annotation(admin: Kube, pod: str) -> str | None:
+    found = admin.json("-n", NS, "get", "pod", pod)
+    value = (found["metadata"].get("annotations") or {}).get(names.ANNOTATION_WEIGHT_VERSION)
+    return str(value) if value is not None else None
+
+
+def test_a_sync_round_through_the_agents_shows_in_status(admin: Kube, group_ns: str, agents: Agents) -> None:
+    outcomes = publish_everywhere(agents, 1, seed=5)
+    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    final = wait_for(
+        "status.lastSync for version 1",
+        lambda: (s := status(admin, "demo")).get("lastSync", {}).get("version") == 1 and s,
+    )
+    last = final["lastSync"]
+    assert last["result"] == "Succeeded" and last["durationSeconds"] > 0
+    plan = stored_plan(admin, "demo")
+    reference = full_state(seed=5)
+    per_rank = {r: sum(t.numel() * t.element_size() for t in shard(reference, 2, r).values()) for r in range(2)}
+    assert last["bytes"] == plan.layout.engines * sum(per_rank.values())  # every engine rank got its shard once
+    # The engines' agents report the version each engine now holds.
+    for pod in ("demo-engine-0-0", "demo-engine-1-0"):
+        wait_for(f"{pod} to report version 1", lambda pod=pod: engine_annotation(admin, pod) == "1")
+    row = admin.kubectl("-n", NS, "get", "wsg", "demo").stdout.splitlines()[1].split()
+    assert row[6:8] == ["1", "Succeeded"]
+
+
 def test_scaling_engines_replans_and_creates_pods(admin: Kube, group_ns: str, agents: Agents) -> None:
     admin.kubectl("-n", NS, "patch", "wsg", "demo", "--type=merge", "-p", '{"spec":{"inference":{"engines":3}}}')
     wait_for("the third engine's pod", lambda: "demo-engine-2-0" in pods(admin, "demo"))
@@ -227,6 +277,8 @@ def test_scaling_engines_replans_and_creates_pods(admin: Kube, group_ns: str, ag
         timeout=90,
     )
     assert final["plan"]["revision"] == 2 and final["plan"]["targets"] == 6
+    # The joiner gets the committed version from the trainers' replicas, on its own.
+    wait_for("the joining engine to hold version 1", lambda: engine_annotation(admin, "demo-engine-2-0") == "1")
     events = admin.kubectl(
         "-n", NS, "get", "events", "--field-selector", "involvedObject.name=demo", "-o", "jsonpath={.items[*].reason}"
     ).stdout.split()

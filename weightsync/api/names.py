@@ -51,6 +51,12 @@ ANNOTATION_SPEC_HASH: Final = "weightsync.io/pod-spec-hash"
 ANNOTATION_WEIGHT_VERSION: Final = "weightsync.io/weight-version"
 #: Written by the coordinating agent on its own pod: JSON of the last round (see SyncStatus).
 ANNOTATION_LAST_ROUND: Final = "weightsync.io/last-round"
+#: Written by an engine's agent (pod 0 of the engine) on its own pod: the engine's HTTP base URL, where
+#: sources fetch manifests and the coordinator pauses, verifies and commits.
+ANNOTATION_ENGINE_URL: Final = "weightsync.io/engine-url"
+#: Written by a trainer pod's agent on its own pod: the agent's HTTP base URL (the coordinator's
+#: way to ask that pod's sources to write).
+ANNOTATION_AGENT_URL: Final = "weightsync.io/agent-url"
 MULTUS_NETWORKS: Final = "k8s.v1.cni.cncf.io/networks"
 
 # --- Pod readiness gate / condition written by agents --------------------------------------------
@@ -69,6 +75,18 @@ ENV_AGENT_PORT: Final = "WEIGHTSYNC_AGENT_PORT"
 ENV_ENGINE_PORT: Final = "WEIGHTSYNC_ENGINE_PORT"
 ENV_ADAPTER: Final = "WEIGHTSYNC_ADAPTER"
 ENV_DEVICES: Final = "WEIGHTSYNC_RDMA_DEVICES"
+#: The engine's HTTP base URL as the engine's agent should advertise it (default: POD_IP + engine port).
+ENV_ENGINE_URL: Final = "WEIGHTSYNC_ENGINE_URL"
+#: Where the agent says it can be reached (default: POD_IP + agent port).
+ENV_AGENT_URL: Final = "WEIGHTSYNC_AGENT_URL"
+#: Local runs without a cluster: JSON ``{"engines": {"0": url}, "trainers": {"0": url}}`` naming every
+#: engine's and trainer pod's URL (instead of reading pod annotations).
+ENV_DIRECTORY_FILE: Final = "WEIGHTSYNC_DIRECTORY_FILE"
+#: Folder holding a trainer rank's replica files (``<fingerprint>.replica``); the sidecar creates
+#: them, the trainer attaches.
+ENV_REPLICA_PATH: Final = "WEIGHTSYNC_REPLICA_PATH"
+#: Which of ``WEIGHTSYNC_RANKS`` a trainer process is, when the pod runs several.
+ENV_SOURCE_RANK: Final = "WEIGHTSYNC_SOURCE_RANK"
 ENV_POD_NAME: Final = "POD_NAME"
 ENV_POD_IP: Final = "POD_IP"
 

@@ -180,8 +180,23 @@ def demo(
     scale_to: Annotated[int, typer.Option(min=1, max=8, help="Engines to scale to once the group is Ready.")] = 3,
     directory: Annotated[Path, typer.Option("--dir", help="Where the demo cluster keeps its state.")] = DEMO_DIR,
     keep: Annotated[bool, typer.Option(help="Leave the cluster, operator and agents running.")] = False,
+    local: Annotated[
+        bool, typer.Option("--local", help="No cluster: engines and agents as local processes, train and sync.")
+    ] = False,
+    steps: Annotated[int, typer.Option(min=1, max=100, help="--local: training steps, one sync each.")] = 4,
+    join: Annotated[int, typer.Option(min=0, max=4, help="--local: engines that join at the end.")] = 1,
+    staging: Annotated[
+        str | None, typer.Option(help="--local: override transfer.targetStaging (live or staged).")
+    ] = None,
 ) -> None:
-    """Run the main job on an embedded local cluster: chart, operator, a group, agents, a replan."""
+    """Run the main job: on an embedded local cluster (chart, operator, group, agents, sync rounds, a replan),
+    or with --local as plain processes (train the reference model, sync after every step, check outputs)."""
+    if local:
+        from weightsync.cli.demo_local import run_local_demo
+
+        if staging not in (None, "live", "staged"):
+            raise typer.BadParameter("--staging must be live or staged")
+        raise typer.Exit(run_local_demo(example.resolve(), steps=steps, join=join, console=Console(), staging=staging))
     from weightsync.localcluster.demo import run_demo
 
     raise typer.Exit(run_demo(directory, example=example.resolve(), scale_to=scale_to, keep=keep, console=Console()))

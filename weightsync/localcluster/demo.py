@@ -1,9 +1,11 @@
 """``weightsync demo``: the main job on one machine, on the embedded local cluster.
 
 Starts a real control plane (built from Go modules on first use), installs the Helm chart, runs the
-operator with the chart's ServiceAccount, applies the example group, binds agents to its pods, waits
-for the group to be Ready, then scales the engines to show a replan. Everything is torn down at the end
-unless ``keep`` is set.
+operator with the chart's ServiceAccount, applies the example group, binds agents (and reference
+engines) to its pods, waits for the group to be Ready, trains the reference model a few steps with a
+verified sync round after each (the status shows version, duration and bytes), then scales the engines:
+a replan, and the joiners catch up from the replicas. Everything is torn down at the end unless ``keep``
+is set.
 """
 
 from __future__ import annotations
@@ -102,13 +104,25 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
             agent_config = token_kubeconfig(
                 state, admin, NAMESPACE, names.agent_service_account(group), directory / "agent.kubeconfig"
             )
-            agents = Agents(agent_config, directory / "logs")
+            staged = group_obj["spec"].get("transfer", {}).get("targetStaging") == "staged"
+            agents = Agents(agent_config, directory / "logs", staged=staged)
             wait_for("every pod", lambda: _all_pods_there(admin, group, group_obj))
             for pod in group_pods(admin, NAMESPACE, group).values():
                 agents.start(pod)
             wait_for("the group to be Ready", lambda: _phase(admin, group) == "Ready", timeout=120)
         _show_groups(admin, console)
         render_plan(_stored_plan(admin, group), console)
+        trainers = sorted(n for n, p in group_pods(admin, NAMESPACE, group).items() if _role(p) == "trainer")
+        with _step(
+            console, f"train the reference model {SYNC_STEPS} steps, sync after each (trainer rank 0 coordinates)"
+        ):
+            full = _train_and_sync(agents, trainers, SYNC_STEPS, console)
+            wait_for(
+                f"status.lastSync of version {SYNC_STEPS}",
+                lambda: (_status(admin, group).get("lastSync") or {}).get("version") == SYNC_STEPS,
+            )
+        _show_groups(admin, console)
+        _show_last_sync(admin, group, console)
 
         with _step(console, f"scale inference.engines to {scale_to}: replan, new pods, agents ready"):
             admin.kubectl(
@@ -128,6 +142,14 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
                 if name not in agents.processes:
                     agents.start(pod)
             wait_for("the group to be Ready again", lambda: _phase(admin, group) == "Ready", timeout=120)
+        with _step(console, f"joining engines catch up to version {SYNC_STEPS} from the replicas"):
+            wait_for(
+                "every engine to hold the committed version",
+                lambda: _status(admin, group).get("weightVersion") == SYNC_STEPS,
+                timeout=120,
+            )
+            diff = _max_logit_diff(agents, full)
+        console.print(f"  every engine serves the trainer's weights: max |logit diff| {diff:.1e}")
         plan = _stored_plan(admin, group)
         _show_groups(admin, console)
         render_plan(plan, console)
@@ -146,6 +168,61 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
             operator.stop()
         if not keep:
             local.down()
+
+
+SYNC_STEPS = 3
+
+
+def _role(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["labels"].get(names.LABEL_ROLE, ""))
+
+
+def _status(admin: Kube, group: str) -> dict[str, Any]:
+    return admin.json("-n", NAMESPACE, "get", "wsg", group).get("status") or {}
+
+
+def _train_and_sync(agents: Agents, trainers: list[str], steps: int, console: Console) -> dict[str, Any]:
+    """Trainer code in every trainer pod: a real SGD step of the reference model, stage, publish."""
+    from weightsync.cli.demo_local import publish_all, train_step
+    from weightsync_agent.engines.reference.model import full_state
+
+    clients = [agents.client(name) for name in trainers]
+    full = full_state(seed=0)
+    try:
+        for version in range(1, steps + 1):
+            full, loss = train_step(full, version)
+            outcomes = publish_all(clients, full, version)
+            summary = outcomes[0].summary() if outcomes[0] is not None else "no result"
+            if not all(o is not None and o.ok for o in outcomes):
+                raise RuntimeError(f"sync of version {version} failed: {summary}")
+            console.print(f"  step {version}: loss {loss:.4f}; {summary}")
+    finally:
+        for client in clients:
+            client.close()
+    diff = _max_logit_diff(agents, full)
+    console.print(f"  engines serve the trainer's weights: max |logit diff| {diff:.1e}")
+    return full
+
+
+def _max_logit_diff(agents: Agents, full: dict[str, Any]) -> float:
+    import torch
+
+    from weightsync.cli.demo_local import PROMPT
+    from weightsync_agent.engines.reference.model import forward_full
+
+    reference = forward_full(full, PROMPT)
+    return max(
+        float((torch.tensor(engine.client().forward(PROMPT)) - reference).abs().max())
+        for engine in agents.engines.values()
+    )
+
+
+def _show_last_sync(admin: Kube, group: str, console: Console) -> None:
+    last = _status(admin, group).get("lastSync") or {}
+    console.print(
+        f"  status.lastSync: version {last.get('version')} {last.get('result')} in {last.get('durationSeconds')} s, "
+        f"{last.get('bytes')} bytes"
+    )
 
 
 def _phase(admin: Kube, group: str) -> str | None:

@@ -17,13 +17,17 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import AGENT_CONTAINER
 from weightsync.localcluster.binaries import Binaries
 from weightsync.localcluster.cluster import ClusterState, free_port
 from weightsync.localcluster.pki import Pki, kubeconfig
+
+if TYPE_CHECKING:  # the agent side pulls in torch: only load it when agents actually start
+    from weightsync_agent.client import WeightSyncClient
+    from weightsync_agent.engines.reference.launch import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "weightsync"
@@ -170,25 +174,51 @@ def agent_env(pod: dict[str, Any]) -> dict[str, str]:
 
 
 class Agents:
-    """Agent processes bound to pods, stopped together."""
+    """What kubelets would run for a group's pods, as local processes stopped together.
 
-    def __init__(self, kubeconfig_path: Path, logs: Path) -> None:
+    Every pod gets its agent (``weightsync agent`` bound to the pod, with the group's agent
+    ServiceAccount token); the first pod of each engine also gets a reference engine process, whose URL
+    the agent advertises. Trainer code is the caller: :meth:`client` gives a pod's trainer-side client.
+    """
+
+    def __init__(self, kubeconfig_path: Path, logs: Path, *, staged: bool = False) -> None:
         self.kubeconfig = kubeconfig_path
         self.logs = logs
+        self.staged = staged
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.engines: dict[str, EngineProcess] = {}
+        self.envs: dict[str, dict[str, str]] = {}
 
     def start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         self.stop(name)
-        env = {**os.environ, **agent_env(pod), "KUBECONFIG": str(self.kubeconfig)}
+        env = agent_env(pod)
+        if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
+            from weightsync_agent.engines.reference.launch import launch_engine
+
+            engine = launch_engine(
+                int(env[names.ENV_ENGINE_INDEX]),
+                len(env[names.ENV_RANKS].split(",")),
+                seed=int(env[names.ENV_ENGINE_INDEX]),
+                staged=self.staged,
+            )
+            self.engines[name] = engine
+            env[names.ENV_ENGINE_URL] = engine.url
+        self.envs[name] = env
         with open(self.logs / f"{name}.log", "ab") as out:
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "weightsync.cli.main", "agent"],
-                env=env,
+                env={**os.environ, **env, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSYNC_TICK_SECONDS": "1"},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def client(self, name: str, *, timeout: float = 60.0) -> WeightSyncClient:
+        """Trainer code's client in pod ``name`` (it attaches to the replicas its agent built)."""
+        from weightsync_agent.client import WeightSyncClient
+
+        return WeightSyncClient.from_env(self.envs[name], sidecar_timeout=timeout)
 
     def stop(self, name: str) -> None:
         process = self.processes.pop(name, None)
@@ -199,6 +229,9 @@ class Agents:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            engine.stop()
 
     def stop_all(self) -> None:
         for name in list(self.processes):

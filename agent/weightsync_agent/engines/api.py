@@ -276,6 +276,15 @@ class EngineClient:
         body = {} if version is None else {"version": str(version)}
         return _object(self._post("/weightsync/abort", body, timeout), "/weightsync/abort")
 
+    def checksums(self, rank: int, bucket_bytes: int, timeout: float | None = None) -> list[str]:
+        """Per-bucket checksums of what ``rank``'s target memory holds now (reference engine)."""
+        route = "/weightsync/checksums"
+        answer = _object(self._get(route, {"rank": rank, "bucket_bytes": bucket_bytes}, timeout), route)
+        sums = answer.get("checksums")
+        if not isinstance(sums, list):
+            raise EngineAPIError(route, 200, "answer has no checksums list", answer)
+        return [str(x) for x in sums]
+
     def forward(self, tokens: Sequence[int], timeout: float | None = None) -> list[list[float]]:
         """Logits [T][vocab] for one sequence (float32 values, exact through JSON)."""
         answer = _object(self._post("/weightsync/forward", {"tokens": list(tokens)}, timeout), "/weightsync/forward")

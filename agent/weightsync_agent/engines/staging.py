@@ -141,6 +141,10 @@ class RankMemory:
                 mismatched.append(BucketMismatch(bucket.index, expected, actual))
         return VerifyResult(self.rank, bucket_bytes, len(buckets), tuple(mismatched), staged=self.staged)
 
+    def checksums(self, bucket_bytes: int) -> list[str]:
+        """Per-bucket checksums of this rank's target memory now (what :meth:`verify` compares against)."""
+        return [target_checksum(bucket) for bucket in plan_buckets(self.manifest(), bucket_bytes)]
+
     def promote(self) -> None:
         """Copy staging over live (commit in staged mode). The caller excludes concurrent serving."""
         if self.staging is None:

@@ -18,7 +18,10 @@ arrives. ``on_bucket`` gets ``[(name, view), ...]``; the views are only valid du
 
 The group is built from its own store, not with ``init_process_group``, so a trainer's own default
 process group is left alone; ``timeout_seconds`` bounds every collective (a dead peer raises
-:class:`TransportError` after it, and the group must then be rebuilt).
+:class:`TransportError` after it). A failed collective leaves the ranks out of step, so the group marks
+itself ``broken`` and refuses every later call at once; it must be rebuilt. The sender may also pass a
+``deadline`` (checked between buckets) and a ``progress`` callback; a receiver may name the ``version``
+it expects, and a round for another version is drained (the ranks stay in step) and then refused.
 """
 
 from __future__ import annotations
@@ -177,10 +180,17 @@ class BroadcastGroup:
         except (RuntimeError, dist.DistError) as exc:
             raise TransportError(f"rank {rank}: could not form the broadcast group via {init_method}: {exc}") from exc
         self._buffers: list[torch.Tensor] = []
+        self.broken: str | None = None
 
     @property
     def is_source(self) -> bool:
         return self.rank == self.source_rank
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise TransportError(
+                f"rank {self.rank}: the broadcast group is broken ({self.broken}); rebuild it before the next round"
+            )
 
     def _broadcast(self, tensor: torch.Tensor) -> Any:
         options = dist.BroadcastOptions()
@@ -191,10 +201,8 @@ class BroadcastGroup:
         try:
             work.wait()
         except (RuntimeError, dist.DistError) as exc:
-            raise TransportError(
-                f"rank {self.rank}: broadcast of {what} failed or timed out ({self.timeout_seconds:g}s): {exc}; "
-                "rebuild the group before the next round"
-            ) from exc
+            self.broken = f"broadcast of {what} failed or timed out ({self.timeout_seconds:g}s): {exc}"
+            raise TransportError(f"rank {self.rank}: {self.broken}; rebuild the group before the next round") from exc
 
     def _buffer_pair(self, nbytes: int) -> list[torch.Tensor]:
         if not self._buffers or self._buffers[0].numel() < nbytes:
@@ -222,10 +230,18 @@ class BroadcastGroup:
         bucket_bytes: int,
         *,
         version: int = 0,
+        deadline: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> RoundStats:
-        """Sender: send every tensor (full, as the trainer holds it) to all receivers."""
+        """Sender: send every tensor (full, as the trainer holds it) to all receivers.
+
+        ``deadline`` (``time.monotonic()``) is checked before each bucket: past it the round stops and the
+        group is broken, since receivers still expect the rest. ``progress(index, nbytes)`` is called after
+        each bucket is handed to the backend (logging, metrics, fault injection in tests).
+        """
         if not self.is_source:
             raise TransportError(f"rank {self.rank} is a receiver; it calls receive_buckets")
+        self._usable()
         named = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         started = time.monotonic()
         plans, _ = self._exchange_plan(plan_buckets(named, bucket_bytes), version)
@@ -236,30 +252,55 @@ class BroadcastGroup:
             slot = index % 2
             if in_flight[slot] is not None:
                 self._wait(in_flight[slot], f"bucket {index - 2}")
+            if deadline is not None and time.monotonic() >= deadline:
+                self.broken = f"the round's deadline passed before bucket {index} of {len(plans)}"
+                raise TransportError(f"rank {self.rank}: {self.broken}")
             buffer = buffers[slot][: plan.nbytes]
             for name, view in _views(buffer, plan):
                 view.copy_(by_name[name])
             in_flight[slot] = self._broadcast(buffer)
+            if progress is not None:
+                progress(index, plan.nbytes)
         for slot, work in enumerate(in_flight):
             if work is not None:
                 self._wait(work, f"bucket slot {slot}")
         return RoundStats(version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
 
-    def receive_buckets(self, on_bucket: Callable[[NamedViews], None]) -> RoundStats:
-        """Receiver: call ``on_bucket`` once per bucket with views of the full tensors it holds."""
+    def receive_buckets(self, on_bucket: Callable[[NamedViews], None], *, version: int | None = None) -> RoundStats:
+        """Receiver: call ``on_bucket`` once per bucket with views of the full tensors it holds.
+
+        The ranks stay in step whatever happens locally: if ``on_bucket`` raises, the rest of the round is
+        still received (and dropped) before the error is re-raised; with ``version``, a round for another
+        version is received without calling ``on_bucket`` and then refused with :class:`TransportError`.
+        """
         if self.is_source:
             raise TransportError(f"rank {self.rank} is the sender; it calls broadcast_buckets")
+        self._usable()
         started = time.monotonic()
-        plans, version = self._exchange_plan(None, 0)
+        plans, sent_version = self._exchange_plan(None, 0)
+        failure: Exception | None = None
+        if version is not None and sent_version != version:
+            failure = TransportError(f"rank {self.rank}: expected version {version}, the sender sent {sent_version}")
         buffers = self._buffer_pair(max((p.nbytes for p in plans), default=0))
         work = self._broadcast(buffers[0][: plans[0].nbytes]) if plans else None
         for index, plan in enumerate(plans):
             self._wait(work, f"bucket {index}")
             if index + 1 < len(plans):  # the other buffer's callback has returned: reuse it
                 work = self._broadcast(buffers[(index + 1) % 2][: plans[index + 1].nbytes])
-            on_bucket(_views(buffers[index % 2][: plan.nbytes], plan))
-        return RoundStats(version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
+            if failure is None:
+                try:
+                    on_bucket(_views(buffers[index % 2][: plan.nbytes], plan))
+                except Exception as exc:  # keep receiving: the sender goes on sending this round
+                    failure = exc
+        if failure is not None:
+            raise failure
+        return RoundStats(sent_version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
 
     def close(self) -> None:
+        """Tear the group down; peers blocked in a collective with this rank fail at once (gloo)."""
+        self.broken = self.broken or "closed"
         self._buffers = []
-        self._pg = None
+        pg, self._pg = self._pg, None
+        abort = getattr(pg, "abort", None)
+        if self.backend == "nccl" and callable(abort):  # NCCL kernels never return on their own
+            abort()

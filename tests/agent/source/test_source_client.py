@@ -129,34 +129,36 @@ def test_failed_publish_raises_keeps_the_replica_and_retries_the_same_version(tm
         assert rig.holds(bad, fulls)
 
 
-def test_sidecar_mode_attaches_the_replica_and_needs_a_publisher(tmp_path: Path, rig: Rig) -> None:
+def test_sidecar_mode_attaches_the_replica_and_publishes_through_the_seam(tmp_path: Path, rig: Rig) -> None:
     folder = tmp_path / "sidecar"
     sidecar = ReplicaSet.for_manifests(list(rig.manifests.values()), shm_dir=folder, pin=False)  # type: ignore[arg-type]
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def publish(self, version: int, deadline: float) -> PublishResult:
+            self.calls.append(version)
+            return PublishResult(version=version, source=0, bucket_bytes=1, targets={})
+
+        def close(self) -> None:
+            pass
+
     try:
-        env = trainer_env(tmp_path, **{ENV_REPLICA_PATH: str(folder)})
-        client = WeightSyncClient.from_env(env)
+        env = trainer_env(tmp_path, **{ENV_REPLICA_PATH: str(folder), names.ENV_AGENT_PORT: "1"})
+        # No sidecar answers on the agent port: a clear error, not a hang.
+        with pytest.raises(ClientError, match=r"sidecar .* is not ready"):
+            WeightSyncClient.from_env(env, sidecar_timeout=0.3)
+        with pytest.raises(ClientError, match="no publisher"):
+            WeightSyncClient(ReplicaSet.attach(folder)).publish(1)
+        seam = Recorder()
+        client = WeightSyncClient.from_env(env, publisher=seam)
         fulls = full_state(13)
         client.stage_many(fulls)
         assert sidecar.missing() == []  # the sidecar sees the trainer's staging
         replica = next(iter(sidecar))
         entry = rig.memory[(0, 0)].manifest.tensors[1]
         assert torch.equal(as_bytes(replica.tensor(entry.name)), as_bytes(expected_local(entry, fulls)))
-        with pytest.raises(ClientError, match="no publisher"):
-            client.publish(1)
-
-        class Recorder:
-            def __init__(self) -> None:
-                self.calls: list[int] = []
-
-            def publish(self, version: int, deadline: float) -> PublishResult:
-                self.calls.append(version)
-                return PublishResult(version=version, source=0, bucket_bytes=1, targets={})
-
-            def close(self) -> None:
-                pass
-
-        seam = Recorder()
-        client.publisher = seam
         assert client.publish(3).ok and seam.calls == [3]
         assert len(sidecar.missing()) > 0  # ok means committed: the next version restages
         client.close()

@@ -1,5 +1,7 @@
 """Broadcast mode over gloo on loopback with real processes: one sender, three receivers, each
-rebuilding its own TP shard bit-exactly; a dead or hung sender fails receivers within the timeout."""
+rebuilding its own TP shard bit-exactly; a dead or hung sender fails receivers within the timeout.
+Then the round-level pieces: version checks, draining, deadlines and teardown (two ranks as threads),
+the group layout, the driver's plan view and the sender's checksums."""
 
 from __future__ import annotations
 
@@ -8,15 +10,24 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.plan import Plan, plan_for
+from weightsync_agent.broadcast_checksums import layout_checksums
+from weightsync_agent.broadcast_layout import BroadcastLayout, Member, broadcast_round_plan
+from weightsync_agent.buckets import plan_buckets
+from weightsync_agent.checksums import target_checksum
+from weightsync_agent.engines.reference.model import RankWeights, full_state, shard
 from weightsync_agent.manifest import ShardPart, TensorEntry
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.broadcast import ALIGN, _decode, _encode, plan_buckets
+from weightsync_agent.transport.broadcast import ALIGN, BroadcastGroup, _decode, _encode
+from weightsync_agent.transport.broadcast import plan_buckets as plan_broadcast_buckets
 
 PEER = Path(__file__).with_name("bcast_peer.py")
 
@@ -83,15 +94,15 @@ def test_bucket_plan_packs_in_order_aligned_and_lets_big_tensors_travel_alone() 
         ("big", (100,), torch.float32),  # 400 B > bucket
         ("c", (2,), torch.int64),
     )
-    plans = plan_buckets(named, 128)
+    plans = plan_broadcast_buckets(named, 128)
     assert [[s.name for s in p.slots] for p in plans] == [["a", "b"], ["big"], ["c"]]
     assert [s.offset for s in plans[0].slots] == [0, ALIGN] and plans[0].nbytes == ALIGN + 6
     assert plans[1].nbytes == 400 and plans[1].slots[0].shape == (100,)
     assert _decode(_encode(plans)) == plans
     with pytest.raises(ValueError):
-        plan_buckets(named, 0)
+        plan_broadcast_buckets(named, 0)
     with pytest.raises(ValueError, match="twice"):
-        plan_buckets(named + named[:1], 128)
+        plan_broadcast_buckets(named + named[:1], 128)
 
 
 def entry(name: str, parts: tuple[ShardPart, ...], shape: tuple[int, ...], cat_dim: int = 0) -> TensorEntry:
@@ -127,3 +138,113 @@ def test_assembler_copies_parts_as_they_arrive_and_names_what_is_missing() -> No
         assembler([("q", torch.zeros(4, 4))])
     with pytest.raises(TransportError, match="destination has shape"):
         ShardAssembler([fused], {"qk": torch.zeros(5, 4)})
+
+
+# --- Round-level behaviour, two ranks as threads of this process (gloo over loopback) ----------------
+
+
+def thread_pair(timeout: float = 10.0) -> tuple[BroadcastGroup, BroadcastGroup]:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(BroadcastGroup, rank, 2, init, "gloo", timeout) for rank in (0, 1)]
+    return futures[0].result(), futures[1].result()
+
+
+def test_a_receiver_drains_a_round_it_refuses_and_stays_in_step() -> None:
+    sender, receiver = thread_pair()
+    named = [("a", torch.arange(300.0)), ("b", torch.ones(7, 9, dtype=torch.bfloat16))]
+    got: list[str] = []
+
+    def failing(views: list[tuple[str, torch.Tensor]]) -> None:
+        got.extend(name for name, _ in views)
+        raise TransportError("destination refused")
+
+    with ThreadPoolExecutor(1) as pool:
+        # Wrong version: drained without a callback, then refused.
+        sending = pool.submit(sender.broadcast_buckets, named, 512, version=4)
+        with pytest.raises(TransportError, match="expected version 3, the sender sent 4"):
+            receiver.receive_buckets(failing, version=3)
+        sending.result()
+        assert got == []
+        # The callback fails on the first bucket: the rest is still received, then the error re-raised.
+        sending = pool.submit(sender.broadcast_buckets, named, 512, version=5)
+        with pytest.raises(TransportError, match="destination refused"):
+            receiver.receive_buckets(failing, version=5)
+        assert sending.result().buckets == 2 and got == ["a"]
+        # Still in step: the next round arrives whole.
+        sending = pool.submit(sender.broadcast_buckets, named, 512, version=6)
+        received: dict[str, torch.Tensor] = {}
+        stats = receiver.receive_buckets(lambda views: received.update((n, v.clone()) for n, v in views), version=6)
+        sending.result()
+    assert stats.version == 6 and set(received) == {"a", "b"} and torch.equal(received["a"], named[0][1])
+    sender.close()
+    receiver.close()
+
+
+def test_a_sender_past_its_deadline_breaks_the_group_and_closing_frees_the_receiver_at_once() -> None:
+    sender, receiver = thread_pair(timeout=20.0)
+    progress: list[tuple[int, int]] = []
+    named = [("a", torch.zeros(64))]
+    with ThreadPoolExecutor(1) as pool:
+        receiving = pool.submit(receiver.receive_buckets, lambda views: None)
+        with pytest.raises(TransportError, match="deadline passed before bucket 0"):
+            sender.broadcast_buckets(named, 1024, deadline=0.0, progress=lambda *p: progress.append(p))
+        assert sender.broken and not progress
+        with pytest.raises(TransportError, match="broken"):  # refused at once, nothing sent
+            sender.broadcast_buckets(named, 1024)
+        started = time.monotonic()
+        sender.close()
+        with pytest.raises(TransportError):
+            receiving.result(timeout=15)
+    assert time.monotonic() - started < 5, "the receiver waited for the timeout instead of failing at once"
+    assert receiver.broken
+    receiver.close()
+
+
+# --- Broadcast mode in the round: layout, the driver's plan view, the sender's checksums -------------
+
+
+def broadcast_plan(mode: str = "broadcast", engines: int = 2, tp: int = 2, trainers: int = 2) -> Plan:
+    template = {"spec": {"containers": [{"name": "main"}]}}
+    spec = WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": trainers, "template": template},
+            "inference": {"engines": engines, "ranksPerEngine": tp, "ranksPerPod": tp, "template": template},
+            "transfer": {"mode": mode},
+        }
+    )
+    return plan_for(spec, group="g", namespace="ns")
+
+
+def test_members_are_one_per_engine_or_one_per_rank_after_the_sender() -> None:
+    plan = broadcast_plan(engines=2, tp=2)
+    per_engine = BroadcastLayout.of(plan.layout)
+    assert per_engine.world_size == 3 and per_engine.receivers == 2
+    assert per_engine.members == {0: (Member(1, (0, 1)),), 1: (Member(2, (0, 1)),)}
+    per_rank = BroadcastLayout.of(plan.layout, "rank")
+    assert per_rank.world_size == 5
+    assert per_rank.members[1] == (Member(3, (0,)), Member(4, (1,)))
+    assert per_rank.engine_of(4) == 1 and per_rank.engine_of(0) is None
+
+
+def test_the_round_plan_gives_rank_0_every_target_and_refuses_p2p_plans() -> None:
+    plan = broadcast_plan(trainers=3)
+    view = broadcast_round_plan(plan)
+    assert view.sources[0].targets == tuple(plan.layout.all_targets())
+    assert [a.targets for a in view.sources[1:]] == [(), ()]
+    assert view.hash == view.compute_hash() and view.layout == plan.layout and view.transfer == plan.transfer
+    with pytest.raises(ValueError, match="p2p mode"):
+        broadcast_round_plan(broadcast_plan("p2p"))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096, 1000])
+def test_sender_checksums_equal_those_of_the_model_own_resharding(bucket_bytes: int) -> None:
+    full = full_state(seed=3)
+    for rank in range(2):
+        weights = RankWeights(2, rank)
+        weights.load(shard(full, 2, rank))
+        manifest = weights.manifest(engine=0, session_id="local:0")
+        expected = [target_checksum(b) for b in plan_buckets(manifest, bucket_bytes)]
+        assert layout_checksums(manifest, full, bucket_bytes) == expected
+    other = dict(full, **{"lm_head.weight": full["lm_head.weight"] + 1})
+    assert layout_checksums(manifest, other, 1 << 20) != expected

@@ -18,7 +18,17 @@ SGLang routes (same paths and payloads; see docs/reference-engine.md for the sou
 * ``GET|POST /flush_cache``: accepted (no cache here).
 
 Extension routes under ``/weightsync/``: ``status``, ``stage``, ``begin``, ``verify``, ``commit``,
-``abort``, ``forward``.
+``abort``, ``forward``, ``checksums?rank=r&bucket_bytes=n`` (per-bucket xxh3 of what the rank's target
+memory holds now: how tests and operators check an engine's bytes without copying them out), and for
+broadcast mode (``transfer.mode: broadcast``):
+
+* ``POST /weightsync/broadcast {"init_method": "tcp://host:port", "world_size": W, "members": [{"group_rank":
+  g, "ranks": [r, ...]}], "backend": "auto", "timeout_seconds": T}``: join the group (answers once the whole
+  world has joined; joining again replaces the old group);
+* ``POST /weightsync/broadcast/receive {"version": v}``: needs the open round ``v``; starts receiving it in the
+  background into the live weights (live) or the staging twin (staged), each rank cutting its own shards
+  from the full tensors. ``verify`` of a rank waits for the receive to end and fails if it did not
+  deliver every part; ``commit`` is refused while it runs.
 
 **Invariant**: the reported weight version changes only on commit, and commit is refused unless, in the
 round for that version, the last verify of every rank succeeded for every bucket. A round is opened with
@@ -37,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -49,6 +61,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from weightsync_agent.broadcast_layout import Member
+from weightsync_agent.broadcast_target import BroadcastReceiver, Destination, Reception
 from weightsync_agent.engines.reference.model import (
     DEFAULT_CONFIG,
     ModelConfig,
@@ -59,7 +73,7 @@ from weightsync_agent.engines.reference.model import (
     shard,
 )
 from weightsync_agent.engines.staging import RankMemory, VerifyResult
-from weightsync_agent.transport.base import Transport
+from weightsync_agent.transport.base import Transport, TransportError
 
 MODEL_PATH = "weightsync/reference-transformer"
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -81,6 +95,7 @@ class Round:
     version: str
     staged: bool
     verified: dict[int, VerifyResult] = field(default_factory=dict)
+    reception: Reception | None = None  # broadcast mode: the latest receive of this round
 
 
 class ReferenceEngine:
@@ -122,6 +137,7 @@ class ReferenceEngine:
         self.pause_mode: str | None = None
         self.live_dirty = False
         self.round: Round | None = None
+        self.broadcast: BroadcastReceiver | None = None
         self.shutting_down = False
         self.closed = False
 
@@ -238,6 +254,7 @@ class ReferenceEngine:
                 "verified": {str(r): v.ok for r, v in sorted(self.round.verified.items())},
             },
             "sessions": [m.session_id for m in self.memory],
+            "broadcast": None if self.broadcast is None else self.broadcast.status(),
         }
 
     @property
@@ -255,10 +272,17 @@ class ReferenceEngine:
         return {"staged": self.staged}
 
     def begin(self, version: str) -> dict[str, Any]:
-        if self.round is not None:
-            if self.round.version == version:
-                return {"version": version, "staged": self.round.staged, "resumed": True}
-            raise EngineError(409, f"round for version {self.round.version} is open; commit or abort it first")
+        """Open round ``version``, superseding any open round.
+
+        A begin comes from the coordinator about to write. One that died mid-round leaves its round open
+        and its successor must be able to start, with the same version or another. The new round starts
+        with no rank verified (also when it repeats the open version), so its commit needs every rank
+        verified after this begin: whatever the dead round wrote counts only if it hashes right then.
+        """
+        current = self.round
+        if current is not None and current.reception is not None and current.reception.running:
+            # Its bytes would keep landing under the new round: wait for the receive to end.
+            raise EngineError(409, f"version {current.version} is still being received over the broadcast group")
         if version == self.weight_version and not self.live_dirty:
             raise EngineError(409, f"engine already holds version {version}")
         if not self.staged:
@@ -266,7 +290,9 @@ class ReferenceEngine:
                 raise EngineError(409, "live mode writes into the served weights: pause generation first")
             self.live_dirty = True
         self.round = Round(version, self.staged)
-        return {"version": version, "staged": self.round.staged, "resumed": False}
+        resumed = current is not None and current.version == version
+        superseded = current.version if current is not None and not resumed else None
+        return {"version": version, "staged": self.staged, "resumed": resumed, "superseded": superseded}
 
     def verify(self, rank: int, version: str, bucket_bytes: int, checksums: list[str]) -> dict[str, Any]:
         if not 0 <= rank < self.tp:
@@ -276,7 +302,11 @@ class ReferenceEngine:
         current = self.round
         if current is None or current.version != version:
             raise self._no_round(version)
-        result = self.memory[rank].verify(bucket_bytes, checksums)
+        received = None if current.reception is None else current.reception.error_for(rank)
+        if received is not None:  # broadcast: this rank does not hold the round, whatever its bytes hash to
+            result = VerifyResult(rank, bucket_bytes, 0, error=received, staged=current.staged)
+        else:
+            result = self.memory[rank].verify(bucket_bytes, checksums)
         current.verified[rank] = result  # the LAST verify of a rank is what commit looks at
         return {"version": version, **result.to_json()}
 
@@ -288,6 +318,8 @@ class ReferenceEngine:
         current = self.round
         if current is None or current.version != version:
             raise self._no_round(version)
+        if current.reception is not None and current.reception.running:
+            raise EngineError(409, f"version {version} is still being received over the broadcast group")
         unverified = [r for r in range(self.tp) if r not in current.verified]
         failed = [r for r, result in sorted(current.verified.items()) if not result.ok]
         if unverified or failed:
@@ -316,10 +348,65 @@ class ReferenceEngine:
         # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
         return {"aborted": current.version, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
 
+    # ---------------------------------------------------------------------------------- broadcast mode
+
+    def join_broadcast(
+        self, members: Sequence[Member], *, world_size: int, init_method: str, backend: str, timeout_seconds: float
+    ) -> dict[str, Any]:
+        """Join (or re-join) the broadcast group. Blocks until the whole world has joined: call off the loop."""
+        filled = sorted(r for m in members for r in m.ranks)
+        if filled != list(range(self.tp)):
+            raise EngineError(400, f"members must fill every rank 0..{self.tp - 1} exactly once, got {filled}")
+        if self.broadcast is not None and self.broadcast.busy:
+            raise EngineError(409, "a broadcast round is still being received; join again when it has ended")
+        old, self.broadcast = self.broadcast, None
+        if old is not None:
+            old.close()
+        try:
+            receiver = BroadcastReceiver(
+                members,
+                world_size=world_size,
+                init_method=init_method,
+                backend=backend,
+                timeout_seconds=timeout_seconds,
+            )
+        except (TransportError, ValueError) as exc:
+            raise EngineError(502, f"could not join the broadcast group: {exc}") from exc
+        self.broadcast = receiver
+        return {"joined": True, **receiver.status()}
+
+    def receive_broadcast(self, version: str) -> dict[str, Any]:
+        """Start receiving the open round's version over the broadcast group (returns at once)."""
+        current = self.round
+        if current is None or current.version != version:
+            raise self._no_round(version)
+        if self.broadcast is None:
+            raise EngineError(409, "not in a broadcast group: POST /weightsync/broadcast first")
+        try:
+            number = int(version)
+        except ValueError as exc:
+            raise EngineError(400, f"broadcast rounds carry integer versions, not {version!r}") from exc
+        destinations = {}
+        for rank, memory in enumerate(self.memory):
+            buffer = memory.staging if memory.staging is not None else self.weights[rank].buffer
+            destinations[rank] = Destination(memory.manifest().tensors, self.weights[rank].views(buffer))
+        try:
+            current.reception = self.broadcast.receive(number, destinations)
+        except TransportError as exc:
+            raise EngineError(409, str(exc)) from exc
+        current.verified.clear()  # earlier verifies were of bytes this receive overwrites
+        return {"receiving": version, "staged": current.staged}
+
+    def pending_reception(self) -> Reception | None:
+        reception = None if self.round is None else self.round.reception
+        return reception if reception is not None and reception.running else None
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.broadcast is not None:
+            self.broadcast.close()
         for memory in self.memory:
             memory.close()
 
@@ -448,6 +535,12 @@ def build_app(engine: ReferenceEngine) -> web.Application:
         checksums = body.get("checksums")
         if not isinstance(checksums, list) or not all(isinstance(c, str) for c in checksums):
             raise EngineError(400, "checksums must be a list of xxh3-64 hex strings")
+        reception = engine.pending_reception()
+        if reception is not None and engine.broadcast is not None:
+            # The sender is done when verify comes; this rank may still be cutting the last bucket.
+            received = asyncio.shield(asyncio.wrap_future(reception.done))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(received, engine.broadcast.timeout_seconds)
         result = engine.verify(
             _int(body.get("rank"), "rank"),
             _version(body.get("version")),
@@ -464,6 +557,50 @@ def build_app(engine: ReferenceEngine) -> web.Application:
         body = await _body(request)
         raw = body.get("version")
         return web.json_response(engine.abort(None if raw is None else _version(raw)))
+
+    async def join_broadcast(request: web.Request) -> web.Response:
+        body = await _body(request)
+        raw_members = body.get("members")
+        if not isinstance(raw_members, list) or not raw_members:
+            raise EngineError(400, "members must be a non-empty list of {group_rank, ranks}")
+        members = []
+        for raw in raw_members:
+            if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list):
+                raise EngineError(400, "each member is {group_rank: int, ranks: [int, ...]}")
+            ranks = tuple(_int(r, "members[].ranks[]") for r in raw["ranks"])
+            members.append(Member(_int(raw.get("group_rank"), "members[].group_rank"), ranks))
+        init_method, backend = body.get("init_method"), body.get("backend", "auto")
+        if not isinstance(init_method, str) or not isinstance(backend, str):
+            raise EngineError(400, "init_method and backend must be strings")
+        timeout = body.get("timeout_seconds", 300)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise EngineError(400, "timeout_seconds must be a positive number")
+        world_size = _int(body.get("world_size"), "world_size")
+        join = functools.partial(
+            engine.join_broadcast,
+            members,
+            world_size=world_size,
+            init_method=init_method,
+            backend=backend,
+            timeout_seconds=float(timeout),
+        )
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, join))
+
+    async def receive_broadcast(request: web.Request) -> web.Response:
+        body = await _body(request)
+        return web.json_response(engine.receive_broadcast(_version(body.get("version"))))
+
+    async def checksums(request: web.Request) -> web.Response:
+        rank = _query_rank(request)
+        if rank is None or not 0 <= rank < engine.tp:
+            raise EngineError(400, f"rank must be one of 0..{engine.tp - 1}")
+        try:
+            bucket_bytes = int(request.query.get("bucket_bytes", ""))
+        except ValueError:
+            raise EngineError(400, "bucket_bytes must be an integer") from None
+        if bucket_bytes <= 0:
+            raise EngineError(400, "bucket_bytes must be positive")
+        return web.json_response({"rank": rank, "checksums": engine.memory[rank].checksums(bucket_bytes)})
 
     async def forward(request: web.Request) -> web.Response:
         body = await _body(request)
@@ -499,6 +636,9 @@ def build_app(engine: ReferenceEngine) -> web.Application:
             web.post("/weightsync/commit", commit),
             web.post("/weightsync/abort", abort),
             web.post("/weightsync/forward", forward),
+            web.get("/weightsync/checksums", checksums),
+            web.post("/weightsync/broadcast", join_broadcast),
+            web.post("/weightsync/broadcast/receive", receive_broadcast),
         ]
     )
     return app
@@ -610,11 +750,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="transport timeout, seconds")
     parser.add_argument("--staged", action="store_true", help="start in staged mode")
     parser.add_argument("--layers", type=int, default=DEFAULT_CONFIG.num_layers, help="transformer blocks")
+    parser.add_argument(
+        "--model-config",
+        type=json.loads,
+        default={},
+        help='more ModelConfig fields as JSON, e.g. \'{"hidden_size": 1024, "head_dim": 128}\' (benchmarks)',
+    )
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = ModelConfig(num_layers=args.layers)
+    config = ModelConfig(**{"num_layers": args.layers, **args.model_config})
     transports: list[Transport] = []
     try:
         for _ in range(args.tp):

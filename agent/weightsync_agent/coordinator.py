@@ -1,0 +1,260 @@
+"""The coordinator: trainer rank 0's agent runs every sync round of the group.
+
+A regular round starts when trainer rank 0 publishes a version: the coordinator builds a
+:class:`~weightsync_agent.rounds.RoundDriver` over every engine's HTTP API and every trainer rank (its
+own ranks in this process, the others through their agents), runs it, and on success tells every
+source the version is committed. The result goes on the coordinator's own pod (the operator folds it
+into the group's ``status.lastSync``) and into its metrics.
+
+A catch-up round brings engines that hold another version than the last committed one (a joining
+engine, one that was restarted) to that version from the replicas, covering only them: the other
+engines are neither paused nor touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from weightsync.plan import Plan
+from weightsync_agent import metrics
+from weightsync_agent.directory import Directory, DirectoryError
+from weightsync_agent.engines.api import EngineAPIError, EngineClient
+from weightsync_agent.engines.control import HttpEngineControl
+from weightsync_agent.remote import AgentClient, AgentError, HttpSourceControl
+from weightsync_agent.rounds import EngineControl, RoundDriver, RoundError, RoundResult, SourceControl, SourceReport
+from weightsync_agent.source import MiB
+from weightsync_agent.source_agent import SourceAgent
+
+log = logging.getLogger("weightsync.agent.coordinator")
+
+Reporter = Callable[[RoundResult, int | None], None]  # (round, committed version)
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: RoundResult
+    at: float  # time.time() when it finished, to tell a retry's result from an earlier one's
+
+
+class LocalRankSource:
+    """One of this agent's own trainer ranks as a ``SourceControl``."""
+
+    def __init__(
+        self,
+        agent: SourceAgent,
+        source: int,
+        *,
+        plan_hash: str,
+        engines: Collection[int] | None = None,
+        catch_up: bool = False,
+    ) -> None:
+        self.agent = agent
+        self.source = source
+        self.plan_hash = plan_hash
+        self.engines = engines
+        self.catch_up = catch_up
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        return self.agent.publish(
+            self.source, version, deadline, plan_hash=self.plan_hash, engines=self.engines, catch_up=self.catch_up
+        )
+
+
+class Coordinator:
+    def __init__(
+        self,
+        group: str,
+        local: SourceAgent,
+        directory: Directory,
+        *,
+        report: Reporter | None = None,
+        call_timeout: float = 30.0,
+        retries: int = 1,
+    ) -> None:
+        self.group = group
+        self.local = local
+        self.directory = directory
+        self.report = report
+        self.call_timeout = call_timeout
+        self.retries = retries
+        self.committed: int | None = None
+        self.finished: dict[int, Finished] = {}
+        self._round = threading.Lock()
+        self._cond = threading.Condition()
+
+    # --- Rounds ----------------------------------------------------------------------------------
+
+    def run_round(self, version: int) -> RoundResult:
+        """Sync ``version`` to every engine (trainer rank 0 calls this through its publish)."""
+        with self._round:
+            if self.committed is not None and version <= self.committed:
+                return self._finish(
+                    self._refused(version, f"version {version} is not newer than committed {self.committed}"),
+                    "regular",
+                )
+            plan = self.local.plan
+            if plan is None:
+                return self._finish(self._refused(version, "the sources are not built yet"), "regular")
+            try:
+                engines = self._engines(plan, range(plan.layout.engines))
+                sources = self._sources(plan, None, catch_up=False)
+                driver = self._driver(plan, engines, sources, None)
+            except (DirectoryError, RoundError) as exc:
+                return self._finish(self._refused(version, str(exc)), "regular")
+            try:
+                result = driver.run(version)
+            finally:
+                driver.close()
+            if result.result == "Succeeded":
+                self.committed = version
+                self._tell_committed(plan, version)
+            return self._finish(result, "regular")
+
+    def catch_up(self) -> RoundResult | None:
+        """Bring engines that answer with another version than the committed one up to it."""
+        with self._round:
+            plan, version = self.local.plan, self.committed
+            if plan is None or version is None:
+                return None
+            lagging = [e for e in range(plan.layout.engines) if self._lags(e, version)]
+            if not lagging:
+                return None
+            log.info("engines %s do not hold committed version %d: catching them up", lagging, version)
+            try:
+                driver = self._driver(
+                    plan, self._engines(plan, lagging), self._sources(plan, lagging, catch_up=True), lagging
+                )
+            except (DirectoryError, RoundError) as exc:
+                log.warning("catch-up of engines %s not possible yet: %s", lagging, exc)
+                return None
+            try:
+                result = driver.run(version)
+            finally:
+                driver.close()
+            if result.result != "Succeeded":
+                reason = f"catch-up of engines {lagging}: {result.reason}"
+                result = dataclasses.replace(result, reason=reason)
+            return self._finish(result, "catch-up")
+
+    def wait(self, version: int, timeout: float, after: float = 0.0) -> RoundResult | None:
+        """The result of round ``version`` finished after ``after`` (``time.time()``), waiting up to ``timeout``."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                done = self.finished.get(version)
+                if done is not None and done.at >= after:
+                    return done.result
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    # --- Pieces ----------------------------------------------------------------------------------
+
+    def _driver(
+        self,
+        plan: Plan,
+        engines: dict[int, EngineControl],
+        sources: dict[int, SourceControl],
+        covering: Collection[int] | None,
+    ) -> RoundDriver:
+        transfer = plan.transfer
+        return RoundDriver(
+            plan,
+            engines,
+            sources,
+            staging=transfer.target_staging,
+            verify=transfer.verify,
+            timeout_seconds=float(transfer.timeout_seconds),
+            call_timeout=self.call_timeout,
+            retries=self.retries,
+            covering=covering,
+        )
+
+    def _engines(self, plan: Plan, which: Collection[int]) -> dict[int, EngineControl]:
+        bucket_bytes = plan.transfer.bucket_size_mi_b * MiB
+        return {
+            e: HttpEngineControl(
+                e, EngineClient(self.directory.engine_url(e), timeout=self.call_timeout), bucket_bytes=bucket_bytes
+            )
+            for e in which
+        }
+
+    def _sources(self, plan: Plan, engines: Collection[int] | None, *, catch_up: bool) -> dict[int, SourceControl]:
+        out: dict[int, SourceControl] = {}
+        clients: dict[int, AgentClient] = {}
+        for assignment in plan.sources:
+            rank = assignment.source
+            if not any(engines is None or t[0] in engines for t in assignment.targets):
+                continue
+            if rank in self.local.ranks:
+                out[rank] = LocalRankSource(self.local, rank, plan_hash=plan.hash, engines=engines, catch_up=catch_up)
+                continue
+            pod = plan.layout.source_pod(rank)[0]
+            if pod not in clients:
+                clients[pod] = AgentClient(self.directory.trainer_url(pod), timeout=self.call_timeout)
+            out[rank] = HttpSourceControl(clients[pod], rank, plan_hash=plan.hash, engines=engines, catch_up=catch_up)
+        return out
+
+    def _lags(self, engine: int, version: int) -> bool:
+        try:
+            held = EngineClient(self.directory.engine_url(engine), timeout=min(self.call_timeout, 5.0)).weight_version()
+        except (DirectoryError, EngineAPIError):
+            return False  # not up yet: caught up once it answers
+        return held != str(version)
+
+    def _tell_committed(self, plan: Plan, version: int) -> None:
+        for assignment in plan.sources:
+            rank = assignment.source
+            try:
+                if rank in self.local.ranks:
+                    self.local.committed(rank, version)
+                else:
+                    pod = plan.layout.source_pod(rank)[0]
+                    AgentClient(self.directory.trainer_url(pod), timeout=self.call_timeout).committed(rank, version)
+            except (AgentError, DirectoryError) as exc:
+                # Only costs that rank's catch-ups until the next round; the round itself committed.
+                log.warning("could not tell source %d that version %d is committed: %s", rank, version, exc)
+
+    def _refused(self, version: int, reason: str) -> RoundResult:
+        return RoundResult(
+            version=version,
+            result="Failed",
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            duration_seconds=0.0,
+            bytes=0,
+            gbps=0.0,
+            attempts=0,
+            reason=f"round not started: {reason}",
+        )
+
+    def _finish(self, result: RoundResult, kind: str) -> RoundResult:
+        metrics.ROUNDS.labels(self.group, kind, result.result).inc()
+        metrics.ROUND_SECONDS.labels(self.group, kind).observe(result.duration_seconds)
+        if result.result == "Succeeded":
+            metrics.ROUND_BYTES.labels(self.group, kind).inc(result.bytes)
+            metrics.WEIGHT_VERSION.labels(self.group).set(result.version)
+        (log.info if result.result == "Succeeded" else log.warning)(
+            "%s round v%d: %s in %.3f s, %d B%s",
+            kind,
+            result.version,
+            result.result,
+            result.duration_seconds,
+            result.bytes,
+            f" ({result.reason})" if result.reason else "",
+        )
+        with self._cond:
+            if kind == "regular":
+                self.finished[result.version] = Finished(result, time.time())
+            self._cond.notify_all()
+        if self.report is not None:
+            try:
+                self.report(result, self.committed)
+            except Exception as exc:  # reporting must not undo a round; the next report retries
+                log.warning("could not report round v%d on the pod: %s", result.version, exc)
+        return result

@@ -1,0 +1,128 @@
+"""Where the group's peers answer: each engine's HTTP API and each trainer pod's agent.
+
+Under the operator, agents advertise themselves on their own pods (annotations
+``weightsync.io/engine-url`` and ``weightsync.io/agent-url``), which every agent of the group may read by
+pod name; a pod that has not advertised yet falls back to its DNS name through the group's headless
+Service. Local runs without a cluster name every URL in a small JSON file instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from weightsync.api import names
+from weightsync.plan import Layout
+
+
+class DirectoryError(LookupError):
+    """A peer's address is unknown."""
+
+
+class Directory(Protocol):
+    def engine_url(self, engine: int) -> str:
+        """The HTTP base URL of engine ``engine`` (its rank-0 server, as for SGLang)."""
+        ...
+
+    def trainer_url(self, pod: int) -> str:
+        """The agent URL of trainer pod ``pod``."""
+        ...
+
+
+class StaticDirectory:
+    """Fixed URLs, e.g. from ``WEIGHTSYNC_DIRECTORY_FILE``: ``{"engines": {...}, "trainers": {...}}``."""
+
+    def __init__(self, engines: Mapping[int, str], trainers: Mapping[int, str]) -> None:
+        self.engines = dict(engines)
+        self.trainers = dict(trainers)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> StaticDirectory:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(
+                {int(k): str(v) for k, v in data.get("engines", {}).items()},
+                {int(k): str(v) for k, v in data.get("trainers", {}).items()},
+            )
+        except (OSError, ValueError, AttributeError) as exc:
+            raise DirectoryError(f"cannot read the directory file {path}: {exc}") from exc
+
+    def to_json(self) -> dict[str, dict[str, str]]:
+        return {
+            "engines": {str(k): v for k, v in sorted(self.engines.items())},
+            "trainers": {str(k): v for k, v in sorted(self.trainers.items())},
+        }
+
+    def engine_url(self, engine: int) -> str:
+        try:
+            return self.engines[engine]
+        except KeyError:
+            raise DirectoryError(f"no URL for engine {engine} in the directory") from None
+
+    def trainer_url(self, pod: int) -> str:
+        try:
+            return self.trainers[pod]
+        except KeyError:
+            raise DirectoryError(f"no URL for trainer pod {pod} in the directory") from None
+
+
+class FileDirectory:
+    """A :class:`StaticDirectory` read from a file, re-read when the file changes (peers join)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int] | None = None
+        self._current = StaticDirectory({}, {})
+        self._refresh()
+
+    def _refresh(self) -> StaticDirectory:
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            raise DirectoryError(f"cannot read the directory file {self.path}: {exc}") from exc
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp != self._stamp:
+            self._current = StaticDirectory.from_file(self.path)
+            self._stamp = stamp
+        return self._current
+
+    def engine_url(self, engine: int) -> str:
+        return self._refresh().engine_url(engine)
+
+    def trainer_url(self, pod: int) -> str:
+        return self._refresh().trainer_url(pod)
+
+
+class PodDirectory:
+    """Reads the URLs the agents advertised on their pods; DNS names when none is there yet."""
+
+    def __init__(self, core_api: Any, namespace: str, group: str, layout: Layout) -> None:
+        self.api = core_api
+        self.namespace = namespace
+        self.group = group
+        self.layout = layout
+
+    def _advertised(self, pod: str, annotation: str) -> str | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            found = self.api.read_namespaced_pod(pod, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise DirectoryError(f"pod {pod} does not exist (yet)") from exc
+            raise DirectoryError(f"cannot read pod {pod}: {exc.status} {exc.reason}") from exc
+        value = (found.metadata.annotations or {}).get(annotation)
+        return str(value) if value else None
+
+    def _dns(self, pod: str, port: int) -> str:
+        return f"http://{pod}.{names.service(self.group)}.{self.namespace}.svc:{port}"
+
+    def engine_url(self, engine: int) -> str:
+        pod = names.engine_pod(self.group, engine, 0)
+        return self._advertised(pod, names.ANNOTATION_ENGINE_URL) or self._dns(pod, self.layout.engine_port)
+
+    def trainer_url(self, pod: int) -> str:
+        name = names.trainer_pod(self.group, pod)
+        return self._advertised(name, names.ANNOTATION_AGENT_URL) or self._dns(name, self.layout.agent_port)

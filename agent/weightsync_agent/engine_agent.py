@@ -1,0 +1,81 @@
+"""An inference pod's agent: advertises its engine, checks it serves a usable manifest, reports its version.
+
+The engine (SGLang or the reference engine) does the receiving itself: sources write into the memory it
+registered and the coordinator drives its pause/verify/commit routes. The agent's part is what the
+operator and the other agents need to know about this pod: the engine's URL (annotation
+``weightsync.io/engine-url``, so sources and the coordinator find it), whether it is up with a manifest
+that parses (the ``weightsync.io/agent-ready`` condition), and the version it fully holds (annotation
+``weightsync.io/weight-version``, which the engine changes only on a verified commit).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api import names
+from weightsync_agent import metrics
+from weightsync_agent.engines.api import EngineAPIError, EngineClient
+
+log = logging.getLogger("weightsync.agent.engine")
+
+SetReady = Callable[[bool, str, str], None]
+Annotate = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class EngineState:
+    ready: bool = False
+    reason: str = ""
+    version: str | None = None
+
+
+class EngineAgent:
+    def __init__(
+        self,
+        group: str,
+        engine_url: str,
+        ranks: tuple[int, ...],
+        *,
+        advertise: bool,
+        set_ready: SetReady | None = None,
+        annotate: Annotate | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self.group = group
+        self.engine = EngineClient(engine_url, timeout=timeout)
+        self.ranks = ranks
+        self.advertise = advertise  # only the engine's first pod hosts its HTTP server
+        self.set_ready = set_ready
+        self.annotate = annotate
+        self.state = EngineState()
+        self._advertised = False
+
+    def check(self) -> EngineState:
+        """One look at the engine; report what changed."""
+        if self.advertise and not self._advertised and self.annotate is not None:
+            self.annotate({names.ANNOTATION_ENGINE_URL: self.engine.base_url})
+            self._advertised = True
+        try:
+            if self.advertise and not self.state.ready:
+                # Parse and check each rank's manifest once per (re)start: a bad one keeps the pod unready.
+                for rank in self.ranks:
+                    self.engine.manifest(rank)
+            version = self.engine.weight_version() if self.advertise else None
+            ready, reason, message = True, "EngineServing", f"engine at {self.engine.base_url} answers"
+        except EngineAPIError as exc:
+            version = self.state.version
+            ready, reason, message = False, "EngineUnavailable", str(exc)
+        if (ready, reason) != (self.state.ready, self.state.reason) and self.set_ready is not None:
+            self.set_ready(ready, reason, message)
+            (log.info if ready else log.warning)("engine %s: %s", reason, message)
+        if version != self.state.version and version is not None:
+            if self.annotate is not None:
+                self.annotate({names.ANNOTATION_WEIGHT_VERSION: version})
+            if version.isdigit():
+                metrics.WEIGHT_VERSION.labels(self.group).set(int(version))
+            log.info("engine holds weight version %s", version)
+        self.state = EngineState(ready, reason, version if version is not None else self.state.version)
+        return self.state

@@ -1,0 +1,153 @@
+"""Sync rounds through the agents: ``weightsync agent`` processes, reference engine processes, Mooncake TCP.
+
+The trainer side is this test process: per trainer rank it attaches to that rank's replica files (built
+by its agent from the engines' manifests), stages and calls ``publish(v)`` on every rank, as trainer
+code does in a pod. Rank 0's agent coordinates. Checked: bytes on every engine rank equal an independent
+resharding of the trainer's tensors, forward outputs match, a killed source agent fails the round
+without any engine claiming the version and a retry after restarting it lands, and a joining engine
+gets the committed version from the replicas without the others being paused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from sync_helpers import TOKENS, expected_checksums, training_step
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_agent.client import WeightSyncClient
+from weightsync_agent.engines.reference.model import forward_full, full_state
+from weightsync_agent.local_group import LocalGroup
+from weightsync_agent.remote import AgentClient
+
+TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
+
+
+def spec(staging: str = "live") -> WeightSyncGroupSpec:
+    return WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": 2, "template": TEMPLATE},
+            "inference": {
+                "engines": 2,
+                "ranksPerEngine": 2,
+                "ranksPerPod": 2,
+                "adapter": "reference",
+                "template": TEMPLATE,
+            },
+            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 20, "targetStaging": staging},
+        }
+    )
+
+
+@pytest.fixture(params=["live", "staged"])
+def group(request: pytest.FixtureRequest) -> Iterator[LocalGroup]:
+    with LocalGroup(spec(request.param), group=f"t-{request.param}").start() as running:
+        yield running
+
+
+def publish_all(clients: list[WeightSyncClient], full: dict[str, torch.Tensor], version: int) -> list[object]:
+    """Every rank stages and publishes, concurrently, as a trainer's ranks do."""
+    outcomes: list[object] = [None] * len(clients)
+
+    def rank(index: int) -> None:
+        clients[index].stage_many(full)
+        try:
+            outcomes[index] = clients[index].publish(version, check=False)
+        except Exception as exc:  # recorded: the test asserts on it
+            outcomes[index] = exc
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return outcomes
+
+
+def assert_engines_hold(group: LocalGroup, full: dict[str, torch.Tensor], version: int) -> None:
+    bucket_bytes = group.plan.transfer.bucket_size_mi_b << 20
+    logits = forward_full(full, TOKENS)
+    for index, engine in group.engines.items():
+        client = engine.client()
+        assert client.weight_version() == str(version), f"engine {index}"
+        for rank in range(group.plan.layout.ranks_per_engine):
+            assert client.checksums(rank, bucket_bytes) == expected_checksums(full, rank, bucket_bytes), (index, rank)
+        torch.testing.assert_close(torch.tensor(client.forward(TOKENS)), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_rounds_through_agents_are_bit_exact_and_reported(group: LocalGroup) -> None:
+    clients = [group.client(rank) for rank in range(2)]
+    full = full_state(seed=3)
+    try:
+        for version in (1, 2):
+            full = training_step(full, version)
+            outcomes = publish_all(clients, full, version)
+            for outcome in outcomes:
+                assert getattr(outcome, "ok", False), outcome
+            assert_engines_hold(group, full, version)
+        state = AgentClient(group.agents[0].url).state()
+        assert state["coordinator"] and state["committed"] == 2
+        metrics = AgentClient(group.agents[0].url).http.request("GET", "/metrics")[1]
+        assert 'weightsync_agent_rounds_total{group="t-' in metrics
+        assert "weightsync_agent_weight_version" in metrics and " 2.0" in metrics
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_source_agent_killed_mid_round_fails_it_and_a_retry_lands(group: LocalGroup) -> None:
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        full = training_step(full_state(seed=3), 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, full, 1))
+        before = {i: e.client().weight_version() for i, e in group.engines.items()}
+        # Rank 1's agent dies before its rank says v2 is staged: the coordinator's call to it fails.
+        group.agents[1].stop(kill=True)
+        full2 = training_step(full, 2)
+        clients[0].stage_many(full2)
+        outcome = clients[0].publish(2, check=False)
+        assert not outcome.ok
+        reason = outcome.round.reason or ""  # type: ignore[attr-defined]
+        assert "source 1" in reason, reason
+        for index, engine in group.engines.items():
+            assert engine.client().weight_version() == before[index]  # nobody claims v2
+        # The agent comes back (same pod, same replica files); every rank publishes v2 again.
+        group.start_agent(1)
+        group.wait_built(60)
+        clients[1].close()
+        clients[1] = group.client(1)
+        outcomes = publish_all(clients, full2, 2)
+        assert all(getattr(o, "ok", False) for o in outcomes), outcomes
+        assert_engines_hold(group, full2, 2)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(group: LocalGroup) -> None:
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        full = training_step(full_state(seed=3), 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, full, 1))
+        plan = group.scale_engines(3)
+        group.wait_built(60, plan_hash=plan.hash)
+        joiner = group.engines[2].client()
+        deadline = time.monotonic() + 60
+        while joiner.weight_version() != "1":
+            assert time.monotonic() < deadline, "the joiner did not catch up"
+            for index in (0, 1):  # the others keep serving throughout
+                status = group.engines[index].client().status()
+                assert not status["paused"] and status["weight_version"] == "1"
+            time.sleep(0.2)
+        assert_engines_hold(group, full, 1)
+        # The next version reaches all three engines.
+        full2 = training_step(full, 2)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, full2, 2))
+        assert_engines_hold(group, full2, 2)
+    finally:
+        for client in clients:
+            client.close()

@@ -1,0 +1,202 @@
+"""Broadcast mode through the round protocol: 2 trainer ranks (rank 0 sends) -> 2 engines x TP2.
+
+Real engine processes, real gloo over TCP loopback, the same RoundDriver as p2p. After each training
+step and round, every engine rank holds the trainer's shards bit for bit (the sender's checksums, which
+the engines verified, equal an independent resharding with the model's own ``shard()``), and the
+engines' logits match the trainer's full model. Live and staged. A fault test kills an engine while the
+buckets are on the wire: the round fails, and the survivor does not claim the version.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.plan import Plan, plan_for
+from weightsync_agent.broadcast_layout import broadcast_round_plan
+from weightsync_agent.broadcast_source import BroadcastSource
+from weightsync_agent.buckets import plan_buckets
+from weightsync_agent.checksums import checksum_ranges
+from weightsync_agent.engines.control import HttpEngineControl
+from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
+from weightsync_agent.engines.reference.model import ModelConfig, RankWeights, forward_full, full_state, shard
+from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
+
+TP = 2
+ENGINES = 2
+LAYERS = 12  # about 1.8 MB of full tensors: two 1 MiB broadcast buckets, so a kill can land mid-broadcast
+CONFIG = ModelConfig(num_layers=LAYERS)
+TOKENS = [3, 14, 15, 92, 65, 35]
+TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
+
+Rig = tuple[Plan, list[EngineProcess], BroadcastSource]
+
+
+def group_plan(staging: str) -> Plan:
+    spec = WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": 2, "template": TEMPLATE},
+            "inference": {
+                "engines": ENGINES,
+                "ranksPerEngine": TP,
+                "ranksPerPod": TP,
+                "adapter": "reference",
+                "template": TEMPLATE,
+            },
+            "transfer": {
+                "mode": "broadcast",
+                "bucketSizeMiB": 1,
+                "timeoutSeconds": 20,
+                "targetStaging": staging,
+            },
+        }
+    )
+    return plan_for(spec, group="g", namespace="ns")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def training_step(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return {name: t - 0.01 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for name, t in full.items()}
+
+
+def expected_checksums(full: dict[str, torch.Tensor], rank: int, bucket_bytes: int) -> list[str]:
+    """What the engine rank must hold, computed independently: the model's own shard() in a local buffer."""
+    weights = RankWeights(TP, rank, CONFIG)
+    weights.load(shard(full, TP, rank))
+    manifest = weights.manifest(engine=0, session_id="local:0")
+    return [
+        checksum_ranges([(p.remote_address, p.length) for p in b.pieces]) for b in plan_buckets(manifest, bucket_bytes)
+    ]
+
+
+class IdleTrainerRank:
+    """Trainer rank 1: in broadcast mode it has nothing to send, so the driver must never ask it."""
+
+    source = 1
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        raise AssertionError("trainer rank 1 was asked to publish in broadcast mode")
+
+
+class RecordingSource:
+    """Rank 0's SourceControl, keeping its last report (the checksums the engines verified against)."""
+
+    def __init__(self, inner: BroadcastSource) -> None:
+        self.inner = inner
+        self.source = inner.source
+        self.reports: list[SourceReport] = []
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        report = self.inner.publish(version, deadline)
+        self.reports.append(report)
+        return report
+
+
+@pytest.fixture(params=["live", "staged"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    staging = request.param
+    plan = group_plan(staging)
+    extra = ("--layers", str(LAYERS))
+    engines: list[EngineProcess] = []
+    source: BroadcastSource | None = None
+    try:
+        for e in range(ENGINES):
+            engines.append(launch_engine(e, TP, seed=7 + e, staged=staging == "staged", extra=extra))
+        clients = {e: engines[e].client() for e in range(ENGINES)}
+        manifests = {t: clients[t[0]].manifest(t[1]) for t in plan.layout.all_targets()}
+        source = BroadcastSource(plan, manifests, clients, call_timeout=10)
+        source.connect(f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+        yield plan, engines, source
+    finally:
+        if source is not None:
+            source.close()
+        for engine in engines:
+            engine.stop()
+
+
+def driver_for(plan: Plan, engines: list[EngineProcess], sources: dict[int, SourceControl], **kw: float) -> RoundDriver:
+    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
+    controls = {e: HttpEngineControl(e, engines[e].client(), bucket_bytes=bucket_bytes) for e in range(ENGINES)}
+    return RoundDriver(
+        broadcast_round_plan(plan), controls, sources, staging=plan.transfer.target_staging,
+        timeout_seconds=kw.get("timeout_seconds", 20), call_timeout=kw.get("call_timeout", 10),
+        retries=int(kw.get("retries", 1)),
+    )  # fmt: skip
+
+
+def test_rank0_broadcast_syncs_two_tp2_engines_bit_exactly(rig: Rig) -> None:
+    plan, engines, broadcast = rig
+    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
+    sender = RecordingSource(broadcast)
+    driver = driver_for(plan, engines, {0: sender, 1: IdleTrainerRank()})
+    full = full_state(seed=1, config=CONFIG)
+    try:
+        for version in (1, 2):
+            full = training_step(full, version)
+            broadcast.stage_many(full)
+            result = driver.run(version)
+            assert result.result == "Succeeded", result.reason
+            assert result.attempts == 1 and result.bytes > 0
+            # The engines verified their bytes against the sender's checksums; those must in turn equal an
+            # independent resharding of the trainer's tensors: so every engine rank holds exactly it.
+            report = sender.reports[-1]
+            assert sorted(report.checksums) == sorted(plan.layout.all_targets())
+            for (engine, rank), sums in report.checksums.items():
+                assert list(sums) == expected_checksums(full, rank, bucket_bytes), (engine, rank)
+            reference_logits = forward_full(full, TOKENS, CONFIG)
+            for process in engines:
+                client = process.client()
+                assert client.weight_version() == str(version)
+                logits = torch.tensor(client.forward(TOKENS))
+                torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
+                last = client.status()["broadcast"]["last"]
+                assert last["version"] == version and last["errors"] == {} and not last["running"]
+            broadcast.reset()
+    finally:
+        driver.close()
+
+
+def test_an_engine_killed_mid_broadcast_fails_the_round_and_no_engine_claims_it(rig: Rig) -> None:
+    plan, engines, broadcast = rig
+    victim, survivor = engines[1], engines[0].client()
+    staged = plan.transfer.target_staging == "staged"
+    before_version = survivor.weight_version()
+    before_logits = survivor.forward(TOKENS) if staged else None
+    buckets_sent: list[int] = []
+
+    def kill_after_first_bucket(index: int, nbytes: int) -> None:
+        buckets_sent.append(index)
+        if index == 0:
+            victim.process.kill()
+            victim.process.wait()
+
+    broadcast.progress = kill_after_first_bucket
+    broadcast.stage_many(training_step(full_state(seed=1, config=CONFIG), 1))
+    driver = driver_for(plan, engines, {0: broadcast}, timeout_seconds=20, call_timeout=5, retries=1)
+    try:
+        result = driver.run(5)
+    finally:
+        driver.close()
+    assert buckets_sent and buckets_sent[0] == 0  # the kill happened with the round on the wire
+    assert result.result == ("Aborted" if staged else "Failed")
+    assert "engine 1" in (result.reason or ""), result.reason
+    # The survivor may have received every byte it was sent, yet it must not claim v5.
+    assert survivor.weight_version() == before_version
+    status = survivor.status()
+    assert status["weight_version"] == before_version
+    if staged:
+        assert status["round"] is None  # aborted
+        assert survivor.forward(TOKENS) == before_logits  # still serving v-1, untouched
+    else:
+        assert result.engines_paused and status["paused"] and status["live_dirty"]
+    assert broadcast.group is None  # torn down: the next round needs connect() again
