@@ -245,18 +245,19 @@ def new_transport(mode: str) -> Any:
 
 
 def nvlink_transport() -> Any:
-    """Our ``MooncakeTransport`` with the three changes Mooncake's intra-node NVLink transport needs.
+    """Our ``MooncakeTransport`` with the changes Mooncake's intra-node NVLink transport needs.
 
-    Measured on 2 H100s with mooncake-transfer-engine-cuda13 0.3.14 (docs/gpu.md):
+    Seen on 2 H100s with mooncake-transfer-engine-cuda13 0.3.14 (docs/gpu.md has the exact errors):
 
     1. ``register_memory`` of pinned host memory returns -1 ("Unsupported memory type") although
        writes from it work: recorded in ``rejected`` instead of raised (every write is verified).
-    2. The per-peer engine is created on the handshake thread, which has no current CUDA context, so
-       registering GPU memory there failed (``cuMemGetAddressRange`` error 201, invalid context): make
-       the device's primary context current on that thread first.
-    3. The handshake, a zero-length write to remote address 0, fails ("Requested address 0 to 0 not
+    2. The handshake, a zero-length write to remote address 0, fails ("Requested address 0 to 0 not
        found!", ``transfer_submit_write`` returns 0): no separate handshake; the first write opens the
        peer's segment.
+    3. A second engine in the process (ours makes one per peer, on the handshake thread) could not
+       register GPU memory (``cuMemGetAddressRange`` error 201, then 500 with the device's context
+       made current on that thread) and the process died at the first write: every peer shares the
+       home engine, as in Mooncake's own examples.
     """
     from weightsync_agent.transport import mooncake as mc
     from weightsync_agent.transport.mooncake_link import PeerLink
@@ -268,12 +269,7 @@ def nvlink_transport() -> Any:
     class NvlinkTransport(mc.MooncakeTransport):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.rejected: list[str] = []
-            self.device = torch.cuda.current_device()
             super().__init__(*args, **kwargs)
-
-        def _new_engine(self) -> Any:
-            torch.cuda.synchronize(self.device)  # binds the primary context to this thread
-            return super()._new_engine()
 
         def _register_on(self, engine: Any, address: int, nbytes: int) -> None:  # type: ignore[override]
             rc = engine.register_memory(address, nbytes)
@@ -285,7 +281,7 @@ def nvlink_transport() -> Any:
                 self._check_open()
                 link = self._links.get(peer)
                 if link is None:
-                    link = self._links[peer] = NvlinkPeerLink(peer, self._new_engine, self.timeout_seconds)
+                    link = self._links[peer] = NvlinkPeerLink(peer, lambda: self._home, self.timeout_seconds)
                 return link
 
     return NvlinkTransport(HOST, "auto", timeout_seconds=20.0)
@@ -293,6 +289,9 @@ def nvlink_transport() -> Any:
 
 def worker(conn: Connection, role: str, rank: int, cfg: dict[str, Any]) -> None:
     """A child process: build the role, then answer ``(method, kwargs)`` until ``quit``."""
+    import faulthandler
+
+    faulthandler.enable()  # a crash inside Mooncake prints the Python stack
     os.environ.update(cfg.get("env", {}))
     for name in cfg.get("unset", ()):
         os.environ.pop(name, None)
@@ -597,7 +596,10 @@ class Party:
         child.close()
 
     def send(self, method: str, **kwargs: Any) -> None:
-        self.conn.send((method, kwargs))
+        try:
+            self.conn.send((method, kwargs))
+        except OSError as exc:
+            raise BenchError(f"{self.name}: the process is gone (exit code {self.process.exitcode}): {exc}") from exc
 
     def recv(self, timeout: float = CALL_TIMEOUT) -> Any:
         if not self.conn.poll(timeout):
@@ -605,6 +607,7 @@ class Party:
         try:
             status, value = self.conn.recv()
         except EOFError:
+            self.process.join(2)
             raise BenchError(f"{self.name}: the process died (exit code {self.process.exitcode})") from None
         if status != "ok":
             raise BenchError(f"{self.name} failed:\n{value}")

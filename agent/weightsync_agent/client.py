@@ -309,15 +309,24 @@ class WeightSyncClient:
             agent_url = f"http://127.0.0.1:{config.agent_port}"
             wait_for_sidecar(agent_url, sidecar_timeout)
             publisher = SidecarPublisher(agent_url, rank)
-        return cls(ReplicaSet.attach(path), publisher, source_rank=rank, timeout=timeout)
+        # A rank may hold no replica: in broadcast mode only rank 0 stages (the full tensors).
+        replicas = ReplicaSet.attach(path) if any(path.glob("*.replica")) else ReplicaSet([])
+        return cls(replicas, publisher, source_rank=rank, timeout=timeout)
 
     # --- Staging -------------------------------------------------------------------------------
 
     def stage(self, name: str, tensor: torch.Tensor, *, strict: bool = True) -> int:
-        """Copy the full tensor ``name`` into every replica part cut from it (see ReplicaSet.stage)."""
+        """Copy the full tensor ``name`` into every replica part cut from it (see ReplicaSet.stage).
+
+        A rank without replicas (broadcast mode, ranks other than 0) stages nothing and only publishes.
+        """
+        if not len(self.replicas):
+            return 0
         return self.replicas.stage(name, tensor, strict=strict)
 
     def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        if not len(self.replicas):
+            return 0
         return self.replicas.stage_many(tensors)
 
     def expected(self) -> set[str]:

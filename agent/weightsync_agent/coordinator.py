@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from weightsync.plan import Plan
 from weightsync_agent import metrics
+from weightsync_agent.broadcast_layout import broadcast_round_plan
+from weightsync_agent.broadcast_source import BroadcastSource, BroadcastStageError
 from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.engines.api import EngineAPIError, EngineClient
 from weightsync_agent.engines.control import HttpEngineControl
 from weightsync_agent.remote import AgentClient, AgentError, HttpSourceControl
+from weightsync_agent.replica import ReplicaError
 from weightsync_agent.rounds import EngineControl, RoundDriver, RoundError, RoundResult, SourceControl, SourceReport
-from weightsync_agent.source import MiB
+from weightsync_agent.source import MiB, SourceConfigError
 from weightsync_agent.source_agent import SourceAgent
+from weightsync_agent.transport.base import TransportError
 
 log = logging.getLogger("weightsync.agent.coordinator")
 
@@ -65,6 +70,67 @@ class LocalRankSource:
         )
 
 
+class SidecarBroadcast:
+    """Broadcast mode's sender in the coordinator: rank 0's full-tensor replica, sent by a BroadcastSource.
+
+    The group is formed on first use and re-formed after a failure or a plan change (joining engines
+    get the next version: a catch-up would have to go through the whole group).
+    """
+
+    source = 0
+
+    def __init__(self, agent: SourceAgent, host: str, call_timeout: float) -> None:
+        self.agent = agent
+        self.host = host
+        self.call_timeout = call_timeout
+        self.sender: BroadcastSource | None = None
+        self.plan_hash: str | None = None
+
+    def prepare(self, plan: Plan, engines: Mapping[int, str]) -> None:
+        if self.sender is not None and self.plan_hash == plan.hash and self.sender.group is not None:
+            return
+        self.close()
+        clients = {e: EngineClient(url, timeout=self.call_timeout) for e, url in engines.items()}
+        sender = BroadcastSource(plan, self.agent.broadcast_manifests, clients, call_timeout=self.call_timeout)
+        try:
+            sender.connect(f"tcp://{self.host}:{free_port(self.host)}")
+        except BaseException:
+            sender.close()
+            raise
+        self.sender, self.plan_hash = sender, plan.hash
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        sender = self.sender
+        replicas = self.agent.replicas.get(0)
+        if sender is None or replicas is None:
+            return SourceReport(source=0, ok=False, error="the broadcast group is not formed")
+        try:
+            self.agent.wait_ready(0, version, deadline)
+            missing = replicas.missing()
+            if missing:
+                return SourceReport(
+                    source=0, ok=False, error=f"{len(missing)} full tensor(s) not staged, e.g. {missing[0]}"
+                )
+            replica = next(iter(replicas))
+            sender.reset()
+            sender.stage_many({name: replica.tensor(name) for name in sender.expected})
+        except (TimeoutError, ReplicaError, BroadcastStageError) as exc:
+            return SourceReport(source=0, ok=False, error=str(exc))
+        with replicas.publishing():  # the trainer cannot restage while the bytes are on the wire
+            return sender.publish(version, deadline)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = None
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 class Coordinator:
     def __init__(
         self,
@@ -75,8 +141,10 @@ class Coordinator:
         report: Reporter | None = None,
         call_timeout: float = 30.0,
         retries: int = 1,
+        host: str = "127.0.0.1",
     ) -> None:
         self.group = group
+        self.broadcast = SidecarBroadcast(local, host, call_timeout)
         self.local = local
         self.directory = directory
         self.report = report
@@ -102,9 +170,13 @@ class Coordinator:
                 return self._finish(self._refused(version, "the sources are not built yet"), "regular")
             try:
                 engines = self._engines(plan, range(plan.layout.engines))
-                sources = self._sources(plan, None, catch_up=False)
-                driver = self._driver(plan, engines, sources, None)
-            except (DirectoryError, RoundError) as exc:
+                if plan.transfer.mode == "broadcast":
+                    urls = {e: self.directory.engine_url(e) for e in range(plan.layout.engines)}
+                    self.broadcast.prepare(plan, urls)
+                    driver = self._driver(broadcast_round_plan(plan), engines, {0: self.broadcast}, None)
+                else:
+                    driver = self._driver(plan, engines, self._sources(plan, None, catch_up=False), None)
+            except (DirectoryError, RoundError, TransportError, SourceConfigError) as exc:
                 return self._finish(self._refused(version, str(exc)), "regular")
             try:
                 result = driver.run(version)
@@ -113,13 +185,15 @@ class Coordinator:
             if result.result == "Succeeded":
                 self.committed = version
                 self._tell_committed(plan, version)
+            elif plan.transfer.mode == "broadcast":
+                self.broadcast.close()  # out of step after a failure: re-form before the next round
             return self._finish(result, "regular")
 
     def catch_up(self) -> RoundResult | None:
         """Bring engines that answer with another version than the committed one up to it."""
         with self._round:
             plan, version = self.local.plan, self.committed
-            if plan is None or version is None:
+            if plan is None or version is None or plan.transfer.mode == "broadcast":
                 return None
             lagging = [e for e in range(plan.layout.engines) if self._lags(e, version)]
             if not lagging:
@@ -209,6 +283,10 @@ class Coordinator:
         return held != str(version)
 
     def _tell_committed(self, plan: Plan, version: int) -> None:
+        if plan.transfer.mode == "broadcast":
+            if 0 in self.local.replicas:
+                self.local.committed(0, version)
+            return
         for assignment in plan.sources:
             rank = assignment.source
             try:

@@ -73,7 +73,12 @@ class AgentRuntime:
             self.sources = SourceAgent(config.group, config.ranks, lambda: make_transport(self.plan), replica_root)
             if 0 in config.ranks:
                 self.coordinator = Coordinator(
-                    config.group, self.sources, directory, report=self._report_round, call_timeout=call_timeout
+                    config.group,
+                    self.sources,
+                    directory,
+                    report=self._report_round,
+                    call_timeout=call_timeout,
+                    host=config.host,
                 )
         else:
             if engine_url is None:
@@ -105,6 +110,8 @@ class AgentRuntime:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.coordinator is not None:
+            self.coordinator.broadcast.close()
         if self.sources is not None:
             self.sources.close()
 

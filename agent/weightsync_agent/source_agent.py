@@ -23,6 +23,7 @@ from pathlib import Path
 from weightsync.plan import Plan, Target
 from weightsync_agent import metrics
 from weightsync_agent.engines.api import EngineClient
+from weightsync_agent.full_replica import full_layout_manifest
 from weightsync_agent.manifest import Manifest
 from weightsync_agent.replica import IncompleteReplicaError, ReplicaBusyError, ReplicaError, ReplicaSet
 from weightsync_agent.rounds import SourceReport
@@ -68,6 +69,8 @@ class SourceAgent:
         self.replicas: dict[int, ReplicaSet] = {}
         self.held: dict[int, int | None] = dict.fromkeys(self.ranks)  # committed version the replica holds
         self.ready_version: dict[int, int] = {}
+        #: Broadcast mode, rank 0: every target's manifest (the coordinator's broadcast source needs them).
+        self.broadcast_manifests: dict[Target, Manifest] = {}
         self._cond = threading.Condition()
         self._locks = {rank: threading.Lock() for rank in self.ranks}
 
@@ -79,6 +82,9 @@ class SourceAgent:
         Raises (EngineAPIError, SourceConfigError, ReplicaError) when a target is not reachable or its
         manifest does not fit; the previous Sources then stay as they were.
         """
+        if plan.transfer.mode == "broadcast":
+            self._build_broadcast(plan, fetch)
+            return
         built: dict[int, tuple[dict[Target, Manifest], ReplicaSet | None]] = {}
         for rank in self.ranks:
             if not 0 <= rank < plan.layout.sources:
@@ -106,12 +112,39 @@ class SourceAgent:
                 transport = self.transports.get(rank) or self.make_transport()
                 self.transports[rank] = transport
                 self.sources[rank] = Source(transport, plan, rank, manifests, replicas=replicas, pin=self.pin)
+        self.broadcast_manifests = {}
         self.plan = plan
         log.info("sources %s built for plan revision %d (%s)", list(self.ranks), plan.revision, plan.hash)
 
+    def _build_broadcast(self, plan: Plan, fetch: ManifestFetcher) -> None:
+        """Broadcast mode: trainer rank 0 holds the full tensors; every other rank holds nothing."""
+        for source in self.sources.values():
+            source.close()
+        self.sources.clear()
+        manifests: dict[Target, Manifest] = {}
+        if 0 in self.ranks:
+            manifests = {
+                (engine, rank): fetch(engine, rank)
+                for engine in range(plan.layout.engines)
+                for rank in range(plan.layout.ranks_per_engine)
+            }
+            layout = full_layout_manifest(manifests.values())
+            old = self.replicas.get(0)
+            if old is None or set(old.replicas) != {layout.layout_fingerprint}:
+                with self._locks[0]:
+                    if old is not None:
+                        old.close(unlink=True)
+                    self.held[0] = None
+                    self.replicas[0] = ReplicaSet.for_manifests([layout], shm_dir=self.replica_root(0), pin=self.pin)
+        self.broadcast_manifests = manifests
+        self.plan = plan
+        log.info("broadcast mode: rank 0 holds the full tensors (plan revision %d, %s)", plan.revision, plan.hash)
+
     @property
     def built(self) -> bool:
-        return self.plan is not None and len(self.sources) == len(self.ranks)
+        if self.plan is None:
+            return False
+        return self.plan.transfer.mode == "broadcast" or len(self.sources) == len(self.ranks)
 
     # --- The trainer's side ----------------------------------------------------------------------
 
@@ -150,7 +183,7 @@ class SourceAgent:
                 if catch_up:
                     self._check_holds(rank, source, version)
                 else:
-                    self._wait_ready(rank, version, deadline)
+                    self.wait_ready(rank, version, deadline)
                 result = source.publish(version, deadline, targets=targets, require_staged=not catch_up)
         except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, ReplicaError, TimeoutError) as exc:
             metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
@@ -176,7 +209,7 @@ class SourceAgent:
         if rank not in self.ranks:
             raise SourceConfigError(f"this agent runs trainer ranks {list(self.ranks)}, not {rank}")
 
-    def _wait_ready(self, rank: int, version: int, deadline: float) -> None:
+    def wait_ready(self, rank: int, version: int, deadline: float) -> None:
         with self._cond:
             while self.ready_version.get(rank, -1) < version:
                 left = deadline - time.monotonic()

@@ -27,7 +27,7 @@ from weightsync_agent.remote import AgentClient
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
 
-def spec(staging: str = "live") -> WeightSyncGroupSpec:
+def spec(staging: str = "live", mode: str = "p2p") -> WeightSyncGroupSpec:
     return WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": 2, "template": TEMPLATE},
@@ -38,7 +38,13 @@ def spec(staging: str = "live") -> WeightSyncGroupSpec:
                 "adapter": "reference",
                 "template": TEMPLATE,
             },
-            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 20, "targetStaging": staging},
+            "transfer": {
+                "mode": mode,
+                "protocol": "tcp",
+                "bucketSizeMiB": 1,
+                "timeoutSeconds": 20,
+                "targetStaging": staging,
+            },
         }
     )
 
@@ -151,3 +157,21 @@ def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(
     finally:
         for client in clients:
             client.close()
+
+
+@pytest.mark.parametrize("staging", ["live", "staged"])
+def test_broadcast_mode_through_agents(staging: str) -> None:
+    """mode broadcast: rank 0's agent sends the full tensors from its replica; rank 1 stages nothing."""
+    with LocalGroup(spec(staging, mode="broadcast"), group=f"b-{staging}").start() as group:
+        clients = [group.client(rank) for rank in range(2)]
+        try:
+            assert len(clients[1].replicas) == 0 and len(clients[0].replicas) == 1
+            full = full_state(seed=3)
+            for version in (1, 2):
+                full = training_step(full, version)
+                outcomes = publish_all(clients, full, version)
+                assert all(getattr(o, "ok", False) for o in outcomes), outcomes
+                assert_engines_hold(group, full, version)
+        finally:
+            for client in clients:
+                client.close()
