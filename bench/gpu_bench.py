@@ -1,7 +1,7 @@
 """GPU benchmark: replica -> GPU engine weights through Mooncake, broadcast over NCCL, GPU -> GPU.
 
-    python bench/gpu_bench.py [--layers 16] [--reps 3] [--bucket-mib 256] [--modes tcp,nvlink,bcast]
-                              [--json PATH] [--dry-run]
+    python bench/gpu_bench.py [--layers 16] [--reps 3] [--bucket-mib 256] [--modes nvlink,bcast,tcp]
+                              [--bcast-bucket-mib 256,1024] [--bcast-sliced] [--json PATH] [--dry-run]
 
 One run, one machine (meant for 2 GPUs of one host), a Llama-3-8B-shaped model in bf16 (hidden 4096,
 intermediate 14336, 32 heads / 8 KV heads of 128, vocab 128256; ``--layers`` decoder layers, 16 by
@@ -17,7 +17,8 @@ vocab-split embeddings, replicated norms). Every party is its own process:
   processes, interleaved rep by rep: pinned ``copy_`` host -> device of the replica into ``cuda:r``
   (both sources at once, and S0 alone), and a torch peer ``copy_`` of the GPU copy into ``cuda:r``.
   ``tcp`` forces Mooncake's TCP transport (``MC_FORCE_TCP=1``); ``nvlink`` sets
-  ``MC_INTRANODE_NVLINK=true`` in every process (Mooncake's intra-node NVLink / CUDA IPC transport).
+  ``MC_INTRANODE_NVLINK=true`` in every process (Mooncake's intra-node NVLink / CUDA IPC transport)
+  and uses ``nvlink_transport()``: ours with three workarounds that transport needs (docs/gpu.md).
   Engines poison their buffer before every rep and compare it with an independently built expected
   buffer after it (bit-exact, on the GPU).
 * ``bcast``: ``BroadcastGroup`` (broadcast mode: whole tensors packed into buckets, double-buffered)
@@ -559,6 +560,15 @@ class BcastRank:
         sync(self.device)
         return {"began": began, "end": time.monotonic()}
 
+    def sliced(self, start_at: float, bucket_bytes: int) -> dict[str, Any]:
+        """Diagnostic: the flat tensor broadcast in ``bucket_bytes`` slices (bucketed, no packing)."""
+        wait_until(start_at)
+        began = time.monotonic()
+        for offset in range(0, self.flat.numel(), bucket_bytes):
+            self.dist.broadcast(self.flat[offset : offset + bucket_bytes], src=0)
+        sync(self.device)
+        return {"began": began, "end": time.monotonic()}
+
     def verify_flat(self) -> bool:
         """Receiver: does the flat tensor of the last raw broadcast hold the sender's bytes?"""
         offset = 0
@@ -841,6 +851,10 @@ class Bench:
                     raw,
                 )
             )
+            if self.args.bcast_sliced:
+                variants.append(
+                    (f"raw dist.broadcast in {mib} MiB slices (no packing)", "sliced", {"bucket_bytes": mib * MiB}, raw)
+                )
         mib = self.args.bcast_bucket_mib[0]
         variants.append(
             (
@@ -1020,6 +1034,11 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         default="nvlink,bcast,tcp",
         help="comma-separated: tcp, nvlink (Mooncake groups), bcast (NCCL broadcast)",
+    )
+    parser.add_argument(
+        "--bcast-sliced",
+        action="store_true",
+        help="diagnostic rows: the flat tensor broadcast in bucket-sized slices (buckets without packing)",
     )
     parser.add_argument("--json", type=Path, help="also write every number here")
     parser.add_argument("--dry-run", action="store_true", help="tiny model (checks the harness, not the speed)")

@@ -37,6 +37,13 @@ from weightsync_agent.transport.base import TransportError
 
 log = logging.getLogger("weightsync.agent.coordinator")
 
+#: Engines that speak the round's verify/commit extension routes (docs/agent.md, "Engines").
+SUPPORTED_ADAPTERS = frozenset({"reference"})
+UNSUPPORTED_ADAPTER = (
+    "inference.adapter {0!r} has no weightsync adapter yet: the engine lacks the verify/commit routes and a "
+    "shard map from trainer tensors to its parameters (see docs/agent.md)"
+)
+
 Reporter = Callable[[RoundResult, int | None], None]  # (round, committed version)
 
 
@@ -168,6 +175,8 @@ class Coordinator:
             plan = self.local.plan
             if plan is None:
                 return self._finish(self._refused(version, "the sources are not built yet"), "regular")
+            if plan.layout.adapter not in SUPPORTED_ADAPTERS:
+                return self._finish(self._refused(version, UNSUPPORTED_ADAPTER.format(plan.layout.adapter)), "regular")
             try:
                 engines = self._engines(plan, range(plan.layout.engines))
                 if plan.transfer.mode == "broadcast":

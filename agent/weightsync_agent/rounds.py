@@ -133,6 +133,7 @@ class RoundDriver:
         retries: int = 1,
         clock: Callable[[], float] = time.monotonic,
         covering: Collection[int] | None = None,
+        settle_seconds: float = 10.0,
     ) -> None:
         """``covering``: the engines this driver's rounds write (default: all). A catch-up round for
         joining engines covers only them; the others are not paused, begun or committed."""
@@ -143,6 +144,7 @@ class RoundDriver:
                 f"the plan has {plan.layout.engines} engines and {len(plan.sources)} trainer ranks; it does not know "
                 f"engines {strangers} or sources {unknown_sources} given to the coordinator"
             )
+        self.settle_seconds = settle_seconds
         self.covering = frozenset(range(plan.layout.engines) if covering is None else covering)
         missing_engines = self.covering - set(engines)
         needed = {a.source for a in plan.sources if any(t[0] in self.covering for t in a.targets)}
@@ -220,18 +222,29 @@ class RoundDriver:
     def _publish(self, version: int, deadline: float) -> dict[int, SourceReport]:
         futures = {s: self.pool.submit(src.publish, version, deadline) for s, src in self.sources.items()}
         reports: dict[int, SourceReport] = {}
-        for source, future in futures.items():
-            report = self._result_by(future, deadline, f"source {source}")
-            if not report.ok:
-                target = report.failed_target
-                where = f" writing engine {target[0]} rank {target[1]}" if target else ""
-                bucket = f", bucket {report.failed_bucket}" if report.failed_bucket is not None else ""
-                raise RoundError(
-                    f"source {source} failed{where}{bucket}: {report.error}",
-                    peer=f"source {source}",
-                    bucket=report.failed_bucket,
-                )
-            reports[source] = report
+        current = -1
+        try:
+            for current, future in futures.items():
+                source = current
+                report = self._result_by(future, deadline, f"source {source}")
+                if not report.ok:
+                    target = report.failed_target
+                    where = f" writing engine {target[0]} rank {target[1]}" if target else ""
+                    bucket = f", bucket {report.failed_bucket}" if report.failed_bucket is not None else ""
+                    raise RoundError(
+                        f"source {source} failed{where}{bucket}: {report.error}",
+                        peer=f"source {source}",
+                        bucket=report.failed_bucket,
+                    )
+                reports[source] = report
+        except RoundError:
+            # The round-level fence: the other sources settle (their writes done or failed) before the
+            # attempt is reported, so nothing from them lands during a retry or the next round. Sources
+            # bound their own publish by the deadline plus their transport's timeout; a source that did
+            # not answer by the deadline is not waited for (it may never answer: docs/replica.md).
+            others = [f for s, f in futures.items() if s != current and not f.done()]
+            wait(others, timeout=max(0.0, deadline - self.clock()) + self.settle_seconds)
+            raise
         return reports
 
     def _verify(self, version: int, reports: Mapping[int, SourceReport], deadline: float) -> None:

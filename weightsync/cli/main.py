@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -228,6 +229,135 @@ def agent(
     from weightsync_agent.main import run
 
     raise typer.Exit(run(plan_file=plan_file))
+
+
+@app.command()
+def bench(
+    scenario: Annotated[str, typer.Option(help="Scenario: A = 4 trainer nodes -> 2 engines x TP2 on 4 nodes.")] = "A",
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    no_caps: Annotated[
+        bool, typer.Option("--no-caps", help="No namespaces or caps: every process on loopback (no root needed).")
+    ] = False,
+    rate: Annotated[str, typer.Option(help="Link rate per node and direction (tc units: mbit, gbit).")] = "1gbit",
+    rounds: Annotated[int | None, typer.Option(help="Rounds per mode (default 5, --quick 3).")] = None,
+    mib: Annotated[int | None, typer.Option(help="Model size in MiB (default: the scenario's, 512).")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="PNG of time vs engines (default weightsync-bench-<scenario>.png).")
+    ] = None,
+    sweep: Annotated[
+        str | None, typer.Option(help="Engine counts of the plot's sweep, e.g. 1-8 or 1,2,4,8 ('' = no sweep).")
+    ] = None,
+    sweep_mib: Annotated[int | None, typer.Option(help="Model size of the sweep (default 128, --quick 64).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="3 rounds; sweep 1,2,4,8 with a 64 MiB model.")] = False,
+) -> None:
+    """Emulated multi-node benchmark: p2p vs broadcast vs the link bound (namespaces + tc caps; needs root)."""
+    from weightsync_agent.testbed.netns import NetnsUnavailableError
+    from weightsync_agent.testbed.runner import Options, run, table
+    from weightsync_agent.testbed.scenario import parse_points
+
+    try:
+        points = parse_points(sweep if sweep is not None else ("1,2,4,8" if quick else "1-8")) if sweep != "" else []
+        options = Options(
+            scenario=scenario.upper(),
+            caps=not no_caps,
+            rate=rate,
+            rounds=rounds or (3 if quick else 5),
+            mib=mib,
+            sweep=points,
+            sweep_mib=sweep_mib or (64 if quick else 128),
+            plot=(plot or Path(f"weightsync-bench-{scenario.upper()}.png")) if points else None,
+        )
+        report = run(options, lambda line: err.print(escape(line), highlight=False))
+    except NetnsUnavailableError as exc:
+        err.print(f"[yellow]skipped:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(1) from exc
+    if json_output:
+        typer.echo(json.dumps(report, indent=1))
+    else:
+        typer.echo(table(report))
+
+
+@app.command()
+def simulate(
+    preset: Annotated[
+        str, typer.Option(help="kimi-k2, glm-5, qwen3-235b, or all (the published configurations, notes §1.10).")
+    ] = "all",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the result (with a per-phase breakdown) as JSON.")
+    ] = False,
+    scale: Annotated[
+        int, typer.Option(min=1, max=64, help="Multiply trainer and inference nodes (same TP/PP/EP).")
+    ] = 1,
+    plot: Annotated[
+        Path | None, typer.Option(help="Also write a PNG: broadcast vs Miles P2P vs ours at 1x, 2x, 4x.")
+    ] = None,
+    nics_per_node: Annotated[int | None, typer.Option(min=1, help="NICs per node [8].")] = None,
+    nic_gbps: Annotated[float | None, typer.Option(min=0.001, help="Gb/s per NIC [400].")] = None,
+    rdma_efficiency: Annotated[
+        float | None, typer.Option(min=0.001, max=1, help="RDMA share of line rate [0.475].")
+    ] = None,
+    nccl_efficiency: Annotated[
+        float | None, typer.Option(min=0.001, max=1, help="NCCL share of line rate [0.92].")
+    ] = None,
+    bucket_mib: Annotated[float | None, typer.Option(min=1, help="Bucket size in MiB [1024].")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Any other hardware constant, NAME=VALUE (see docs/simulator.md).")
+    ] = None,
+) -> None:
+    """Model one weight sync at cluster scale with the real planner: NCCL broadcast, Miles P2P and ours."""
+    import json
+    from dataclasses import fields
+
+    from weightsync.simulate import H100_IB, PRESETS, SCENARIOS, simulate
+    from weightsync.simulate.view import breakdown_table, hardware_dict, summary_table
+
+    names = list(PRESETS) if preset == "all" else [preset]
+    if any(name not in SCENARIOS for name in names):
+        raise typer.BadParameter(
+            f"unknown preset {preset!r}; choose from {', '.join(PRESETS)} or all", param_hint="--preset"
+        )
+    overrides: dict[str, float | int | None] = {
+        "nics_per_node": nics_per_node,
+        "nic_gbps": nic_gbps,
+        "rdma_efficiency": rdma_efficiency,
+        "nccl_efficiency": nccl_efficiency,
+        "bucket_bytes": None if bucket_mib is None else bucket_mib * 1024**2,
+    }
+    kinds = {f.name: f.type for f in fields(H100_IB)}
+    for item in set_ or []:
+        key, _, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in kinds or not value:
+            raise typer.BadParameter(
+                f"{item!r}: expected NAME=VALUE, NAME one of {', '.join(kinds)}", param_hint="--set"
+            )
+        try:
+            overrides[key] = int(value) if kinds[key] in (int, "int") else float(value)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{item!r}: {value!r} is not a number", param_hint="--set") from exc
+    try:
+        hw = H100_IB.with_overrides(**overrides)
+        sims = [simulate(SCENARIOS[name].scaled(scale), hw) for name in names]
+    except ValueError as exc:
+        err.print(f"[red]cannot simulate:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        payload: dict[str, object] = sims[0].to_dict() if len(sims) == 1 else {"results": [s.to_dict() for s in sims]}
+        payload["hardware"] = hardware_dict(hw)
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        console = Console()
+        console.print(summary_table(sims))
+        if len(sims) == 1:
+            console.print(breakdown_table(sims[0]))
+    if plot is not None:
+        from weightsync.simulate.plot import sweep, write_plot
+
+        write_plot(plot, sweep(names, hw))
+        err.print(f"wrote {plot}")
 
 
 if __name__ == "__main__":

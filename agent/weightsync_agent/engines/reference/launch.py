@@ -52,8 +52,11 @@ def launch_engine(
     staged: bool = False,
     extra: tuple[str, ...] = (),
     timeout: float = 60.0,
+    wrap: tuple[str, ...] = (),
 ) -> EngineProcess:
+    """``wrap`` prefixes the command (the testbed runs ``ip netns exec NS env VAR=... python ...``)."""
     command = [
+        *wrap,
         sys.executable, "-m", "weightsync_agent.engines.reference.server",
         "--engine", str(engine), "--tp", str(tp), "--port", "0", "--seed", str(seed),
         "--transport", transport, "--host", host, *(["--staged"] if staged else []), *extra,

@@ -741,6 +741,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks in this engine")
     parser.add_argument("--port", type=int, default=0, help="HTTP port (0: pick a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address and transport host")
+    parser.add_argument(
+        "--rank-hosts",
+        default="",
+        help="transport host per rank, comma-separated (default: --host for every rank; the testbed puts each "
+        "rank on its own emulated node link)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights (full_state(seed))")
     parser.add_argument("--weight-version", default="default", help="version label of the initial weights")
     parser.add_argument("--transport", choices=("mooncake", "memory"), default="mooncake")
@@ -762,12 +768,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> int:
     config = ModelConfig(**{"num_layers": args.layers, **args.model_config})
     transports: list[Transport] = []
+    rank_hosts = [h.strip() for h in args.rank_hosts.split(",") if h.strip()] or [args.host] * args.tp
+    if len(rank_hosts) != args.tp:
+        raise SystemExit(f"--rank-hosts names {len(rank_hosts)} hosts for tp={args.tp}")
     try:
-        for _ in range(args.tp):
+        for rank in range(args.tp):
             transports.append(
                 make_transport(
                     args.transport,
-                    host=args.host,
+                    host=rank_hosts[rank],
                     protocol=args.protocol,
                     devices=args.devices,
                     force_tcp=args.force_tcp,

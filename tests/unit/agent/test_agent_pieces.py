@@ -1,0 +1,175 @@
+"""Pure pieces of the agent runtime: the wire format, the directory, coordinator refusals, HTTP errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.plan import plan_for
+from weightsync_agent.config import AgentConfig
+from weightsync_agent.coordinator import Coordinator
+from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDirectory
+from weightsync_agent.engines.reference.server import BackgroundServer
+from weightsync_agent.http_api import build_app
+from weightsync_agent.rounds import RoundResult, SourceReport
+from weightsync_agent.runtime import AgentRuntime
+from weightsync_agent.source_agent import SourceAgent
+from weightsync_agent.wire import (
+    WireError,
+    round_result_from_json,
+    round_result_to_json,
+    source_report_from_json,
+    source_report_to_json,
+)
+
+TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
+
+
+def spec(adapter: str = "reference") -> WeightSyncGroupSpec:
+    return WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": 2, "template": TEMPLATE},
+            "inference": {
+                "engines": 2,
+                "ranksPerEngine": 2,
+                "ranksPerPod": 2,
+                "adapter": adapter,
+                "template": TEMPLATE,
+            },
+        }
+    )
+
+
+targets = st.tuples(st.integers(0, 64), st.integers(0, 16))
+checksums = st.lists(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16), max_size=5)
+
+
+@given(
+    source=st.integers(0, 1000),
+    ok=st.booleans(),
+    sums=st.dictionaries(targets, checksums, max_size=4),
+    nbytes=st.integers(0, 1 << 40),
+    failed=st.none() | targets,
+    bucket=st.none() | st.integers(0, 1000),
+    error=st.none() | st.text(max_size=40),
+)
+def test_source_reports_survive_the_wire(
+    source: int,
+    ok: bool,
+    sums: dict[tuple[int, int], list[str]],
+    nbytes: int,
+    failed: tuple[int, int] | None,
+    bucket: int | None,
+    error: str | None,
+) -> None:
+    report = SourceReport(source, ok, {t: tuple(v) for t, v in sums.items()}, nbytes, 1.5, error, failed, bucket)
+    back = source_report_from_json(json.loads(json.dumps(source_report_to_json(report))))
+    assert back == report
+
+
+def test_round_results_survive_the_wire() -> None:
+    result = RoundResult(3, "Failed", "2026-11-26T06:00:00Z", 1.25, 1024, 0.5, 2, "engine 1 rank 0 hung", True)
+    assert round_result_from_json(json.loads(json.dumps(round_result_to_json(result)))) == result
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "must be an object"),
+        ({"ok": True}, "source"),
+        ({"source": 0, "ok": True, "checksums": {"0-1": ["ab"]}}, "'<engine>/<rank>'"),
+        ({"source": 0, "ok": True, "checksums": {"0/1": "ab"}}, "list of bucket checksums"),
+    ],
+)
+def test_malformed_source_reports_are_refused(data: object, message: str) -> None:
+    with pytest.raises(WireError, match=message):
+        source_report_from_json(data)
+
+
+def test_a_round_result_with_an_unknown_outcome_is_refused() -> None:
+    data = round_result_to_json(RoundResult(1, "Succeeded", "t", 1.0, 1, 1.0, 1))
+    data["result"] = "Maybe"
+    with pytest.raises(WireError, match="'Maybe'"):
+        round_result_from_json(data)
+
+
+def test_the_directory_file_is_reread_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "directory.json"
+    path.write_text(json.dumps(StaticDirectory({0: "http://a"}, {0: "http://t0"}).to_json()))
+    directory = FileDirectory(path)
+    assert directory.engine_url(0) == "http://a"
+    with pytest.raises(DirectoryError, match="engine 1"):
+        directory.engine_url(1)
+    path.write_text(json.dumps(StaticDirectory({0: "http://a", 1: "http://bb"}, {0: "http://t0"}).to_json()))
+    os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert directory.engine_url(1) == "http://bb"
+
+
+def _coordinator(adapter: str) -> Coordinator:
+    local = SourceAgent("g", [0], make_transport=lambda: None, replica_root=lambda r: Path("/nonexistent"))  # type: ignore[arg-type,return-value]
+    local.plan = plan_for(spec(adapter), group="g")
+    return Coordinator("g", local, StaticDirectory({}, {}))
+
+
+def test_the_coordinator_refuses_engines_without_an_adapter() -> None:
+    result = _coordinator("sglang").run_round(1)
+    assert result.result == "Failed" and result.attempts == 0
+    assert "inference.adapter 'sglang' has no weightsync adapter" in (result.reason or "")
+
+
+def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
+    coordinator = _coordinator("reference")
+    coordinator.committed = 4
+    result = coordinator.run_round(4)
+    assert result.result == "Failed" and "not newer than committed 4" in (result.reason or "")
+    assert coordinator.wait(4, 0.0) == result  # the trainer ranks waiting for v4 hear about it
+
+
+def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> None:
+    plan = plan_for(spec(), group="g")
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    config = AgentConfig(group="g", role="trainer", pod_index=1, ranks=(1,), plan_file=str(tmp_path / "plan.json"))
+    runtime = AgentRuntime(
+        config,
+        lambda: plan,
+        StaticDirectory({}, {}),
+        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
+        replica_root=lambda rank: tmp_path / f"r{rank}",
+    )
+    with BackgroundServer(build_app(runtime)) as server:
+
+        def post(route: str, body: object) -> tuple[int, dict[str, object]]:
+            request = urllib.request.Request(
+                server.url + route, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=5) as answer:
+                    return answer.status, json.loads(answer.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        assert post("/v1/publish", {"version": "7", "rank": 1}) == (
+            400,
+            {"error": "version must be an integer, got '7'"},
+        )
+        status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": -1})
+        assert status == 400 and "timeoutSeconds" in str(body["error"])
+        status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": 1, "engines": "all"})
+        assert status == 400 and "engines must be a list" in str(body["error"])
+        # Not built yet (no engine answered): a failed report naming the reason, not an exception.
+        status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": 0.1})
+        assert status == 200 and body["ok"] is False and "not built yet" in str(body["error"])
+        status, body = post("/v1/sources/3/committed", {"version": 1})
+        assert status == 400 and "runs trainer ranks [1], not 3" in str(body["error"])
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server.url + "/v1/rounds/1?wait=0", timeout=5)
+        assert refused.value.code == 404 and b"not the coordinator" in refused.value.read()
