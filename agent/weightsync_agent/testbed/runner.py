@@ -257,7 +257,9 @@ class Group:
         from weightsync_agent.remote import AgentClient, AgentError
 
         self.stop_agents()
-        ports = {p: self.net.port(AGENT_PORT) for p in range(self.layout.trainers)}
+        plan = group_plan(self.layout, engines, "p2p", self.options.bucket_mib, self.options.timeout_seconds)
+        # A trainer rank the plan gives no target (fewer targets than trainer ranks) has nothing to do: no agent.
+        ports = {a.source: self.net.port(AGENT_PORT) for a in plan.sources if a.targets}
         self.agent_urls = {p: f"http://{self.net.address(trainer_node(p))}:{ports[p]}" for p in ports}
         self._write_files(engines)
         started = time.monotonic()

@@ -10,8 +10,8 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
 from weightsync_agent.testbed import netns
 from weightsync_agent.testbed.scenario import (
-    MiB,
     Layout,
+    MiB,
     Stats,
     binomial_sends,
     bound_seconds,
