@@ -111,12 +111,21 @@ def test_a_source_agent_killed_mid_round_fails_it_and_a_retry_lands(group: Local
         full = training_step(full_state(seed=3), 1)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, full, 1))
         before = {i: e.client().weight_version() for i, e in group.engines.items()}
-        # Rank 1's agent dies before its rank says v2 is staged: the coordinator's call to it fails.
-        group.agents[1].stop(kill=True)
+        # Mid-round: rank 0 publishes v2, the engines are paused and begun and source 0 writes its targets
+        # while source 1's agent waits for its trainer; then source 1's agent is killed.
         full2 = training_step(full, 2)
         clients[0].stage_many(full2)
-        outcome = clients[0].publish(2, check=False)
-        assert not outcome.ok
+        outcomes: list[object] = []
+        publisher = threading.Thread(target=lambda: outcomes.append(clients[0].publish(2, check=False)))
+        publisher.start()
+        deadline = time.monotonic() + 20
+        while any(e.client().status().get("round") is None for e in group.engines.values()):
+            assert time.monotonic() < deadline, "the round never began"
+            time.sleep(0.05)
+        group.agents[1].stop(kill=True)
+        publisher.join(60)
+        outcome = outcomes[0]
+        assert not outcome.ok  # type: ignore[attr-defined]
         reason = outcome.round.reason or ""  # type: ignore[attr-defined]
         assert "source 1" in reason, reason
         for index, engine in group.engines.items():

@@ -118,8 +118,12 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
         ):
             full = _train_and_sync(agents, trainers, SYNC_STEPS, console)
             wait_for(
-                f"status.lastSync of version {SYNC_STEPS}",
-                lambda: (_status(admin, group).get("lastSync") or {}).get("version") == SYNC_STEPS,
+                f"the status to show version {SYNC_STEPS} everywhere",
+                lambda: (
+                    (s := _status(admin, group)).get("weightVersion") == SYNC_STEPS
+                    and (s.get("lastSync") or {}).get("version") == SYNC_STEPS
+                    and s.get("phase") == "Ready"
+                ),
             )
         _show_groups(admin, console)
         _show_last_sync(admin, group, console)

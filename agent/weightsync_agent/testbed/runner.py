@@ -27,6 +27,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -527,6 +528,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
         "machine": _machine(),
     }
     group: Group | None = None
+    previous = _exit_on_sigterm()
     try:
         if testbed is not None:
             testbed.create()
@@ -604,8 +606,21 @@ def run(options: Options, say: Say) -> dict[str, Any]:
         if testbed is not None:
             testbed.destroy()
         shutil.rmtree(workdir, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     report["runtime_s"] = round(time.monotonic() - started, 1)
     return report
+
+
+def _exit_on_sigterm() -> Any:
+    """SIGTERM unwinds like Ctrl-C (processes stopped, namespaces deleted); returns the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def sweep(net: Net, layout: Layout, options: Options, workdir: Path, say: Say, rate_bits: int | None) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -153,3 +154,15 @@ def test_netns_names() -> None:
     assert netns._burst_bytes(10**9) >= 10**9 // 8 // 250  # at least one kernel tick at the rate
     before = {"t0": (100, 50)}
     assert netns.counter_delta(before, {"t0": (150, 80)}) == {("t0", "in"): 50, ("t0", "out"): 30}
+
+
+def test_cli_refuses_bad_arguments_before_touching_the_network() -> None:
+    from typer.testing import CliRunner
+
+    from weightsync.cli.main import app
+
+    runner = CliRunner()
+    for args in (["bench", "--sweep", "0"], ["bench", "--scenario", "Z", "--sweep", ""], ["bench", "--rate", "x"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, (args, result.output)
+    assert netns.namespaces() == [n for n in netns.namespaces() if not n.startswith(netns.tag_for(os.getpid()))]
