@@ -43,9 +43,7 @@ def full_layout_manifest(manifests: Iterable[Manifest]) -> Manifest:
         for size in shape:
             nbytes *= size
         part = ShardPart(source=name, full_shape=shape, dim=0, start=0, length=shape[0])
-        entries.append(
-            TensorEntry(name=name, dtype=dtype, shape=shape, address=address, nbytes=nbytes, parts=(part,))
-        )
+        entries.append(TensorEntry(name=name, dtype=dtype, shape=shape, address=address, nbytes=nbytes, parts=(part,)))
         address += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     if not entries:
         raise ManifestError("the targets' manifests name no tensors")

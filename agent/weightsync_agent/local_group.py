@@ -28,7 +28,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for, replan
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.directory import StaticDirectory
-from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
+from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine, stop_process
 from weightsync_agent.remote import AgentClient, AgentError
 
 
@@ -51,16 +51,7 @@ class AgentProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self, *, kill: bool = False) -> None:
-        if self.process.poll() is None:
-            if kill:
-                self.process.kill()
-            else:
-                self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, kill=kill)
         self.log.close()
 
     def log_text(self) -> str:

@@ -21,7 +21,7 @@ from weightsync_agent.engines.control import HttpEngineControl
 from weightsync_agent.engines.reference.model import forward_full, full_state
 from weightsync_agent.rounds import RoundDriver, SourceControl
 from weightsync_agent.source import LocalSourceControl, Source
-from weightsync_agent.transport.base import Transfer
+from weightsync_agent.transport.base import Transfer, Transport
 from weightsync_agent.transport.mooncake import MooncakeTransport
 
 __all__ = ["ENGINES", "TOKENS", "expected_checksums", "group_plan", "training_step"]
@@ -39,28 +39,11 @@ def version_state(version: int) -> dict[str, torch.Tensor]:
     return training_step(full_state(seed=1), version)
 
 
-class TriggeredTransport:
-    """A MooncakeTransport whose ``after``-th write to one of ``watched`` first runs ``trigger``.
+class PassThroughTransport:
+    """Delegates everything to ``inner``; subclasses intercept ``submit_write``."""
 
-    Counting is shared between the wrappers given the same ``counter`` (both sources of a round), so the
-    fault strikes once, at a known point: with a window of 2 buckets per target, the third write to a
-    target is submitted only after its first bucket was confirmed, so some bytes have landed by then.
-    """
-
-    def __init__(
-        self,
-        inner: MooncakeTransport,
-        watched: set[str],
-        counter: dict[str, int],
-        after: int,
-        trigger: Callable[[], None],
-    ) -> None:
+    def __init__(self, inner: Transport) -> None:
         self.inner = inner
-        self.watched = watched
-        self.counter = counter
-        self.after = after
-        self.trigger = trigger
-        self.lock = threading.Lock()
 
     @property
     def session_id(self) -> str:
@@ -80,6 +63,36 @@ class TriggeredTransport:
         return self.inner.probe(peer, timeout)
 
     def submit_write(self, peer: str, local_address: int, remote_address: int, nbytes: int) -> Transfer:
+        return self.inner.submit_write(peer, local_address, remote_address, nbytes)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class TriggeredTransport(PassThroughTransport):
+    """A MooncakeTransport whose ``after``-th write to one of ``watched`` first runs ``trigger``.
+
+    Counting is shared between the wrappers given the same ``counter`` (both sources of a round), so the
+    fault strikes once, at a known point: with a window of 2 buckets per target, the third write to a
+    target is submitted only after its first bucket was confirmed, so some bytes have landed by then.
+    """
+
+    def __init__(
+        self,
+        inner: MooncakeTransport,
+        watched: set[str],
+        counter: dict[str, int],
+        after: int,
+        trigger: Callable[[], None],
+    ) -> None:
+        super().__init__(inner)
+        self.watched = watched
+        self.counter = counter
+        self.after = after
+        self.trigger = trigger
+        self.lock = threading.Lock()
+
+    def submit_write(self, peer: str, local_address: int, remote_address: int, nbytes: int) -> Transfer:
         if peer in self.watched:
             with self.lock:
                 self.counter["writes"] = self.counter.get("writes", 0) + 1
@@ -87,9 +100,6 @@ class TriggeredTransport:
             if fire:
                 self.trigger()
         return self.inner.submit_write(peer, local_address, remote_address, nbytes)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def build_sources(

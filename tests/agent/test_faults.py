@@ -24,6 +24,7 @@ from fault_rig import (
     BUCKET_BYTES,
     ENGINES,
     TRANSFER_TIMEOUT,
+    PassThroughTransport,
     TriggeredTransport,
     assert_engines_hold_bit_exactly,
     assert_no_engine_claims_what_it_does_not_hold,
@@ -240,36 +241,16 @@ def one_source_two_engines() -> Plan:
     return plan_for(spec, group="fence", namespace="ns")
 
 
-class RecordingTransport:
+class RecordingTransport(PassThroughTransport):
     """A MemoryTransport that records when each write was submitted."""
 
     def __init__(self, inner: MemoryTransport) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.submitted: list[float] = []
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    @property
-    def timeout_seconds(self) -> float:
-        return self.inner.timeout_seconds
-
-    def register(self, address: int, nbytes: int) -> None:
-        self.inner.register(address, nbytes)
-
-    def unregister(self, address: int) -> None:
-        self.inner.unregister(address)
-
-    def probe(self, peer: str, timeout: float) -> bool:
-        return self.inner.probe(peer, timeout)
 
     def submit_write(self, peer: str, local_address: int, remote_address: int, nbytes: int) -> Transfer:
         self.submitted.append(time.monotonic())
         return self.inner.submit_write(peer, local_address, remote_address, nbytes)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture

@@ -50,6 +50,11 @@ def test_tiny_scenario_in_namespaces_is_bit_exact() -> None:
     # what the link counters saw on the busiest link is the payload plus a little protocol overhead
     counted = report["p2p"]["measured_busiest_link"]["bytes"]
     assert report["p2p"]["busiest_link_bytes"] <= counted < 1.2 * report["p2p"]["busiest_link_bytes"] + (1 << 20)
+    # each engine rank received its shard over its own link (rank 1's session is on the second link)
+    links = report["p2p"]["measured_links"]
+    for rank in (0, 1):
+        shard = report["target_bytes"][f"0/{rank}"]
+        assert shard <= links[f"e0r{rank} in"] < 1.2 * shard + (1 << 20)
 
 
 def test_loopback_scenario_needs_no_root() -> None:

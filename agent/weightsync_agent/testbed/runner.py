@@ -487,12 +487,19 @@ def _model_config(model: Mapping[str, int]) -> Any:
     return ModelConfig(**fields)
 
 
-def _measured_busiest(rounds: list[Round]) -> dict[str, Any] | None:
+def _measured_links(rounds: list[Round]) -> dict[Link, int] | None:
+    """Median bytes per link direction over the rounds, from the link counters (None on loopback)."""
     links = [r.links for r in rounds if r.links]
     if not links:
         return None
-    medians = {k: Stats.of(x[k] for x in links).median for k in links[0]}
-    link, nbytes = busiest({k: int(v) for k, v in medians.items()})
+    return {k: int(Stats.of(x[k] for x in links).median) for k in links[0]}
+
+
+def _measured_busiest(rounds: list[Round]) -> dict[str, Any] | None:
+    medians = _measured_links(rounds)
+    if medians is None:
+        return None
+    link, nbytes = busiest(medians)
     return {"link": f"{link[0]} {link[1]}", "bytes": nbytes}
 
 
@@ -563,6 +570,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
         if options.check:
             wrong += [f"{w} after p2p" for w in group.check_targets(group.p2p_plan, P2P_SEED)]
         report["model_bytes"] = analytic["model_bytes"]
+        report["target_bytes"] = analytic["target_bytes"]
         report["model"] = model
         report["bit_exact"] = not wrong if options.check else None
         if wrong:
@@ -577,6 +585,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
                 "busiest_link_bytes": analytic[mode]["busiest_bytes"],
                 "bound_s": analytic[mode]["bound_s"],
                 "measured_busiest_link": _measured_busiest(rounds[mode]),
+                "measured_links": {f"{n} {d}": b for (n, d), b in (_measured_links(rounds[mode]) or {}).items()},
             }
         report["p2p_s"] = report["p2p"]["median"]
         report["broadcast_s"] = report["broadcast"]["median"]

@@ -28,18 +28,27 @@ class EngineProcess:
         return EngineClient(self.url, timeout=timeout)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self.log.close()
 
     def stderr_tail(self, lines: int = 40) -> str:
         self.log.seek(0)
         return "\n".join(self.log.read().splitlines()[-lines:])
+
+
+def stop_process(process: subprocess.Popen[Any], *, kill: bool = False, grace: float = 15.0) -> None:
+    """SIGTERM (or SIGKILL) and reap; escalate to SIGKILL after ``grace`` seconds."""
+    if process.poll() is not None:
+        return
+    if kill:
+        process.kill()
+    else:
+        process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def launch_engine(
