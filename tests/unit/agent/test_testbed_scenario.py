@@ -166,3 +166,16 @@ def test_cli_refuses_bad_arguments_before_touching_the_network() -> None:
         result = runner.invoke(app, args)
         assert result.exit_code == 1, (args, result.output)
     assert netns.namespaces() == [n for n in netns.namespaces() if not n.startswith(netns.tag_for(os.getpid()))]
+
+
+def test_without_root_the_bench_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from weightsync.cli.main import app
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # netns reads os.geteuid at call time
+    with pytest.raises(netns.NetnsUnavailableError, match="needs root"):
+        netns.check_available()
+    result = CliRunner().invoke(app, ["bench", "--sweep", ""])
+    assert result.exit_code == 2
+    assert "skipped" in result.output and "--no-caps" in result.output
