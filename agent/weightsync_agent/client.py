@@ -243,8 +243,15 @@ class WeightSyncClient:
     ) -> WeightSyncClient:
         """This process writes its own targets *and* coordinates the round (pause, verify, commit).
 
-        Buckets use the plan's size, which is what the targets verify against.
+        Buckets use the plan's size, which is what the targets verify against. P2P only: broadcast mode
+        runs through the sidecar (or ``RoundDriver(broadcast_round_plan(plan), engines, {0:
+        BroadcastSource(...)})`` in-process).
         """
+        if plan.transfer.mode != "p2p":
+            raise ClientError(
+                f"coordinating() writes p2p plans; this plan's mode is {plan.transfer.mode!r}: use the sidecar "
+                "(from_env) or weightsync_agent.broadcast_source.BroadcastSource with broadcast_round_plan"
+            )
         source = Source(
             transport, plan, source_rank, manifests, shm_dir=None if shm_dir is None else str(shm_dir), pin=pin
         )

@@ -173,3 +173,12 @@ def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> No
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(server.url + "/v1/rounds/1?wait=0", timeout=5)
         assert refused.value.code == 404 and b"not the coordinator" in refused.value.read()
+
+
+def test_in_process_coordination_refuses_broadcast_plans_with_the_way_out() -> None:
+    from weightsync_agent.client import ClientError, WeightSyncClient
+
+    broadcast = spec().model_copy(update={"transfer": spec().transfer.model_copy(update={"mode": "broadcast"})})
+    plan = plan_for(broadcast, group="g")
+    with pytest.raises(ClientError, match="use the sidecar"):
+        WeightSyncClient.coordinating(None, plan, 0, {}, {})  # type: ignore[arg-type]
