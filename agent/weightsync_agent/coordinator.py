@@ -263,7 +263,10 @@ class Coordinator:
         bucket_bytes = plan.transfer.bucket_size_mi_b * MiB
         return {
             e: HttpEngineControl(
-                e, EngineClient(self.directory.engine_url(e), timeout=self.call_timeout), bucket_bytes=bucket_bytes
+                e,
+                EngineClient(self.directory.engine_url(e), timeout=self.call_timeout),
+                bucket_bytes=bucket_bytes,
+                verify=plan.transfer.verify,
             )
             for e in which
         }

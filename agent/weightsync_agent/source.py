@@ -202,6 +202,9 @@ class Source:
         self.transport = transport
         self.plan = plan
         self.source = source_rank
+        #: Hash every bucket for the targets to verify (the plan's ``transfer.verify``); without it a
+        #: publish moves bytes at the transport's speed and the round skips verification.
+        self.checksums = plan.transfer.verify
         self.bucket_bytes = plan.transfer.bucket_size_mi_b * MiB if bucket_bytes is None else bucket_bytes
         if self.bucket_bytes <= 0:
             raise SourceConfigError(f"bucket size must be positive, got {self.bucket_bytes}")
@@ -433,6 +436,8 @@ class _Run:
         bytes. Measured on an H100 host: hashing inline on one thread capped a publish at 0.16 of the
         transport's speed (docs/gpu.md).
         """
+        if not self.source.checksums:
+            return
         pool = self.source.hash_pool()
         for target in self.targets:
             fingerprint = self.result.targets[target].fingerprint
@@ -443,6 +448,8 @@ class _Run:
                     self._hashing[key] = pool.submit(source_checksum, bucket, address)
 
     def _collect_hashes(self) -> None:
+        if not self._hashing:
+            return
         began = time.monotonic()
         for target in self.targets:
             report = self.result.targets[target]

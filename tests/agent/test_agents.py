@@ -27,7 +27,7 @@ from weightsync_agent.remote import AgentClient
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
 
-def spec(staging: str = "live", mode: str = "p2p") -> WeightSyncGroupSpec:
+def spec(staging: str = "live", mode: str = "p2p", verify: bool = True) -> WeightSyncGroupSpec:
     return WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": 2, "template": TEMPLATE},
@@ -44,6 +44,7 @@ def spec(staging: str = "live", mode: str = "p2p") -> WeightSyncGroupSpec:
                 "bucketSizeMiB": 1,
                 "timeoutSeconds": 20,
                 "targetStaging": staging,
+                "verify": verify,
             },
         }
     )
@@ -181,6 +182,20 @@ def test_broadcast_mode_through_agents(staging: str) -> None:
                 outcomes = publish_all(clients, full, version)
                 assert all(getattr(o, "ok", False) for o in outcomes), outcomes
                 assert_engines_hold(group, full, version)
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_verify_off_commits_on_the_transports_word() -> None:
+    """transfer.verify: false: no checksums are computed or checked; the bytes still land exactly."""
+    with LocalGroup(spec("staged", verify=False), group="noverify").start() as group:
+        clients = [group.client(rank) for rank in range(2)]
+        try:
+            full = training_step(full_state(seed=3), 1)
+            outcomes = publish_all(clients, full, 1)
+            assert all(getattr(o, "ok", False) for o in outcomes), outcomes
+            assert_engines_hold(group, full, 1)
         finally:
             for client in clients:
                 client.close()

@@ -244,8 +244,9 @@ class EngineClient:
         answer = _object(self._post("/weightsync/stage", {"enabled": enabled}, timeout), "/weightsync/stage")
         return bool(answer.get("staged"))
 
-    def begin(self, version: str | int, timeout: float | None = None) -> dict[str, Any]:
-        return _object(self._post("/weightsync/begin", {"version": str(version)}, timeout), "/weightsync/begin")
+    def begin(self, version: str | int, timeout: float | None = None, *, verify: bool = True) -> dict[str, Any]:
+        body = {"version": str(version), "verify": verify}
+        return _object(self._post("/weightsync/begin", body, timeout), "/weightsync/begin")
 
     def verify(
         self,

@@ -14,12 +14,21 @@ from weightsync_agent.rounds import VerifyReport
 
 
 class HttpEngineControl:
-    def __init__(self, index: int, client: EngineClient, *, bucket_bytes: int, pause_mode: PauseMode = "abort") -> None:
+    def __init__(
+        self,
+        index: int,
+        client: EngineClient,
+        *,
+        bucket_bytes: int,
+        pause_mode: PauseMode = "abort",
+        verify: bool = True,
+    ) -> None:
         self.index = index
         self.name = f"engine {index} ({client.base_url})"
         self.client = client
         self.bucket_bytes = bucket_bytes
         self.pause_mode = pause_mode
+        self.verify_rounds = verify
 
     def pause(self, timeout: float) -> None:
         self.client.pause_generation(self.pause_mode, timeout=timeout)
@@ -28,7 +37,7 @@ class HttpEngineControl:
         self.client.continue_generation(timeout=timeout)
 
     def begin(self, version: int, timeout: float) -> None:
-        self.client.begin(version, timeout=timeout)
+        self.client.begin(version, timeout=timeout, verify=self.verify_rounds)
 
     def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> VerifyReport:
         report = self.client.verify(rank, version, self.bucket_bytes, checksums, timeout=timeout)

@@ -208,6 +208,21 @@ def test_commit_refused_without_round_or_verify(harness: Harness) -> None:
     assert client.weight_version() == "3"
 
 
+def test_a_round_begun_without_verification_commits_on_the_writes_alone(harness: Harness) -> None:
+    client = harness.client
+    client.pause_generation()
+    client.begin("5", verify=False)  # the group set transfer.verify: false
+    harness.write("5", seed=5)
+    assert client.commit("5")["weight_version"] == "5"
+    client.begin("6")  # the default still needs every rank verified
+    harness.write("6", seed=6)
+    with pytest.raises(EngineAPIError) as err:
+        client.commit("6")
+    assert err.value.body["unverified_ranks"] == [0, 1]
+    with pytest.raises(EngineAPIError, match="verify must be true or false"):
+        client.request("POST", "/weightsync/begin", body={"version": "7", "verify": "no"})
+
+
 def test_verify_detects_a_corrupted_byte_in_engine_memory(harness: Harness) -> None:
     client = harness.client
     client.pause_generation()

@@ -96,6 +96,7 @@ class Round:
     staged: bool
     verified: dict[int, VerifyResult] = field(default_factory=dict)
     reception: Reception | None = None  # broadcast mode: the latest receive of this round
+    verify: bool = True  # False: the group set transfer.verify false; commit needs no checksums
 
 
 class ReferenceEngine:
@@ -271,13 +272,15 @@ class ReferenceEngine:
                 memory.disable_staging()
         return {"staged": self.staged}
 
-    def begin(self, version: str) -> dict[str, Any]:
+    def begin(self, version: str, verify: bool = True) -> dict[str, Any]:
         """Open round ``version``, superseding any open round.
 
         A begin comes from the coordinator about to write. One that died mid-round leaves its round open
         and its successor must be able to start, with the same version or another. The new round starts
         with no rank verified (also when it repeats the open version), so its commit needs every rank
         verified after this begin: whatever the dead round wrote counts only if it hashes right then.
+        ``verify=False`` (a group with ``transfer.verify: false``) lets the commit go without checksums:
+        the user chose the transport's completion as the only evidence.
         """
         current = self.round
         if current is not None and current.reception is not None and current.reception.running:
@@ -289,7 +292,7 @@ class ReferenceEngine:
             if not self.paused:
                 raise EngineError(409, "live mode writes into the served weights: pause generation first")
             self.live_dirty = True
-        self.round = Round(version, self.staged)
+        self.round = Round(version, self.staged, verify=verify)
         resumed = current is not None and current.version == version
         superseded = current.version if current is not None and not resumed else None
         return {"version": version, "staged": self.staged, "resumed": resumed, "superseded": superseded}
@@ -320,7 +323,7 @@ class ReferenceEngine:
             raise self._no_round(version)
         if current.reception is not None and current.reception.running:
             raise EngineError(409, f"version {version} is still being received over the broadcast group")
-        unverified = [r for r in range(self.tp) if r not in current.verified]
+        unverified = [r for r in range(self.tp) if r not in current.verified] if current.verify else []
         failed = [r for r, result in sorted(current.verified.items()) if not result.ok]
         if unverified or failed:
             raise EngineError(
@@ -528,7 +531,10 @@ def build_app(engine: ReferenceEngine) -> web.Application:
 
     async def begin(request: web.Request) -> web.Response:
         body = await _body(request)
-        return web.json_response(engine.begin(_version(body.get("version"))))
+        verify = body.get("verify", True)
+        if not isinstance(verify, bool):
+            raise EngineError(400, "verify must be true or false")
+        return web.json_response(engine.begin(_version(body.get("version")), verify))
 
     async def verify(request: web.Request) -> web.Response:
         body = await _body(request)
