@@ -22,7 +22,7 @@ import torch
 from weightsync_agent.manifest import ITEMSIZE, ShardPart, TensorEntry
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.broadcast import BroadcastGroup
+from weightsync_agent.transport.broadcast import BroadcastGroup, plan_buckets
 
 FULLS = {  # name: (shape, dtype)
     "embed": ((64, 32), "bfloat16"),
@@ -42,6 +42,20 @@ def full_tensors(seed: int = 7) -> dict[str, torch.Tensor]:
     for name, (shape, dtype) in FULLS.items():
         raw = torch.randint(0, 256, (math.prod(shape) * ITEMSIZE[dtype],), dtype=torch.uint8, generator=gen)
         out[name] = raw.view(getattr(torch, dtype)).view(shape)  # random bits, NaNs included
+    return out
+
+
+def laid_out(tensors: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
+    """The same tensors as views of one flat buffer laid out exactly as the buckets (zero-copy segments)."""
+    plans = plan_buckets(list(tensors.items()), bucket)
+    flat = torch.zeros(sum(p.nbytes for p in plans), dtype=torch.uint8)
+    out, base = {}, 0
+    for plan in plans:
+        for slot in plan.slots:
+            region = flat[base + slot.offset : base + slot.offset + slot.nbytes]
+            region.copy_(tensors[slot.name].reshape(-1).view(torch.uint8))
+            out[slot.name] = region.view(tensors[slot.name].dtype).view(tensors[slot.name].shape)
+        base += plan.nbytes
     return out
 
 
@@ -84,16 +98,18 @@ def main() -> int:
     parser.add_argument("--version", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--sender", choices=("send", "quit", "hang"), default="send")
+    parser.add_argument("--direct", type=int, default=0, help="sender: direct-segment threshold in bytes")
     args = parser.parse_args()
     try:
-        group = BroadcastGroup(args.rank, args.world, args.init, "gloo", args.timeout)
+        group = BroadcastGroup(args.rank, args.world, args.init, "gloo", args.timeout, direct_bytes=args.direct)
         if group.is_source:
             if args.sender != "send":
                 print(json.dumps({"rank": args.rank, "sender": args.sender}), flush=True)
                 if args.sender == "hang":
                     time.sleep(3600)  # the test kills it
                 return 0
-            stats = group.broadcast_buckets(full_tensors(), args.bucket, version=args.version)
+            fulls = laid_out(full_tensors(), args.bucket) if args.direct else full_tensors()
+            stats = group.broadcast_buckets(fulls, args.bucket, version=args.version)
             print(json.dumps({"rank": args.rank, "buckets": stats.buckets, "nbytes": stats.nbytes}), flush=True)
             return 0
         tp, shard = args.world - 1, args.rank - 1

@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
@@ -26,7 +29,7 @@ from weightsync_agent.engines.reference.model import RankWeights, full_state, sh
 from weightsync_agent.manifest import ShardPart, TensorEntry
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.broadcast import ALIGN, BroadcastGroup, _decode, _encode
+from weightsync_agent.transport.broadcast import ALIGN, BroadcastGroup, _decode, _encode, cut
 from weightsync_agent.transport.broadcast import plan_buckets as plan_broadcast_buckets
 
 PEER = Path(__file__).with_name("bcast_peer.py")
@@ -63,8 +66,9 @@ def run_group(world: int, *extra: str, timeout: float = 60.0) -> list[dict[str, 
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
-def test_one_sender_three_receivers_rebuild_their_shards_bit_exactly() -> None:
-    results = run_group(4, "--bucket", str(8 << 10), "--version", "42")
+@pytest.mark.parametrize("direct", [0, 1024], ids=["packed", "direct-segments"])
+def test_one_sender_three_receivers_rebuild_their_shards_bit_exactly(direct: int) -> None:
+    results = run_group(4, "--bucket", str(8 << 10), "--version", "42", "--direct", str(direct))
     sender, receivers = results[0], results[1:]
     assert sender["buckets"] == receivers[0]["buckets"] and int(str(sender["buckets"])) >= 4
     for r in receivers:
@@ -98,11 +102,55 @@ def test_bucket_plan_packs_in_order_aligned_and_lets_big_tensors_travel_alone() 
     assert [[s.name for s in p.slots] for p in plans] == [["a", "b"], ["big"], ["c"]]
     assert [s.offset for s in plans[0].slots] == [0, ALIGN] and plans[0].nbytes == ALIGN + 6
     assert plans[1].nbytes == 400 and plans[1].slots[0].shape == (100,)
-    assert _decode(_encode(plans)) == plans
+    assert _decode(_encode(plans)) == (plans, [[(0, p.nbytes)] for p in plans])
+    cuts = [[(0, 64), (64, p.nbytes)] if p.nbytes > 64 else [(0, p.nbytes)] for p in plans]
+    assert _decode(_encode(plans, cuts)) == (plans, cuts)
+    with pytest.raises(TransportError, match="do not fit"):
+        _decode(_encode(plans, [[(0, p.nbytes + 1)] for p in plans]))
     with pytest.raises(ValueError):
         plan_broadcast_buckets(named, 0)
     with pytest.raises(ValueError, match="twice"):
         plan_broadcast_buckets(named + named[:1], 128)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
+    bucket=st.integers(64, 20000),
+    direct=st.integers(0, 6000),
+    apart=st.sets(st.integers(0, 11), max_size=4),
+)
+def test_cut_sends_what_lies_in_place_from_there_and_packs_the_rest(
+    sizes: list[int], bucket: int, direct: int, apart: set[int]
+) -> None:
+    """Tensors laid out as the buckets go zero-copy (bytes identical to packing); the others (``apart``:
+    separate allocations) go alone from their own memory or are packed; every byte travels once, in order."""
+    names = [f"t{i}" for i in range(len(sizes))]
+    plans = plan_broadcast_buckets(
+        [(n, torch.zeros(k, dtype=torch.uint8)) for n, k in zip(names, sizes, strict=True)], bucket
+    )
+    flat = torch.randint(0, 256, (sum(p.nbytes for p in plans),), dtype=torch.uint8)
+    tensors, bases, base = {}, [], 0
+    for plan in plans:
+        bases.append(base)
+        for slot in plan.slots:
+            region = flat[base + slot.offset : base + slot.offset + slot.nbytes]
+            tensors[slot.name] = region.clone() if int(slot.name[1:]) in apart else region
+        base += plan.nbytes
+    for plan, base in zip(plans, bases, strict=True):
+        segments = cut(plan, tensors, torch.device("cpu"), direct)
+        assert all(a.end <= b.start for a, b in pairwise(segments))
+        for slot in plan.slots:
+            if slot.nbytes:
+                holders = [g for g in segments if g.start <= slot.offset and slot.offset + slot.nbytes <= g.end]
+                assert len(holders) == 1  # every byte of every tensor travels exactly once
+                if int(slot.name[1:]) in apart and holders[0].source is not None:  # alone, from its own memory
+                    assert (holders[0].start, holders[0].end) == (slot.offset, slot.offset + slot.nbytes)
+        for segment in segments:
+            if segment.source is not None:
+                assert direct and segment.end - segment.start >= direct
+                assert torch.equal(segment.source, flat[base + segment.start : base + segment.end])
+        if not direct:
+            assert [(g.start, g.end, g.source) for g in segments] == ([(0, plan.nbytes, None)] if plan.nbytes else [])
 
 
 def entry(name: str, parts: tuple[ShardPart, ...], shape: tuple[int, ...], cat_dim: int = 0) -> TensorEntry:
