@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
+from weightsync.ports import free_port
 from weightsync_agent.broadcast_layout import Receivers, broadcast_round_plan
 from weightsync_agent.broadcast_source import BroadcastSource
 from weightsync_agent.engines.control import HttpEngineControl
@@ -87,12 +87,6 @@ def group_plan(mode: str, bucket_mib: int) -> Plan:
         }
     )
     return plan_for(spec, group="bench", namespace="bench")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from weightsync.plan import Plan
+from weightsync.ports import free_port
 from weightsync_agent import metrics
 from weightsync_agent.broadcast_layout import broadcast_round_plan
 from weightsync_agent.broadcast_source import BroadcastSource, BroadcastStageError
@@ -130,12 +130,6 @@ class SidecarBroadcast:
         if self.sender is not None:
             self.sender.close()
         self.sender = None
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class Coordinator:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,16 +25,11 @@ from typing import IO
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for, replan
+from weightsync.ports import free_port
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.directory import StaticDirectory
 from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine, stop_process
 from weightsync_agent.remote import AgentClient, AgentError
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -9,7 +9,6 @@ buckets are on the wire: the round fails, and the survivor does not claim the ve
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
+from weightsync.ports import free_port
 from weightsync_agent.broadcast_layout import broadcast_round_plan
 from weightsync_agent.broadcast_source import BroadcastSource
 from weightsync_agent.buckets import plan_buckets
@@ -56,12 +56,6 @@ def group_plan(staging: str) -> Plan:
         }
     )
     return plan_for(spec, group="g", namespace="ns")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def training_step(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -24,6 +23,7 @@ import yaml
 
 from weightsync.localcluster import pki as pki_mod
 from weightsync.localcluster.binaries import Binaries
+from weightsync.ports import free_port
 
 #: Extended resources every fake node advertises, so RDMA/GPU groups schedule.
 DEFAULT_NODE_RESOURCES = {
@@ -85,12 +85,6 @@ class ClusterState:
         data = json.loads((directory / "state.json").read_text())
         data["processes"] = [Process(**p) for p in data["processes"]]
         return cls(**data)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _alive(process: Process) -> bool:

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from weightsync.api import names
 from weightsync.api.v1alpha1 import AGENT_CONTAINER
 from weightsync.localcluster.binaries import Binaries
-from weightsync.localcluster.cluster import ClusterState, free_port
+from weightsync.localcluster.cluster import ClusterState
 from weightsync.localcluster.pki import Pki, kubeconfig
+from weightsync.ports import free_port
 
 if TYPE_CHECKING:  # the agent side pulls in torch: only load it when agents actually start
     from weightsync_agent.client import WeightSyncClient

@@ -6,7 +6,6 @@ the group layout, the driver's plan view and the sender's checksums."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
+from weightsync.ports import free_port
 from weightsync_agent.broadcast_checksums import layout_checksums
 from weightsync_agent.broadcast_layout import BroadcastLayout, Member, broadcast_round_plan
 from weightsync_agent.buckets import plan_buckets
@@ -33,12 +33,6 @@ from weightsync_agent.transport.broadcast import ALIGN, BroadcastGroup, _decode,
 from weightsync_agent.transport.broadcast import plan_buckets as plan_broadcast_buckets
 
 PEER = Path(__file__).with_name("bcast_peer.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_group(world: int, *extra: str, timeout: float = 60.0) -> list[dict[str, object]]:
