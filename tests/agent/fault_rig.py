@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from sync_helpers import TOKENS, expected_checksums, training_step
-from test_sync_p2p import ENGINES, group_plan
+from sync_helpers import ENGINES, TOKENS, expected_checksums, training_step
+from test_sync_p2p import group_plan
 
 from weightsync.plan import Plan
 from weightsync_agent.engines.api import EngineClient

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from sync_helpers import TOKENS, expected_checksums, training_step
+from sync_helpers import TOKENS, expected_checksums, group_spec, training_step
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client import WeightSyncClient
@@ -24,29 +24,10 @@ from weightsync_agent.engines.reference.model import forward_full, full_state
 from weightsync_agent.local_group import LocalGroup
 from weightsync_agent.remote import AgentClient
 
-TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
-
 
 def spec(staging: str = "live", mode: str = "p2p", verify: bool = True) -> WeightSyncGroupSpec:
-    return WeightSyncGroupSpec.model_validate(
-        {
-            "trainer": {"replicas": 2, "template": TEMPLATE},
-            "inference": {
-                "engines": 2,
-                "ranksPerEngine": 2,
-                "ranksPerPod": 2,
-                "adapter": "reference",
-                "template": TEMPLATE,
-            },
-            "transfer": {
-                "mode": mode,
-                "protocol": "tcp",
-                "bucketSizeMiB": 1,
-                "timeoutSeconds": 20,
-                "targetStaging": staging,
-                "verify": verify,
-            },
-        }
+    return group_spec(
+        mode=mode, protocol="tcp", bucketSizeMiB=1, timeoutSeconds=20, targetStaging=staging, verify=verify
     )
 
 

@@ -13,64 +13,26 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from sync_helpers import ENGINES, TOKENS, TP, expected_checksums, group_spec, training_step
 
-from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync.ports import free_port
 from weightsync_agent.broadcast_layout import broadcast_round_plan
 from weightsync_agent.broadcast_source import BroadcastSource
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import checksum_ranges
 from weightsync_agent.engines.control import HttpEngineControl
 from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
-from weightsync_agent.engines.reference.model import ModelConfig, RankWeights, forward_full, full_state, shard
+from weightsync_agent.engines.reference.model import ModelConfig, forward_full, full_state
 from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
 
-TP = 2
-ENGINES = 2
 LAYERS = 12  # about 1.8 MB of full tensors: two 1 MiB broadcast buckets, so a kill can land mid-broadcast
 CONFIG = ModelConfig(num_layers=LAYERS)
-TOKENS = [3, 14, 15, 92, 65, 35]
-TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
 Rig = tuple[Plan, list[EngineProcess], BroadcastSource]
 
 
 def group_plan(staging: str) -> Plan:
-    spec = WeightSyncGroupSpec.model_validate(
-        {
-            "trainer": {"replicas": 2, "template": TEMPLATE},
-            "inference": {
-                "engines": ENGINES,
-                "ranksPerEngine": TP,
-                "ranksPerPod": TP,
-                "adapter": "reference",
-                "template": TEMPLATE,
-            },
-            "transfer": {
-                "mode": "broadcast",
-                "bucketSizeMiB": 1,
-                "timeoutSeconds": 20,
-                "targetStaging": staging,
-            },
-        }
-    )
+    spec = group_spec(mode="broadcast", bucketSizeMiB=1, timeoutSeconds=20, targetStaging=staging)
     return plan_for(spec, group="g", namespace="ns")
-
-
-def training_step(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    return {name: t - 0.01 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for name, t in full.items()}
-
-
-def expected_checksums(full: dict[str, torch.Tensor], rank: int, bucket_bytes: int) -> list[str]:
-    """What the engine rank must hold, computed independently: the model's own shard() in a local buffer."""
-    weights = RankWeights(TP, rank, CONFIG)
-    weights.load(shard(full, TP, rank))
-    manifest = weights.manifest(engine=0, session_id="local:0")
-    return [
-        checksum_ranges([(p.remote_address, p.length) for p in b.pieces]) for b in plan_buckets(manifest, bucket_bytes)
-    ]
 
 
 class IdleTrainerRank:
@@ -146,7 +108,7 @@ def test_rank0_broadcast_syncs_two_tp2_engines_bit_exactly(rig: Rig) -> None:
             report = sender.reports[-1]
             assert sorted(report.checksums) == sorted(plan.layout.all_targets())
             for (engine, rank), sums in report.checksums.items():
-                assert list(sums) == expected_checksums(full, rank, bucket_bytes), (engine, rank)
+                assert list(sums) == expected_checksums(full, rank, bucket_bytes, config=CONFIG), (engine, rank)
             reference_logits = forward_full(full, TOKENS, CONFIG)
             for process in engines:
                 client = process.client()

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from sync_helpers import TOKENS, expected_checksums, training_step
+from sync_helpers import ENGINES, TOKENS, TP, expected_checksums, group_spec, training_step
 
-from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync_agent.engines.control import HttpEngineControl
 from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
@@ -22,25 +21,9 @@ from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
 from weightsync_agent.source import LocalSourceControl, Source
 from weightsync_agent.transport.mooncake import MooncakeTransport
 
-TP = 2
-ENGINES = 2
-TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
-
 
 def group_plan(staging: str) -> Plan:
-    spec = WeightSyncGroupSpec.model_validate(
-        {
-            "trainer": {"replicas": 2, "template": TEMPLATE},
-            "inference": {
-                "engines": ENGINES,
-                "ranksPerEngine": TP,
-                "ranksPerPod": TP,
-                "adapter": "reference",
-                "template": TEMPLATE,
-            },
-            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 30, "targetStaging": staging},
-        }
-    )
+    spec = group_spec(protocol="tcp", bucketSizeMiB=1, timeoutSeconds=30, targetStaging=staging)
     return plan_for(spec, group="g", namespace="ns")
 
 
