@@ -1,5 +1,6 @@
 """The weightsync agent: runs beside a trainer or an inference engine and moves its weights.
 
-This release holds the agent's configuration and plan handling; the data plane (CPU replica,
-transports, sync rounds) builds on it.
+Trainer pods: CPU replicas and sources (``source_agent``), and on trainer rank 0 the coordinator of
+every sync round (``coordinator``, ``rounds``). Inference pods: a watcher of the local engine
+(``engine_agent``). Trainer code uses ``client.WeightSyncClient``. See docs/agent.md.
 """

@@ -42,6 +42,7 @@ from weightsync.api import names
 from weightsync.plan import Plan, Target
 from weightsync_agent.config import AgentConfig, AgentConfigError
 from weightsync_agent.manifest import Manifest
+from weightsync_agent.remote import AgentClient, AgentError
 from weightsync_agent.replica import MissingPart, ReplicaSet
 from weightsync_agent.rounds import EngineControl, RoundDriver, RoundResult, SourceControl
 from weightsync_agent.source import LocalSourceControl, Outcome, PublishError, PublishResult, Source
@@ -130,14 +131,10 @@ class SidecarPublisher:
     """
 
     def __init__(self, agent_url: str, source_rank: int) -> None:
-        from weightsync_agent.remote import AgentClient
-
         self.agent = AgentClient(agent_url)
         self.source_rank = source_rank
 
     def publish(self, version: int, deadline: float) -> RoundOutcome:
-        from weightsync_agent.remote import AgentError
-
         timeout = max(1.0, deadline - time.monotonic())
         try:
             return RoundOutcome(self.agent.publish(version, self.source_rank, timeout))
@@ -162,8 +159,6 @@ class _Unreachable:
 
 def wait_for_sidecar(agent_url: str, timeout: float) -> dict[str, object]:
     """Block until the sidecar built this pod's replicas (it needs every target's manifest first)."""
-    from weightsync_agent.remote import AgentClient, AgentError
-
     agent = AgentClient(agent_url, timeout=5.0)
     deadline = time.monotonic() + timeout
     last = "no answer"

@@ -275,11 +275,16 @@ class Coordinator:
             if rank in self.local.ranks:
                 out[rank] = LocalRankSource(self.local, rank, plan_hash=plan.hash, engines=engines, catch_up=catch_up)
                 continue
-            pod = plan.layout.source_pod(rank)[0]
-            if pod not in clients:
-                clients[pod] = AgentClient(self.directory.trainer_url(pod), timeout=self.call_timeout)
-            out[rank] = HttpSourceControl(clients[pod], rank, plan_hash=plan.hash, engines=engines, catch_up=catch_up)
+            agent = self._agent_of(plan, rank, clients)
+            out[rank] = HttpSourceControl(agent, rank, plan_hash=plan.hash, engines=engines, catch_up=catch_up)
         return out
+
+    def _agent_of(self, plan: Plan, rank: int, clients: dict[int, AgentClient]) -> AgentClient:
+        """The agent of the trainer pod running ``rank``; one directory lookup per pod (``clients`` caches)."""
+        pod = plan.layout.source_pod(rank)[0]
+        if pod not in clients:
+            clients[pod] = AgentClient(self.directory.trainer_url(pod), timeout=self.call_timeout)
+        return clients[pod]
 
     def _lags(self, engine: int, version: int) -> bool:
         try:
@@ -293,14 +298,14 @@ class Coordinator:
             if 0 in self.local.replicas:
                 self.local.committed(0, version)
             return
+        clients: dict[int, AgentClient] = {}
         for assignment in plan.sources:
             rank = assignment.source
             try:
                 if rank in self.local.ranks:
                     self.local.committed(rank, version)
                 else:
-                    pod = plan.layout.source_pod(rank)[0]
-                    AgentClient(self.directory.trainer_url(pod), timeout=self.call_timeout).committed(rank, version)
+                    self._agent_of(plan, rank, clients).committed(rank, version)
             except (AgentError, DirectoryError) as exc:
                 # Only costs that rank's catch-ups until the next round; the round itself committed.
                 log.warning("could not tell source %d that version %d is committed: %s", rank, version, exc)

@@ -55,14 +55,12 @@ class SourceAgent:
         replica_root: Callable[[int], Path],
         *,
         pin: bool | None = None,
-        poll_interval: float = 0.01,
     ) -> None:
         self.group = group
         self.ranks = tuple(sorted(ranks))
         self.make_transport = make_transport
         self.replica_root = replica_root
         self.pin = pin
-        self.poll_interval = poll_interval
         self.plan: Plan | None = None
         self.sources: dict[int, Source] = {}
         self.transports: dict[int, Transport] = {}
@@ -178,7 +176,8 @@ class SourceAgent:
                     f"source {rank} runs plan {self.plan.hash} (revision {self.plan.revision}), the coordinator "
                     f"plan {plan_hash}; it rebuilds once every target of the new plan answers"
                 )
-            targets = None if engines is None else [t for t in source.targets if t[0] in set(engines)]
+            covered = None if engines is None else set(engines)
+            targets = None if covered is None else [t for t in source.targets if t[0] in covered]
             with self._locks[rank]:
                 if catch_up:
                     self._check_holds(rank, source, version)

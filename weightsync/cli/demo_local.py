@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def train_step(full: dict[str, Any], step: int, lr: float = 0.05) -> tuple[dict[
 
 
 def run_local_demo(example: Path, *, steps: int, join: int, console: Console, staging: str | None = None) -> int:
-    from weightsync_agent.engines.reference.model import forward_full, full_state
+    from weightsync_agent.engines.reference.model import full_state
     from weightsync_agent.local_group import LocalGroup
 
     obj = yaml.safe_load(example.read_text())
@@ -92,7 +93,8 @@ def run_local_demo(example: Path, *, steps: int, join: int, console: Console, st
                 outcomes = publish_all(clients, full, version)
                 first = outcomes[0]
                 result = getattr(first, "round", None)
-                diff = _max_diff(local, full, forward_full) if result and result.result == "Succeeded" else float("nan")
+                succeeded = result is not None and result.result == "Succeeded"
+                diff = max_logit_diff(local.engines.values(), full) if succeeded else float("nan")
                 rows.append(
                     StepRow(
                         version,
@@ -121,7 +123,7 @@ def run_local_demo(example: Path, *, steps: int, join: int, console: Console, st
                     if time.monotonic() > deadline:
                         raise TimeoutError("joining engines did not catch up within 120 s")
                     time.sleep(0.2)
-            diff = _max_diff(local, full, forward_full)
+            diff = max_logit_diff(local.engines.values(), full)
             console.print(
                 f"[green]✓[/] engines {sorted(joined)} hold version {steps} "
                 f"[dim]({time.monotonic() - started:.1f} s, max |logit diff| {diff:.2e})[/]"
@@ -155,15 +157,17 @@ def publish_all(clients: list[Any], full: dict[str, Any], version: int) -> list[
     return outcomes
 
 
-def _max_diff(local: Any, full: dict[str, Any], forward_full: Any) -> float:
+def max_logit_diff(engines: Iterable[Any], full: dict[str, Any]) -> float:
+    """Largest |logit| difference between each engine's forward pass and the trainer's own, on PROMPT."""
     import torch
 
+    from weightsync_agent.engines.reference.model import forward_full
+
     reference = forward_full(full, PROMPT)
-    worst = 0.0
-    for engine in local.engines.values():
-        logits = torch.tensor(engine.client().forward(PROMPT))
-        worst = max(worst, float((logits - reference).abs().max()))
-    return worst
+    return max(
+        (float((torch.tensor(engine.client().forward(PROMPT)) - reference).abs().max()) for engine in engines),
+        default=0.0,
+    )
 
 
 def _table(rows: list[StepRow]) -> Table:

@@ -152,7 +152,9 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
                 lambda: _status(admin, group).get("weightVersion") == SYNC_STEPS,
                 timeout=120,
             )
-            diff = _max_logit_diff(agents, full)
+            from weightsync.cli.demo_local import max_logit_diff
+
+            diff = max_logit_diff(agents.engines.values(), full)
         console.print(f"  every engine serves the trainer's weights: max |logit diff| {diff:.1e}")
         plan = _stored_plan(admin, group)
         _show_groups(admin, console)
@@ -187,7 +189,7 @@ def _status(admin: Kube, group: str) -> dict[str, Any]:
 
 def _train_and_sync(agents: Agents, trainers: list[str], steps: int, console: Console) -> dict[str, Any]:
     """Trainer code in every trainer pod: a real SGD step of the reference model, stage, publish."""
-    from weightsync.cli.demo_local import publish_all, train_step
+    from weightsync.cli.demo_local import max_logit_diff, publish_all, train_step
     from weightsync_agent.engines.reference.model import full_state
 
     clients = [agents.client(name) for name in trainers]
@@ -203,22 +205,9 @@ def _train_and_sync(agents: Agents, trainers: list[str], steps: int, console: Co
     finally:
         for client in clients:
             client.close()
-    diff = _max_logit_diff(agents, full)
+    diff = max_logit_diff(agents.engines.values(), full)
     console.print(f"  engines serve the trainer's weights: max |logit diff| {diff:.1e}")
     return full
-
-
-def _max_logit_diff(agents: Agents, full: dict[str, Any]) -> float:
-    import torch
-
-    from weightsync.cli.demo_local import PROMPT
-    from weightsync_agent.engines.reference.model import forward_full
-
-    reference = forward_full(full, PROMPT)
-    return max(
-        float((torch.tensor(engine.client().forward(PROMPT)) - reference).abs().max())
-        for engine in agents.engines.values()
-    )
 
 
 def _show_last_sync(admin: Kube, group: str, console: Console) -> None:
