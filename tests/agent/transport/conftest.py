@@ -8,9 +8,7 @@ import pytest
 from transport_children import Child, close_all
 
 
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Child]]:
-    """``spawn(script, *args)`` starts a child that is closed (or killed) when the test ends."""
+def _spawner() -> Iterator[Callable[..., Child]]:
     children: list[Child] = []
 
     def start(script: str, *args: str) -> Child:
@@ -21,17 +19,15 @@ def spawn() -> Iterator[Callable[..., Child]]:
 
     yield start
     close_all(children)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Child]]:
+    """``spawn(script, *args)`` starts a child that is closed (or killed) when the test ends."""
+    yield from _spawner()
 
 
 @pytest.fixture(scope="module")
 def spawn_module() -> Iterator[Callable[..., Child]]:
-    children: list[Child] = []
-
-    def start(script: str, *args: str) -> Child:
-        child = Child(script, *args)
-        children.append(child)  # before the first read, so a child that never answers is still reaped
-        child.info = child.read()
-        return child
-
-    yield start
-    close_all(children)
+    """``spawn`` for children that live as long as the test module."""
+    yield from _spawner()
