@@ -10,7 +10,7 @@ vocab-split embeddings, replicated norms). Every party is its own process:
 
 * ``tcp`` / ``nvlink``: engine ranks E0, E1 hold their TP shard in one flat GPU buffer (``cuda:r``)
   registered with a ``MooncakeTransport``; sources S0, S1 stage the full tensors into their pinned CPU
-  ``Replica`` (weightsync_agent.replica) and write them, both sources at once, three ways:
+  ``Replica`` (weightsync_agent.source.replica) and write them, both sources at once, three ways:
   ``Source.publish`` (the agent's path: buckets, a window of 2 per target, xxh3 of every bucket),
   ``raw`` (every bucket piece submitted to the transport at once, no checksums), and ``p2p`` (the same
   bytes from a GPU copy of the replica on the *other* GPU: GPU -> GPU). Baselines measured in the same
@@ -180,7 +180,7 @@ def build_expected(specs: list[LocalSpec], out: torch.Tensor) -> None:
 
 
 def manifest_for(specs: list[LocalSpec], *, rank: int, session_id: str, base: int) -> Any:
-    from weightsync_agent.manifest import Manifest, Region, ShardPart, TensorEntry
+    from weightsync_agent.layout.manifest import Manifest, Region, ShardPart, TensorEntry
 
     entries, offset = [], 0
     for spec in specs:
@@ -379,8 +379,8 @@ class SourceRank:
         return {"session": self.transport.session_id}
 
     def setup(self, manifests: list[str]) -> dict[str, Any]:
-        from weightsync_agent.manifest import Manifest
-        from weightsync_agent.source import Source
+        from weightsync_agent.layout.manifest import Manifest
+        from weightsync_agent.source.writer import Source
 
         plan = make_plan(self.cfg["bucket_mib"], 600)
         parsed = [Manifest.model_validate_json(m) for m in manifests]
@@ -487,7 +487,7 @@ class BcastRank:
     def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
         import torch.distributed as dist
 
-        from weightsync_agent.transport.broadcast import BroadcastGroup
+        from weightsync_agent.transport.collective import BroadcastGroup
 
         self.rank = rank
         self.device = torch.device(cfg["bcast_devices"][rank])

@@ -37,14 +37,15 @@ import torch
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync.ports import free_port
-from weightsync_agent.broadcast_layout import Receivers, broadcast_round_plan
-from weightsync_agent.broadcast_source import BroadcastSource
-from weightsync_agent.engines.control import HttpEngineControl
-from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
-from weightsync_agent.engines.reference.model import ModelConfig, full_state
-from weightsync_agent.rounds import RoundDriver, RoundResult, SourceControl
-from weightsync_agent.source import LocalSourceControl, Source
+from weightsync_agent.modes.broadcast.layout import Receivers, broadcast_round_plan
+from weightsync_agent.modes.broadcast.sender import BroadcastSource
+from weightsync_agent.rounds.driver import RoundDriver, RoundResult
+from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
+from weightsync_testing.reference_engine.model import ModelConfig, full_state
 
 MiB = 1 << 20
 TP = 2
@@ -152,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             engines.append(launch_engine(e, TP, seed=7 + e, extra=extra, timeout=300))
         clients = {e: engines[e].client(timeout=TIMEOUT) for e in range(ENGINES)}
         manifests = {t: clients[t[0]].manifest(t[1]) for t in p2p_plan.layout.all_targets()}
-        controls = {e: HttpEngineControl(e, clients[e], bucket_bytes=bucket_bytes) for e in range(ENGINES)}
+        controls = {e: reference_adapter(e, clients[e].base_url, bucket_bytes=bucket_bytes) for e in range(ENGINES)}
         for assignment in p2p_plan.sources:
             mine = {t: manifests[t] for t in assignment.targets}
             transport = MooncakeTransport("127.0.0.1", "tcp", force_tcp=True, timeout_seconds=60)
             sources.append(Source(transport, p2p_plan, assignment.source, mine, pin=False))
             sources[-1].replicas.stage_many(full)
         p2p_sources: dict[int, SourceControl] = {s.source: LocalSourceControl(s) for s in sources}
-        broadcast = BroadcastSource(broadcast_plan, manifests, clients, call_timeout=60)
+        broadcast = BroadcastSource(broadcast_plan, manifests, controls, call_timeout=60)
         broadcast.stage_many(full)
         sender = broadcast
 

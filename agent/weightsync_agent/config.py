@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -80,3 +81,8 @@ class AgentConfig(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise AgentConfigError(f"agent environment is incomplete or invalid: {problems}") from exc
+
+
+def replica_dir(group: str, source_rank: int, root: str | os.PathLike[str] = names.SHM_PATH) -> Path:
+    """Where a trainer rank's replica files live, agreed between the sidecar and the trainer."""
+    return Path(root) / "weightsync" / group / f"source-{source_rank}"

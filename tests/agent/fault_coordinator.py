@@ -16,7 +16,7 @@ import threading
 
 from fault_rig import TriggeredTransport, build_sources, group_plan, make_driver, version_state
 
-from weightsync_agent.engines.api import EngineClient
+from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.transport.mooncake import MooncakeTransport
 
 

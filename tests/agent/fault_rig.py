@@ -16,13 +16,14 @@ from sync_helpers import ENGINES, TOKENS, expected_checksums, training_step
 from test_sync_p2p import group_plan
 
 from weightsync.plan import Plan
-from weightsync_agent.engines.api import EngineClient
-from weightsync_agent.engines.control import HttpEngineControl
-from weightsync_agent.engines.reference.model import forward_full, full_state
-from weightsync_agent.rounds import RoundDriver, SourceControl
-from weightsync_agent.source import LocalSourceControl, Source
+from weightsync_agent.rounds.driver import RoundDriver
+from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.base import Transfer, Transport
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.reference_engine.model import forward_full, full_state
 
 __all__ = ["ENGINES", "TOKENS", "expected_checksums", "group_plan", "training_step"]
 
@@ -140,7 +141,7 @@ def make_driver(
     call_timeout: float,
     retries: int,
 ) -> RoundDriver:
-    controls = {e: HttpEngineControl(e, clients[e], bucket_bytes=BUCKET_BYTES) for e in range(len(clients))}
+    controls = {e: reference_adapter(e, clients[e].base_url, bucket_bytes=BUCKET_BYTES) for e in range(len(clients))}
     if not isinstance(sources, Mapping):
         sources = {s.source: LocalSourceControl(s) for s in sources}
     return RoundDriver(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import checksum_ranges
-from weightsync_agent.engines.reference.model import DEFAULT_CONFIG, ModelConfig, RankWeights, shard
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import checksum_ranges
+from weightsync_testing.reference_engine.model import DEFAULT_CONFIG, ModelConfig, RankWeights, shard
 
 TOKENS = [3, 14, 15, 92, 65, 35]
 TP = 2

@@ -20,9 +20,9 @@ from sync_helpers import TOKENS, expected_checksums, group_spec, training_step
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client import WeightSyncClient
-from weightsync_agent.engines.reference.model import forward_full, full_state
-from weightsync_agent.local_group import LocalGroup
-from weightsync_agent.remote import AgentClient
+from weightsync_agent.rounds.remote import AgentClient
+from weightsync_testing.loopback_group import LocalGroup
+from weightsync_testing.reference_engine.model import forward_full, full_state
 
 
 def spec(staging: str = "live", mode: str = "p2p", verify: bool = True) -> WeightSyncGroupSpec:
@@ -57,7 +57,7 @@ def publish_all(clients: list[WeightSyncClient], full: dict[str, torch.Tensor], 
 
 
 def assert_engines_hold(group: LocalGroup, full: dict[str, torch.Tensor], version: int) -> None:
-    bucket_bytes = group.plan.transfer.bucket_size_mi_b << 20
+    bucket_bytes = group.plan.transfer.bucket_bytes
     logits = forward_full(full, TOKENS)
     for index, engine in group.engines.items():
         client = engine.client()

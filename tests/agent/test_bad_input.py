@@ -22,16 +22,18 @@ from aiohttp import web
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, Target, plan_for
-from weightsync_agent.engines.api import EngineAPIError, EngineClient
-from weightsync_agent.engines.control import HttpEngineControl
-from weightsync_agent.engines.reference.model import full_state
-from weightsync_agent.engines.reference.server import BackgroundServer, ReferenceEngine
-from weightsync_agent.replica import IncompleteReplicaError, ReplicaError
-from weightsync_agent.rounds import RoundDriver, RoundError
-from weightsync_agent.source import LocalSourceControl, Source
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.http.server import BackgroundServer
+from weightsync_agent.rounds.driver import RoundDriver, RoundError
+from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaError
+from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.base import Transport
-from weightsync_agent.transport.local import MemoryTransport
+from weightsync_agent.transport.memory import MemoryTransport
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.reference_engine.model import full_state
+from weightsync_testing.reference_engine.server import ReferenceEngine, serve_in_thread
 
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 TP = 2
@@ -56,7 +58,7 @@ class Engine:
     def __init__(self, transports: list[Transport]) -> None:
         self.engine = ReferenceEngine(engine=0, tp=TP, seed=3, transports=transports)
         self.initial = [w.buffer.clone() for w in self.engine.weights]
-        self.server = BackgroundServer(self.engine).start()
+        self.server = serve_in_thread(self.engine).start()
         self.client = EngineClient(self.server.url, timeout=10)
 
     def untouched(self) -> bool:
@@ -172,7 +174,7 @@ def fetch_manifests_and_publish(client: EngineClient, plan: Plan, source_transpo
 def test_a_malformed_manifest_is_refused_naming_the_field(engine: Engine, case: str) -> None:
     tamper, message = CASES[case]
     with BackgroundServer(tampering_proxy(engine.client, tamper)) as proxy, MemoryTransport() as sender:
-        with pytest.raises(EngineAPIError) as refused:
+        with pytest.raises(HttpCallError) as refused:
             fetch_manifests_and_publish(EngineClient(proxy.url, timeout=10), make_plan(), sender)
         text = str(refused.value)
         assert "rank 1: weights info is not a manifest" in text, text
@@ -191,7 +193,7 @@ def test_a_malformed_manifest_is_refused_naming_the_field(engine: Engine, case: 
 )
 def test_an_unparsable_transfer_engine_info_is_refused(engine: Engine, raw: str, message: str) -> None:
     with BackgroundServer(tampering_proxy(engine.client, None, raw)) as proxy, MemoryTransport() as sender:
-        with pytest.raises(EngineAPIError, match=message) as refused:
+        with pytest.raises(HttpCallError, match=message) as refused:
             fetch_manifests_and_publish(EngineClient(proxy.url, timeout=10), make_plan(), sender)
         assert INFO in str(refused.value)  # the route; the caller knows the rank it asked for
     assert engine.untouched()
@@ -273,7 +275,7 @@ def test_a_tensor_missing_at_publish_over_mooncake_writes_nothing_then_the_full_
 def test_a_coordinator_handed_peers_the_plan_does_not_know_is_refused(engine: Engine) -> None:
     plan = make_plan()
     with MemoryTransport() as sender, reference_source(engine, sender) as source:
-        control = HttpEngineControl(0, engine.client, bucket_bytes=BUCKET_BYTES)
+        control = reference_adapter(0, engine.client.base_url, bucket_bytes=BUCKET_BYTES)
         sources = {0: LocalSourceControl(source)}
         with pytest.raises(RoundError, match=r"does not know engines \[3\] or sources \[\]"):
             RoundDriver(plan, {0: control, 3: control}, sources)
@@ -286,7 +288,7 @@ def test_a_plan_asking_an_engine_for_a_rank_it_lacks_fails_at_the_manifest(engin
     plan = make_plan(tp=4)  # the engine runs TP2
     targets: tuple[Target, ...] = plan.sources[0].targets
     assert (0, 3) in targets
-    with pytest.raises(EngineAPIError, match="Failed to get transfer engine info for rank 2") as refused:
+    with pytest.raises(HttpCallError, match="Failed to get transfer engine info for rank 2") as refused:
         for target in targets:
             engine.client.manifest(target[1])
     assert refused.value.status == 400

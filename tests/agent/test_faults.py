@@ -38,14 +38,14 @@ from fault_rig import (
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
-from weightsync_agent.engines.api import EngineClient
-from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
-from weightsync_agent.engines.reference.model import full_state
-from weightsync_agent.engines.reference.server import ReferenceEngine
-from weightsync_agent.source import Source
+from weightsync_agent.source.writer import Source
+from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.transport.base import Transfer
-from weightsync_agent.transport.local import MemoryTransport
+from weightsync_agent.transport.memory import MemoryTransport
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
+from weightsync_testing.reference_engine.model import full_state
+from weightsync_testing.reference_engine.server import ReferenceEngine
 
 HERE = Path(__file__).parent
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}

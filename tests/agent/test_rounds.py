@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, Target, plan_for
-from weightsync_agent.rounds import RoundDriver, RoundError, SourceReport, VerifyReport
+from weightsync_agent.rounds.driver import RoundDriver, RoundError
+from weightsync_agent.source.report import SourceReport
+from weightsync_agent.targets.adapter import TargetVerdict
 
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
@@ -66,13 +68,13 @@ class FakeEngine:
     def begin(self, version: int, timeout: float) -> None:
         self.log.add("begin", self.name)
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> VerifyReport:
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
         self.log.add("verify", self.name, str(rank))
         if self.fail_verify_times > 0 and rank in self.bad_buckets:
             self.fail_verify_times -= 1
-            return VerifyReport(ok=False, mismatched=self.bad_buckets[rank])
+            return TargetVerdict(ok=False, mismatched=self.bad_buckets[rank])
         self.verified[rank] = version
-        return VerifyReport(ok=True)
+        return TargetVerdict(ok=True)
 
     def commit(self, version: int, timeout: float) -> None:
         self.log.add("commit", self.name)

@@ -17,12 +17,14 @@ from sync_helpers import ENGINES, TOKENS, TP, expected_checksums, group_spec, tr
 
 from weightsync.plan import Plan, plan_for
 from weightsync.ports import free_port
-from weightsync_agent.broadcast_layout import broadcast_round_plan
-from weightsync_agent.broadcast_source import BroadcastSource
-from weightsync_agent.engines.control import HttpEngineControl
-from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
-from weightsync_agent.engines.reference.model import ModelConfig, forward_full, full_state
-from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
+from weightsync_agent.modes.broadcast.layout import broadcast_round_plan
+from weightsync_agent.modes.broadcast.sender import BroadcastSource
+from weightsync_agent.rounds.driver import RoundDriver
+from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.report import SourceReport
+from weightsync_agent.targets.reference.adapter import reference_adapter
+from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
+from weightsync_testing.reference_engine.model import ModelConfig, forward_full, full_state
 
 LAYERS = 12  # about 1.8 MB of full tensors: two 1 MiB broadcast buckets, so a kill can land mid-broadcast
 CONFIG = ModelConfig(num_layers=LAYERS)
@@ -70,7 +72,9 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
             engines.append(launch_engine(e, TP, seed=7 + e, staged=staging == "staged", extra=extra))
         clients = {e: engines[e].client() for e in range(ENGINES)}
         manifests = {t: clients[t[0]].manifest(t[1]) for t in plan.layout.all_targets()}
-        source = BroadcastSource(plan, manifests, clients, call_timeout=10)
+        bucket_bytes = plan.transfer.bucket_bytes
+        adapters = {e: reference_adapter(e, c.base_url, bucket_bytes=bucket_bytes) for e, c in clients.items()}
+        source = BroadcastSource(plan, manifests, adapters, call_timeout=10)
         source.connect(f"tcp://127.0.0.1:{free_port()}", backend="gloo")
         yield plan, engines, source
     finally:
@@ -81,8 +85,8 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
 
 
 def driver_for(plan: Plan, engines: list[EngineProcess], sources: dict[int, SourceControl], **kw: float) -> RoundDriver:
-    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
-    controls = {e: HttpEngineControl(e, engines[e].client(), bucket_bytes=bucket_bytes) for e in range(ENGINES)}
+    bucket_bytes = plan.transfer.bucket_bytes
+    controls = {e: reference_adapter(e, engines[e].url, bucket_bytes=bucket_bytes) for e in range(ENGINES)}
     return RoundDriver(
         broadcast_round_plan(plan), controls, sources, staging=plan.transfer.target_staging,
         timeout_seconds=kw.get("timeout_seconds", 20), call_timeout=kw.get("call_timeout", 10),
@@ -92,7 +96,7 @@ def driver_for(plan: Plan, engines: list[EngineProcess], sources: dict[int, Sour
 
 def test_rank0_broadcast_syncs_two_tp2_engines_bit_exactly(rig: Rig) -> None:
     plan, engines, broadcast = rig
-    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
+    bucket_bytes = plan.transfer.bucket_bytes
     sender = RecordingSource(broadcast)
     driver = driver_for(plan, engines, {0: sender, 1: IdleTrainerRank()})
     full = full_state(seed=1, config=CONFIG)

@@ -14,12 +14,14 @@ import torch
 from sync_helpers import ENGINES, TOKENS, TP, expected_checksums, group_spec, training_step
 
 from weightsync.plan import Plan, plan_for
-from weightsync_agent.engines.control import HttpEngineControl
-from weightsync_agent.engines.reference.launch import EngineProcess, launch_engine
-from weightsync_agent.engines.reference.model import forward_full, full_state
-from weightsync_agent.rounds import RoundDriver, SourceControl, SourceReport
-from weightsync_agent.source import LocalSourceControl, Source
+from weightsync_agent.rounds.driver import RoundDriver
+from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.report import SourceReport
+from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
+from weightsync_testing.reference_engine.model import forward_full, full_state
 
 
 def group_plan(staging: str) -> Plan:
@@ -50,8 +52,8 @@ def rig(request: pytest.FixtureRequest) -> Iterator[tuple[Plan, list[EngineProce
 
 def test_two_sources_sync_two_tp2_engines_bit_exactly(rig: tuple[Plan, list[EngineProcess], list[Source]]) -> None:
     plan, engines, sources = rig
-    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
-    controls = {e: HttpEngineControl(e, engines[e].client(), bucket_bytes=bucket_bytes) for e in range(ENGINES)}
+    bucket_bytes = plan.transfer.bucket_bytes
+    controls = {e: reference_adapter(e, engines[e].url, bucket_bytes=bucket_bytes) for e in range(ENGINES)}
     driver = RoundDriver(
         plan, controls, {s.source: LocalSourceControl(s) for s in sources},
         staging=plan.transfer.target_staging, timeout_seconds=30, call_timeout=15,
@@ -99,8 +101,8 @@ def test_a_target_killed_mid_round_leaves_no_engine_claiming_the_version(
     rig: tuple[Plan, list[EngineProcess], list[Source]],
 ) -> None:
     plan, engines, sources = rig
-    bucket_bytes = plan.transfer.bucket_size_mi_b << 20
-    controls = {e: HttpEngineControl(e, engines[e].client(), bucket_bytes=bucket_bytes) for e in range(ENGINES)}
+    bucket_bytes = plan.transfer.bucket_bytes
+    controls = {e: reference_adapter(e, engines[e].url, bucket_bytes=bucket_bytes) for e in range(ENGINES)}
     controls_sources: dict[int, SourceControl] = {s.source: LocalSourceControl(s) for s in sources}
     controls_sources[0] = KillingSource(LocalSourceControl(sources[0]), engines[1])
     survivor = engines[0].client()

@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from weightsync_agent.testbed import netns
-from weightsync_agent.testbed.runner import Options, run
-from weightsync_agent.testbed.scenario import Layout
+from weightsync_testing.testbed import netns
+from weightsync_testing.testbed.runner import Options, run
+from weightsync_testing.testbed.scenario import Layout
 
 
 def _skip_reason() -> str | None:

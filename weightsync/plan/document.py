@@ -20,6 +20,7 @@ from typing import Any, Final, Literal, Self
 
 from pydantic import ConfigDict, Field, model_validator
 
+from weightsync.api.engines import Adapter
 from weightsync.api.v1alpha1 import ApiModel, TransferSpec
 
 SCHEMA_VERSION: Final = "weightsync.io/plan/v1"
@@ -42,7 +43,7 @@ class Layout(ApiModel):
     engines: int = Field(ge=1)
     ranks_per_engine: int = Field(ge=1)
     engine_ranks_per_pod: int = Field(ge=1)
-    adapter: Literal["sglang", "reference"] = "sglang"
+    adapter: Adapter = "sglang"
     engine_port: int = 30000
     agent_port: int = 9470
 

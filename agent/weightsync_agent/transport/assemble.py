@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync_agent.manifest import ShardPart, TensorEntry
+from weightsync_agent.layout.manifest import ShardPart, TensorEntry
 from weightsync_agent.transport.base import TransportError
 
 

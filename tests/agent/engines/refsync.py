@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import source_checksum
-from weightsync_agent.manifest import Manifest
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import source_checksum
+from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.transport.base import Transfer, Transport, wait_all
-from weightsync_agent.transport.local import MemoryTransport
+from weightsync_agent.transport.memory import MemoryTransport
 
 
 def replica_for(manifest: Manifest, full: Mapping[str, torch.Tensor]) -> torch.Tensor:

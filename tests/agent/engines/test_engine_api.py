@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from weightsync_agent.engines.api import EngineAPIError, EngineClient, EngineUnreachableError
-from weightsync_agent.engines.reference.server import BackgroundServer
+from weightsync_agent.http.client import HttpCallError, PeerUnreachableError
+from weightsync_agent.http.server import BackgroundServer
+from weightsync_agent.targets.engine_client import EngineClient
 
 SGLANG_WEIGHTS_INFO = {"model.embed_tokens.weight": [139870000000000, 1024, 2]}
 
@@ -103,7 +104,7 @@ def test_transfer_info_and_non_manifest_weights_info(fake: tuple[FakeSGLang, Eng
     info = client.transfer_engine_info(3)
     assert (info.rank, info.session_id, info.weights_info) == (3, "10.0.0.5:15001", SGLANG_WEIGHTS_INFO)
     assert sglang.calls[-1][1] == "/remote_instance_transfer_engine_info?rank=3"
-    with pytest.raises(EngineAPIError, match="not a manifest"):
+    with pytest.raises(HttpCallError, match="not a manifest"):
         info.manifest()
 
 
@@ -111,7 +112,7 @@ def test_capabilities_and_errors(fake: tuple[FakeSGLang, EngineClient]) -> None:
     _, client = fake
     assert not client.supports_weightsync()  # SGLang has no /weightsync/ routes
     assert client.health() is False  # 503
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.commit("1")
     assert err.value.status == 404
 
@@ -119,7 +120,7 @@ def test_capabilities_and_errors(fake: tuple[FakeSGLang, EngineClient]) -> None:
 def test_timeouts_bound_every_call(fake: tuple[FakeSGLang, EngineClient]) -> None:
     _, client = fake
     start = time.monotonic()
-    with pytest.raises(EngineUnreachableError):
+    with pytest.raises(PeerUnreachableError):
         client.server_info(timeout=0.3)
     assert time.monotonic() - start < 1.5
 
@@ -130,7 +131,7 @@ def test_unreachable_engine_fails_fast() -> None:
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
     client = EngineClient(f"http://127.0.0.1:{port}", timeout=2)
     start = time.monotonic()
-    with pytest.raises(EngineUnreachableError):
+    with pytest.raises(PeerUnreachableError):
         client.weight_version()
     assert time.monotonic() - start < 1.5
     with pytest.raises(ValueError):

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.engines.reference.model import (
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.manifest import Manifest, ShardPart
+from weightsync_testing.reference_engine.model import (
     DEFAULT_CONFIG,
     ModelConfig,
     RankWeights,
@@ -20,7 +21,6 @@ from weightsync_agent.engines.reference.model import (
     local_layout,
     shard,
 )
-from weightsync_agent.manifest import Manifest, ShardPart
 
 TOKENS = [3, 17, 42, 5, 88, 1, 60, 9]
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from refsync import new_transport, write_version
 
-from weightsync_agent.engines.api import EngineAPIError, EngineClient
-from weightsync_agent.engines.reference.model import forward_full, forward_tp, full_state, shard
-from weightsync_agent.engines.reference.server import BackgroundServer, ReferenceEngine
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_testing.reference_engine.model import forward_full, forward_tp, full_state, shard
+from weightsync_testing.reference_engine.server import ReferenceEngine, serve_in_thread
 
 TP = 2
 BUCKET = 8192
@@ -50,7 +51,7 @@ class Harness:
 @pytest.fixture
 def harness() -> Iterator[Harness]:
     engine = ReferenceEngine(engine=1, tp=TP, seed=0, transports=[new_transport() for _ in range(TP)])
-    with BackgroundServer(engine) as server:
+    with serve_in_thread(engine) as server:
         h = Harness(engine, EngineClient(server.url, timeout=10))
         yield h
         h.source.close()
@@ -90,7 +91,7 @@ def test_transfer_engine_info_has_sglangs_shape(harness: Harness) -> None:
     old = client.request("GET", "/get_remote_instance_transfer_engine_info", query={"rank": 1})[1]
     assert old == client.request("GET", "/remote_instance_transfer_engine_info", query={"rank": 1})[1]
     for bad in ({}, {"rank": -1}, {"rank": TP}, {"rank": "x"}):
-        with pytest.raises(EngineAPIError) as err:
+        with pytest.raises(HttpCallError) as err:
             client.request("GET", "/remote_instance_transfer_engine_info", query=bad)
         assert err.value.status == 400
 
@@ -117,32 +118,32 @@ def test_pause_refuses_generation_until_continue(harness: Harness) -> None:
     client.pause_generation("retract")
     assert client.status()["paused"] and client.status()["pause_mode"] == "retract"
     for call in (lambda: client.forward(TOKENS), lambda: client.generate(TOKENS, 2)):
-        with pytest.raises(EngineAPIError) as err:
+        with pytest.raises(HttpCallError) as err:
             call()
         assert err.value.status == 503
     assert client.health()  # paused is not unhealthy
     client.continue_generation()
     assert torch.equal(logits(client), before)
     assert client.generate(TOKENS, 4) == tokens
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.request("POST", "/pause_generation", body={"mode": "later"})
     assert err.value.status == 400
 
 
 def test_live_round_changes_version_only_on_commit(harness: Harness) -> None:
     client = harness.client
-    with pytest.raises(EngineAPIError, match="pause generation first") as err:
+    with pytest.raises(HttpCallError, match="pause generation first") as err:
         client.begin("1")
     assert err.value.status == 409
     client.pause_generation("abort")
     client.begin("1")
     sums = harness.write("1", seed=1)
     assert client.weight_version() == "default"  # written, not committed
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.continue_generation()  # the live weights are mid-update
     assert err.value.status == 409
     assert client.verify(0, "1", BUCKET, sums[0]).ok
-    with pytest.raises(EngineAPIError, match="unverified") as err:
+    with pytest.raises(HttpCallError, match="unverified") as err:
         client.commit("1")  # rank 1 not verified yet
     assert err.value.status == 409 and err.value.body["unverified_ranks"] == [1]
     assert client.weight_version() == "default"
@@ -166,7 +167,7 @@ def test_commit_refused_after_failed_verify_and_last_verify_counts(harness: Harn
     assert client.verify(0, "2", BUCKET, good[0]).ok
     report = client.verify(1, "2", BUCKET, bad[1])
     assert not report.ok and report.mismatched == (3,)
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.commit("2")
     assert err.value.status == 409 and err.value.body["failed_ranks"] == [1]
     assert client.weight_version() == "default"
@@ -179,15 +180,15 @@ def test_commit_refused_after_failed_verify_and_last_verify_counts(harness: Harn
 
 def test_commit_refused_without_round_or_verify(harness: Harness) -> None:
     client = harness.client
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.commit("3")  # no round at all
     assert err.value.status == 409
     client.pause_generation()
     client.begin("3")
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.verify(0, "4", BUCKET, [])  # another version's verify
     assert err.value.status == 409
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.commit("3")  # nothing verified
     assert err.value.body["unverified_ranks"] == [0, 1]
     sums = harness.write("3", seed=3)
@@ -195,10 +196,10 @@ def test_commit_refused_without_round_or_verify(harness: Harness) -> None:
     assert not short.ok and "expected" in (short.error or "")
     wrong_size = client.verify(1, "3", BUCKET * 2, sums[1])  # buckets of another size
     assert not wrong_size.ok
-    with pytest.raises(EngineAPIError):
+    with pytest.raises(HttpCallError):
         client.commit("3")
     # SGLang's route is a commit too: refused the same way, with SGLang's failure shape
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.update_weight_version("3")
     assert err.value.status == 400 and err.value.body["success"] is False
     assert client.weight_version() == "default"
@@ -216,10 +217,10 @@ def test_a_round_begun_without_verification_commits_on_the_writes_alone(harness:
     assert client.commit("5")["weight_version"] == "5"
     client.begin("6")  # the default still needs every rank verified
     harness.write("6", seed=6)
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.commit("6")
     assert err.value.body["unverified_ranks"] == [0, 1]
-    with pytest.raises(EngineAPIError, match="verify must be true or false"):
+    with pytest.raises(HttpCallError, match="verify must be true or false"):
         client.request("POST", "/weightsync/begin", body={"version": "7", "verify": "no"})
 
 
@@ -234,7 +235,7 @@ def test_verify_detects_a_corrupted_byte_in_engine_memory(harness: Harness) -> N
     harness.engine.weights[0].buffer[offset] ^= 1  # one bit, inside the engine
     report = client.verify(0, "5", BUCKET, sums[0])
     assert report.mismatched == (offset // BUCKET,)
-    with pytest.raises(EngineAPIError):
+    with pytest.raises(HttpCallError):
         client.commit("5")
 
 
@@ -261,7 +262,7 @@ def test_staged_round_keeps_serving_old_weights_until_commit(harness: Harness) -
     client.abort("8")
     assert client.weight_version() == "7" and same(logits(client), expected_logits(7))
     assert not client.status()["live_dirty"]
-    with pytest.raises(EngineAPIError):
+    with pytest.raises(HttpCallError):
         client.commit("8")
     assert not client.stage(False)
     assert not client.manifest(0).staging
@@ -275,7 +276,7 @@ def test_aborted_live_round_keeps_the_engine_paused_until_a_verified_commit(harn
     assert client.abort()["aborted"] == "9"
     assert client.weight_version() == "default"
     assert client.status()["live_dirty"]
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.continue_generation()
     assert err.value.status == 409
     harness.sync("9", seed=9)
@@ -285,20 +286,20 @@ def test_aborted_live_round_keeps_the_engine_paused_until_a_verified_commit(harn
 
 def test_round_bookkeeping_is_strict(harness: Harness) -> None:
     client = harness.client
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.begin("default")  # already there
     assert err.value.status == 409
     client.stage(True)
     client.begin("10")
     assert client.begin("10")["resumed"]  # the same version again: a fresh round (nothing verified yet)
     assert client.begin("11")["superseded"] == "10"  # a dead coordinator's round does not block its successor
-    with pytest.raises(EngineAPIError):
+    with pytest.raises(HttpCallError):
         client.stage(False)  # the manifest may not move under a round
-    with pytest.raises(EngineAPIError):
+    with pytest.raises(HttpCallError):
         client.abort("10")  # not the open round any more
     assert client.abort("11")["aborted"] == "11"
     assert client.abort()["aborted"] is None
     for body in ({"rank": 0}, {"rank": "0", "version": "1", "bucket_bytes": 1, "checksums": []}):
-        with pytest.raises(EngineAPIError) as err:
+        with pytest.raises(HttpCallError) as err:
             client.request("POST", "/weightsync/verify", body=body)
         assert err.value.status == 400

@@ -14,11 +14,12 @@ import pytest
 import torch
 from refsync import write_version
 
-from weightsync_agent.engines.api import EngineAPIError, EngineClient
-from weightsync_agent.engines.reference.launch import launch_engine
-from weightsync_agent.engines.reference.model import forward_full, forward_tp, full_state, shard
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.transport.base import Transport
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.reference_engine.launch import launch_engine
+from weightsync_testing.reference_engine.model import forward_full, forward_tp, full_state, shard
 
 TP = 2
 BUCKET = 16384
@@ -115,13 +116,13 @@ def test_corrupted_bucket_is_caught_across_processes(
     sums = write_all(client, source, seed=11, corrupt_bucket=2)
     report = client.verify(0, "bad", BUCKET, sums[0])
     assert not report.ok and report.mismatched == (2,)
-    with pytest.raises(EngineAPIError) as err:
+    with pytest.raises(HttpCallError) as err:
         client.commit("bad")
     assert err.value.status == 409
     client.abort("bad")
     assert client.weight_version() == version
     # the live weights were touched: generation stays off until a verified version lands
-    with pytest.raises(EngineAPIError):
+    with pytest.raises(HttpCallError):
         client.continue_generation()
     client.begin("12")
     sums = write_all(client, source, seed=12)

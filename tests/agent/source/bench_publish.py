@@ -2,7 +2,7 @@
 
 One source, ``--targets`` targets of the same layout (one shared replica), ``--bucket-mib`` buckets.
 Prints GB/s (bytes confirmed on all targets / wall time of publish) and verifies one target's checksums.
-Transports: ``memory`` (weightsync_agent.transport.local.MemoryTransport), ``fake`` (the in-test one), or
+Transports: ``memory`` (weightsync_agent.transport.memory.MemoryTransport), ``fake`` (the in-test one), or
 ``mooncake`` (TCP loopback; each target is its own process, see mooncake_peer.py).
 """
 
@@ -25,10 +25,10 @@ from source_helpers import TargetMemory, make_plan, random_full, tp_layout
 from transports import new_transport
 
 from weightsync.plan import Target
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import target_checksum
-from weightsync_agent.manifest import Manifest
-from weightsync_agent.source import Source
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import target_checksum
+from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.source.writer import Source
 
 
 def local_verify(manifest: Manifest, bucket_bytes: int) -> list[str]:

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from source_helpers import MODEL, Full, TargetMemory, tp_layout
 
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import target_checksum
-from weightsync_agent.manifest import Manifest
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import target_checksum
+from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.transport.base import TransferState, TransportError
 
 

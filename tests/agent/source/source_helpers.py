@@ -19,8 +19,8 @@ import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
-from weightsync_agent.manifest import ITEMSIZE, Manifest, Region, ShardPart, TensorEntry
-from weightsync_agent.replica import TORCH_DTYPES
+from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, Region, ShardPart, TensorEntry
+from weightsync_agent.source.replica import TORCH_DTYPES
 from weightsync_agent.transport.base import TransferState, TransportError
 
 # --- Layouts -------------------------------------------------------------------------------------

@@ -12,9 +12,7 @@ from transports import Party, new_transport
 
 from weightsync.api import names
 from weightsync.plan import Target
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import target_checksum
-from weightsync_agent.client import (
+from weightsync_agent.client.trainer import (
     ENV_REPLICA_PATH,
     ENV_SOURCE_RANK,
     ClientError,
@@ -22,9 +20,11 @@ from weightsync_agent.client import (
     WeightSyncClient,
     replica_dir,
 )
-from weightsync_agent.replica import IncompleteReplicaError, ReplicaSet
-from weightsync_agent.rounds import VerifyReport
-from weightsync_agent.source import PublishError, PublishResult
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import target_checksum
+from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaSet
+from weightsync_agent.source.writer import PublishError, PublishResult
+from weightsync_agent.targets.adapter import TargetVerdict
 
 
 def trainer_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -205,7 +205,7 @@ class ChecksumEngine:
     def begin(self, version: int, timeout: float) -> None:
         self.events.append("begin")
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> VerifyReport:
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
         self.events.append("verify")
         mem = self.rig.memory[(self.index, rank)]
         if self.flip_once:  # a bit flips in flight, once
@@ -213,7 +213,7 @@ class ChecksumEngine:
             mem.buffer[0] ^= 1
         buckets = plan_buckets(mem.manifest, self.bucket_bytes)
         bad = [b.index for b, want in zip(buckets, checksums, strict=True) if target_checksum(b) != want]
-        return VerifyReport(ok=not bad and len(buckets) == len(checksums), mismatched=bad)
+        return TargetVerdict(ok=not bad and len(buckets) == len(checksums), mismatched=bad)
 
     def commit(self, version: int, timeout: float) -> None:
         self.events.append("commit")
@@ -224,7 +224,7 @@ class ChecksumEngine:
 
 
 def test_coordinating_client_runs_a_verified_round_and_retries_from_the_replica(rig: Rig) -> None:
-    bucket_bytes = rig.plan.transfer.bucket_size_mi_b << 20
+    bucket_bytes = rig.plan.transfer.bucket_bytes
     engines = {e: ChecksumEngine(e, rig, bucket_bytes) for e in range(rig.plan.layout.engines)}
     client = WeightSyncClient.coordinating(
         rig.transport,  # type: ignore[arg-type]

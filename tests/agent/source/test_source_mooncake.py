@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from source_helpers import as_bytes, expected_local, full_state, make_plan
 
-from weightsync_agent.checksums import checksum_ranges
-from weightsync_agent.manifest import Region
-from weightsync_agent.source import Source
+from weightsync_agent.layout.checksums import checksum_ranges
+from weightsync_agent.layout.manifest import Region
+from weightsync_agent.source.writer import Source
 
 mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake Transfer Engine is not installed")
 

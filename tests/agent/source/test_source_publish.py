@@ -23,10 +23,10 @@ from source_helpers import (
 from transports import Party, new_transport
 
 from weightsync.plan import Plan, Target
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import checksum_ranges, source_checksum, target_checksum
-from weightsync_agent.replica import IncompleteReplicaError, ReplicaBusyError
-from weightsync_agent.source import LocalSourceControl, Source, SourceConfigError
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import checksum_ranges, source_checksum, target_checksum
+from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError
+from weightsync_agent.source.writer import LocalSourceControl, Source, SourceConfigError
 
 
 class Cluster:
@@ -181,7 +181,7 @@ def test_rejecting_target_is_named_and_the_other_completes(cluster_of: Callable[
     if how == "unregistered":
         peer.unregister(mem.manifest.regions[0].address)
     elif hasattr(peer, "fault"):  # MemoryTransport's injected fault: every write fails, nothing lands
-        from weightsync_agent.transport.local import Fault
+        from weightsync_agent.transport.memory import Fault
 
         peer.fault = Fault.DEAD
     else:

@@ -26,8 +26,8 @@ from source_helpers import (
     whole,
 )
 
-from weightsync_agent.buckets import replica_offsets
-from weightsync_agent.replica import (
+from weightsync_agent.layout.buckets import replica_offsets
+from weightsync_agent.source.replica import (
     Replica,
     ReplicaBusyError,
     ReplicaError,
@@ -106,7 +106,7 @@ def test_staging_reshards_like_an_independent_slice_and_cat(
 
 def test_reference_model_cross_check() -> None:
     """Against the reference engine's own resharding (written with chunk/cat, independently)."""
-    from weightsync_agent.engines.reference import model as ref
+    from weightsync_testing.reference_engine import model as ref
 
     full = ref.full_state(seed=3)
     for tp in (1, 2):
@@ -229,7 +229,7 @@ def test_layout_from_manifest_matches_bucket_offsets_and_memory_cost() -> None:
 CHILD = textwrap.dedent(
     """
     import json, sys, torch
-    from weightsync_agent.replica import ReplicaSet
+    from weightsync_agent.source.replica import ReplicaSet
     replicas = ReplicaSet.attach(sys.argv[1], pin=False)
     out = {"missing": sorted(str(m) for r in replicas for m in r.missing()),
            "bytes": {r.fingerprint: r.buffer.tolist() for r in replicas}}

@@ -12,7 +12,7 @@ from source_helpers import FakeTransport
 
 def memory_transport_class() -> Any:
     try:
-        from weightsync_agent.transport.local import MemoryTransport  # type: ignore[import-not-found,unused-ignore]
+        from weightsync_agent.transport.memory import MemoryTransport  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     return MemoryTransport

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from weightsync_agent.transport.broadcast import BroadcastGroup
+from weightsync_agent.transport.collective import BroadcastGroup
 
 
 def fulls(device: torch.device) -> dict[str, torch.Tensor]:

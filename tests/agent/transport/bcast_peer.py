@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from weightsync_agent.manifest import ITEMSIZE, ShardPart, TensorEntry
+from weightsync_agent.layout.manifest import ITEMSIZE, ShardPart, TensorEntry
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.broadcast import BroadcastGroup, plan_buckets
+from weightsync_agent.transport.collective import BroadcastGroup, plan_buckets
 
 FULLS = {  # name: (shape, dtype)
     "embed": ((64, 32), "bfloat16"),

@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync.ports import free_port
-from weightsync_agent.broadcast_checksums import layout_checksums
-from weightsync_agent.broadcast_layout import BroadcastLayout, Member, broadcast_round_plan
-from weightsync_agent.buckets import plan_buckets
-from weightsync_agent.checksums import target_checksum
-from weightsync_agent.engines.reference.model import RankWeights, full_state, shard
-from weightsync_agent.manifest import ShardPart, TensorEntry
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import target_checksum
+from weightsync_agent.layout.manifest import ShardPart, TensorEntry
+from weightsync_agent.modes.broadcast.checksums import layout_checksums
+from weightsync_agent.modes.broadcast.layout import BroadcastLayout, Member, broadcast_round_plan
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.broadcast import ALIGN, BroadcastGroup, _decode, _encode, cut
-from weightsync_agent.transport.broadcast import plan_buckets as plan_broadcast_buckets
+from weightsync_agent.transport.collective import ALIGN, BroadcastGroup, _decode, _encode, cut
+from weightsync_agent.transport.collective import plan_buckets as plan_broadcast_buckets
+from weightsync_testing.reference_engine.model import RankWeights, full_state, shard
 
 PEER = Path(__file__).with_name("bcast_peer.py")
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightsync_agent.transport.base import TransferState, TransportError, wait_all
-from weightsync_agent.transport.local import Fault, MemoryTransport, session
+from weightsync_agent.transport.memory import Fault, MemoryTransport, session
 from weightsync_agent.transport.regions import RegionTable
 
 N = 1 << 16

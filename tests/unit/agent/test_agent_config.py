@@ -11,8 +11,8 @@ from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.plan import Plan, PlanError, plan_for
 from weightsync_agent.config import AgentConfig, AgentConfigError
-from weightsync_agent.duties import SourceDuty, TargetDuty, duties
-from weightsync_agent.main import load_plan
+from weightsync_agent.plan_loader import load_plan
+from weightsync_agent.sidecar.duties import SourceDuty, TargetDuty, duties
 
 GROUP = parse_group(yaml.safe_load(Path("examples/tcp-group.yaml").read_text()))
 PLAN = plan_for(GROUP.spec, group="demo", namespace="default")

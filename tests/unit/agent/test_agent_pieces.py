@@ -16,20 +16,21 @@ from hypothesis import strategies as st
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
 from weightsync_agent.config import AgentConfig
-from weightsync_agent.coordinator import Coordinator
 from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDirectory
-from weightsync_agent.engines.reference.server import BackgroundServer
-from weightsync_agent.http_api import build_app
-from weightsync_agent.rounds import RoundResult, SourceReport
-from weightsync_agent.runtime import AgentRuntime
-from weightsync_agent.source_agent import SourceAgent
-from weightsync_agent.wire import (
+from weightsync_agent.http.server import BackgroundServer
+from weightsync_agent.rounds.coordinator import Coordinator
+from weightsync_agent.rounds.driver import RoundResult
+from weightsync_agent.rounds.wire import (
     WireError,
     round_result_from_json,
     round_result_to_json,
     source_report_from_json,
     source_report_to_json,
 )
+from weightsync_agent.sidecar.routes import build_app
+from weightsync_agent.sidecar.runtime import AgentRuntime
+from weightsync_agent.source.agent import SourceAgent
+from weightsync_agent.source.report import SourceReport
 
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
@@ -159,7 +160,7 @@ def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> No
 
         assert post("/v1/publish", {"version": "7", "rank": 1}) == (
             400,
-            {"error": "version must be an integer, got '7'"},
+            {"error": {"message": "version must be an integer, got '7'"}},
         )
         status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": -1})
         assert status == 400 and "timeoutSeconds" in str(body["error"])

@@ -9,8 +9,8 @@ import pytest
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
-from weightsync_agent.testbed import netns
-from weightsync_agent.testbed.scenario import (
+from weightsync_testing.testbed import netns
+from weightsync_testing.testbed.scenario import (
     Layout,
     MiB,
     Stats,

@@ -1,0 +1,394 @@
+"""The trainer-facing API: stage full tensors, publish a version.
+
+::
+
+    client = WeightSyncClient.from_env()          # inside the trainer container
+    for name, tensor in model.named_full_tensors():   # after TP/EP all-gather, HF names
+        client.stage(name, tensor)
+    client.publish(step)                           # raises PublishError if the version did not land
+
+Two deployments, one API:
+
+* **Sidecar mode** (the default under the operator): the agent sidecar builds the replica(s) from its
+  targets' manifests in ``/dev/shm`` and registers them; the trainer attaches to the same files
+  (:meth:`WeightSyncClient.from_env`) and only stages. ``publish`` goes to the sidecar
+  (:class:`SidecarPublisher`): every trainer rank calls it after staging, trainer rank 0's agent runs
+  the round (pause, write, verify, commit, resume; :mod:`weightsync_agent.rounds.coordinator`) and every rank
+  gets the round's result.
+* **In-process mode** (tests, single-process demos, no sidecar): :meth:`WeightSyncClient.in_process`
+  (or ``from_env(transport=..., manifests=...)``) builds the :class:`~weightsync_agent.source.writer.Source`
+  itself and ``publish`` writes the targets directly (:class:`InProcessPublisher`). No engine is paused,
+  nothing is verified by the targets and no version is committed on them: that is the round's job.
+  :meth:`WeightSyncClient.coordinating` also runs the round from this process (:class:`RoundPublisher`).
+
+The seam is :class:`Publisher`: ``publish(version, deadline) -> Outcome`` (``ok`` + ``summary()``). The
+client resets the staged flags only when the outcome is ``ok``, which a round publisher must return only
+once the version is *committed* on every target; on failure the replica keeps its bytes and flags so the
+same version can be retried without restaging.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Protocol
+
+import torch
+
+from weightsync.api import names
+from weightsync.plan import Plan, Target
+from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir
+from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.rounds.driver import RoundDriver, RoundResult
+from weightsync_agent.rounds.remote import AgentClient, AgentError
+from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.replica import MissingPart, ReplicaSet
+from weightsync_agent.source.writer import LocalSourceControl, Outcome, PublishError, PublishResult, Source
+from weightsync_agent.targets.adapter import EngineRound
+from weightsync_agent.transport.base import Transport
+
+ENV_REPLICA_PATH: Final = names.ENV_REPLICA_PATH
+ENV_SOURCE_RANK: Final = names.ENV_SOURCE_RANK
+
+DEFAULT_TIMEOUT_S: Final = 300.0
+
+
+class ClientError(RuntimeError):
+    """The client cannot do what was asked; nothing was written."""
+
+
+class Publisher(Protocol):
+    """Turns a staged replica into a version on the targets. ``ok`` means committed everywhere."""
+
+    def publish(self, version: int, deadline: float) -> Outcome: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessPublisher:
+    """Writes the targets from this process (no pause, no target verification, no commit)."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+    def publish(self, version: int, deadline: float) -> PublishResult:
+        return self.source.publish(version, deadline)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A whole sync round's result (:class:`weightsync_agent.rounds.driver.RoundResult`) as an :class:`Outcome`."""
+
+    round: RoundResult
+
+    @property
+    def ok(self) -> bool:
+        return self.round.result == "Succeeded"
+
+    def summary(self) -> str:
+        r = self.round
+        text = (
+            f"round v{r.version}: {r.result} after {r.attempts} attempt(s) in {r.duration_seconds:.3f} s, {r.bytes} B"
+        )
+        return f"{text}; {r.reason}" if r.reason else text
+
+
+class RoundPublisher:
+    """This process coordinates: pause engines, every source writes, targets verify, commit, resume.
+
+    The driver's own timeout (the plan's ``timeoutSeconds``) bounds the round; ``deadline`` is not
+    passed through because the driver takes none. Sources are any ``SourceControl``: this process's
+    :class:`~weightsync_agent.source.writer.LocalSourceControl`, or clients of other trainer ranks' agents.
+    """
+
+    def __init__(self, driver: RoundDriver, *, owns: Source | None = None) -> None:
+        self.driver = driver
+        self.owns = owns
+
+    def publish(self, version: int, deadline: float) -> RoundOutcome:
+        return RoundOutcome(self.driver.run(version))
+
+    def close(self) -> None:
+        self.driver.close()
+        if self.owns is not None:
+            self.owns.close()
+
+
+class SidecarPublisher:
+    """Sidecar mode: tell this pod's agent the rank staged ``version`` and wait for the round's result.
+
+    Every trainer rank calls ``publish(v)`` after staging (like a collective): rank 0's agent then runs
+    the round, and each other rank's agent lets its source write once its own rank said so.
+    """
+
+    def __init__(self, agent_url: str, source_rank: int) -> None:
+        self.agent = AgentClient(agent_url)
+        self.source_rank = source_rank
+
+    def publish(self, version: int, deadline: float) -> RoundOutcome:
+        timeout = max(1.0, deadline - time.monotonic())
+        try:
+            return RoundOutcome(self.agent.publish(version, self.source_rank, timeout))
+        except AgentError as exc:
+            raise PublishError(_Unreachable(str(exc))) from exc
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Unreachable:
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+    def summary(self) -> str:
+        return f"the weightsync agent could not run the round: {self.reason}"
+
+
+def wait_for_sidecar(agent_url: str, timeout: float) -> dict[str, object]:
+    """Block until the sidecar built this pod's replicas (it needs every target's manifest first)."""
+    agent = AgentClient(agent_url, timeout=5.0)
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            state = agent.state()
+            sources = state.get("sources")
+            if isinstance(sources, dict) and sources.get("built"):
+                return state
+            last = "replicas not built yet (waiting for the engines' manifests)"
+        except AgentError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise ClientError(f"the weightsync sidecar at {agent_url} is not ready after {timeout:.0f} s: {last}")
+
+
+class WeightSyncClient:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        publisher: Publisher | None = None,
+        *,
+        source_rank: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.replicas = replicas
+        self.publisher = publisher
+        self.source_rank = source_rank
+        self.timeout = timeout
+        self.committed: int | None = None  # newest version published with ok
+        self.last_result: Outcome | None = None
+
+    # --- Construction ------------------------------------------------------------------------
+
+    @classmethod
+    def in_process(
+        cls,
+        transport: Transport,
+        plan: Plan,
+        source_rank: int,
+        manifests: Mapping[Target, Manifest],
+        *,
+        bucket_bytes: int | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
+        pin: bool | None = None,
+    ) -> WeightSyncClient:
+        source = Source(
+            transport,
+            plan,
+            source_rank,
+            manifests,
+            bucket_bytes,
+            shm_dir=None if shm_dir is None else str(shm_dir),
+            pin=pin,
+        )
+        return cls(
+            source.replicas,
+            InProcessPublisher(source),
+            source_rank=source_rank,
+            timeout=float(plan.transfer.timeout_seconds),
+        )
+
+    @classmethod
+    def coordinating(
+        cls,
+        transport: Transport,
+        plan: Plan,
+        source_rank: int,
+        manifests: Mapping[Target, Manifest],
+        engines: Mapping[int, EngineRound],
+        *,
+        other_sources: Mapping[int, SourceControl] | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
+        pin: bool | None = None,
+        call_timeout: float = 30.0,
+        retries: int = 1,
+    ) -> WeightSyncClient:
+        """This process writes its own targets *and* coordinates the round (pause, verify, commit).
+
+        Buckets use the plan's size, which is what the targets verify against. P2P only: broadcast mode
+        runs through the sidecar (or ``RoundDriver(broadcast_round_plan(plan), engines, {0:
+        BroadcastSource(...)})`` in-process).
+        """
+        if plan.transfer.mode != "p2p":
+            raise ClientError(
+                f"coordinating() writes p2p plans; this plan's mode is {plan.transfer.mode!r}: use the sidecar "
+                "(from_env) or weightsync_agent.modes.broadcast.sender.BroadcastSource with broadcast_round_plan"
+            )
+        source = Source(
+            transport, plan, source_rank, manifests, shm_dir=None if shm_dir is None else str(shm_dir), pin=pin
+        )
+        try:
+            driver = RoundDriver(
+                plan,
+                engines,
+                {source_rank: LocalSourceControl(source), **(other_sources or {})},
+                staging=plan.transfer.target_staging,
+                verify=plan.transfer.verify,
+                timeout_seconds=float(plan.transfer.timeout_seconds),
+                call_timeout=call_timeout,
+                retries=retries,
+            )
+        except BaseException:
+            source.close()
+            raise
+        return cls(
+            source.replicas,
+            RoundPublisher(driver, owns=source),
+            source_rank=source_rank,
+            timeout=float(plan.transfer.timeout_seconds),
+        )
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        publisher: Publisher | None = None,
+        transport: Transport | None = None,
+        manifests: Mapping[Target, Manifest] | None = None,
+        plan: Plan | None = None,
+        sidecar_timeout: float = 120.0,
+    ) -> WeightSyncClient:
+        """Build the client from the environment the operator gives trainer pods.
+
+        With ``transport`` and ``manifests``: in-process mode (the plan comes from ``plan`` or the
+        agent env's plan file / ConfigMap; replicas are created under the replica path). Otherwise:
+        wait for the sidecar (same pod, agent port) to build the replicas, attach its replica files and
+        publish through it (:class:`SidecarPublisher`), or through ``publisher`` when given.
+        """
+        env = os.environ if env is None else env
+        try:
+            config = AgentConfig.from_env(env)
+        except AgentConfigError as exc:
+            raise ClientError(str(exc)) from exc
+        if config.role != "trainer":
+            raise ClientError(f"{names.ENV_ROLE} is {config.role!r}; the weight-sync client runs in trainer pods")
+        rank = _source_rank(config, env)
+        path = Path(env.get(ENV_REPLICA_PATH) or replica_dir(config.group, rank))
+        if transport is not None or manifests is not None:
+            if transport is None or manifests is None:
+                raise ClientError("in-process mode needs both transport and manifests")
+            if plan is None:
+                from weightsync_agent.plan_loader import load_plan
+
+                plan = load_plan(config, None)
+            return cls.in_process(transport, plan, rank, manifests, shm_dir=path)
+        timeout = float(plan.transfer.timeout_seconds) if plan is not None else DEFAULT_TIMEOUT_S
+        if publisher is None:
+            agent_url = f"http://127.0.0.1:{config.agent_port}"
+            wait_for_sidecar(agent_url, sidecar_timeout)
+            publisher = SidecarPublisher(agent_url, rank)
+        # A rank may hold no replica: in broadcast mode only rank 0 stages (the full tensors).
+        replicas = ReplicaSet.attach(path) if any(path.glob("*.replica")) else ReplicaSet([])
+        return cls(replicas, publisher, source_rank=rank, timeout=timeout)
+
+    # --- Staging -------------------------------------------------------------------------------
+
+    def stage(self, name: str, tensor: torch.Tensor, *, strict: bool = True) -> int:
+        """Copy the full tensor ``name`` into every replica part cut from it (see ReplicaSet.stage).
+
+        A rank without replicas (broadcast mode, ranks other than 0) stages nothing and only publishes.
+        """
+        if not len(self.replicas):
+            return 0
+        return self.replicas.stage(name, tensor, strict=strict)
+
+    def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        if not len(self.replicas):
+            return 0
+        return self.replicas.stage_many(tensors)
+
+    def expected(self) -> set[str]:
+        """The full tensor names the targets need."""
+        return self.replicas.full_names()
+
+    def missing(self) -> list[MissingPart]:
+        return self.replicas.missing()
+
+    # --- Publishing ----------------------------------------------------------------------------
+
+    def publish(self, version: int, *, timeout: float | None = None, check: bool = True) -> Outcome:
+        """Publish the staged replica as ``version``; on success the next version must restage everything.
+
+        Raises :class:`PublishError` (naming targets and buckets) when ``check`` and the result is not
+        ok, IncompleteReplicaError when something is not staged, ClientError when there is no publisher
+        or ``version`` is not newer than the last committed one.
+        """
+        if self.publisher is None:
+            raise ClientError(
+                "this client can stage but has no publisher: build it with from_env() (sidecar), "
+                "in_process(...) or coordinating(...)"
+            )
+        if self.committed is not None and version <= self.committed:
+            raise ClientError(f"version {version} is not newer than the last published version {self.committed}")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        result = self.publisher.publish(version, deadline)
+        self.last_result = result
+        if result.ok:
+            self.committed = version
+            self.replicas.reset()
+        elif check:
+            raise PublishError(result)
+        return result
+
+    def close(self, *, unlink: bool = False) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.replicas.close(unlink=unlink)
+
+    def __enter__(self) -> WeightSyncClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _source_rank(config: AgentConfig, env: Mapping[str, str]) -> int:
+    explicit = env.get(ENV_SOURCE_RANK)
+    if explicit:
+        try:
+            rank = int(explicit)
+        except ValueError:
+            raise ClientError(f"{ENV_SOURCE_RANK} must be an integer, got {explicit!r}") from None
+        if rank not in config.ranks:
+            raise ClientError(f"{ENV_SOURCE_RANK}={rank} is not one of this pod's ranks {list(config.ranks)}")
+        return rank
+    if len(config.ranks) == 1:
+        return config.ranks[0]
+    local = env.get("LOCAL_RANK")
+    if local is not None and local.isdigit() and int(local) < len(config.ranks):
+        return config.ranks[int(local)]
+    raise ClientError(
+        f"this pod runs trainer ranks {list(config.ranks)}; set {ENV_SOURCE_RANK} (or LOCAL_RANK) to say which "
+        "one this process is"
+    )

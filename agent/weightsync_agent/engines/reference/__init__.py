@@ -1,1 +1,0 @@
-"""The reference engine: a tiny tensor-parallel transformer (``model``) behind SGLang-shaped HTTP (``server``)."""

@@ -1,0 +1,1 @@
+"""Data contracts both sides of a transfer compute identically: manifests, buckets, checksums (pure)."""

@@ -1,0 +1,56 @@
+"""What a target must hold, as per-bucket checksums, computed by the sender from the full tensors.
+
+In broadcast mode the sender has no replica: it sends full tensors and every receiver cuts its own
+shards. For the round's verify step it still reports, per target, the xxh3-64 of every bucket of
+``plan_buckets(manifest, bucket_bytes)`` — the same digests a p2p source computes over its replica
+(:mod:`weightsync_agent.layout.checksums`), so targets verify both modes identically. Here the bytes come from
+cutting each local tensor out of the full ones (``ShardPart``s concatenated along ``cat_dim``), one
+local tensor at a time, so no replica is ever held; the cut is the sender's own, independent of how the
+receivers did theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import xxhash
+
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.manifest import Manifest, TensorEntry
+
+
+def local_bytes(entry: TensorEntry, full: Mapping[str, torch.Tensor]) -> memoryview:
+    """The bytes of one local tensor, cut from ``full`` as its manifest entry says (on the CPU)."""
+    pieces = [full[p.source].narrow(p.dim, p.start, p.length) for p in entry.parts]
+    tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.cat_dim)
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def _packed(manifest: Manifest, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[int, memoryview]]:
+    """``(replica offset, bytes)`` of every local tensor, in manifest (packing) order."""
+    offset = 0
+    for entry in manifest.tensors:
+        if entry.nbytes:
+            yield offset, local_bytes(entry, full)
+        offset += entry.nbytes
+
+
+def layout_checksums(manifest: Manifest, full: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[str]:
+    """Per-bucket digests of the target described by ``manifest``, had it received ``full`` exactly."""
+    tensors = _packed(manifest, full)
+    start, data = 0, memoryview(b"")
+    digests: list[str] = []
+    for bucket in plan_buckets(manifest, bucket_bytes):
+        hasher = xxhash.xxh3_64()
+        for piece in bucket.pieces:
+            position, end = piece.replica_offset, piece.replica_offset + piece.length
+            while position < end:
+                while position >= start + len(data):  # pieces run in packing order: only move forward
+                    start, data = next(tensors)
+                take = min(end, start + len(data)) - position
+                hasher.update(data[position - start : position - start + take])
+                position += take
+        digests.append(str(hasher.hexdigest()))
+    return digests

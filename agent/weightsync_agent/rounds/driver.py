@@ -1,0 +1,284 @@
+"""A sync round, as the coordinator (trainer rank 0's agent) runs it.
+
+    (live: pause engines) -> begin v -> every source writes its targets -> targets verify -> commit v
+    -> (live: resume)
+
+The invariant: **no engine reports version v unless it fully holds verified v.** Engines commit only
+after their own verification passed, and a target's commit is what changes the version it reports. Any
+failure or timeout aborts the round with a reason that names the peer and the bucket:
+
+- ``targetStaging: live`` — sources wrote into the engines' live weights, so the engines stay paused and
+  the round is retried from the replicas (which still hold v) up to ``retries`` times;
+- ``targetStaging: staged`` — sources write into a staging area while the engines keep serving v-1 (no
+  pause); on failure the engines abort the staging area and simply go on serving v-1.
+
+The driver does no I/O itself: it talks to engines and sources through the two small interfaces below,
+so the same logic runs against HTTP agents, in-process objects, or test fakes. Every call gets a
+deadline; calls run concurrently, so one slow peer costs time, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from weightsync.plan import Plan, Target
+from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.report import SourceReport
+from weightsync_agent.targets.adapter import EngineRound, TargetVerdict
+
+Staging = Literal["live", "staged"]
+T = TypeVar("T")
+
+
+class RoundError(RuntimeError):
+    """A step failed; ``peer`` and ``bucket`` say where, when known."""
+
+    def __init__(self, message: str, *, peer: str | None = None, bucket: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.bucket = bucket
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Shaped like the group's ``status.lastSync`` (the coordinator writes it on its own pod)."""
+
+    version: int
+    result: Literal["Succeeded", "Failed", "Aborted"]
+    started_at: str
+    duration_seconds: float
+    bytes: int
+    gbps: float
+    attempts: int
+    reason: str | None = None
+    engines_paused: bool = False
+
+    def as_status(self) -> dict[str, object]:
+        status: dict[str, object] = {
+            "version": self.version,
+            "result": self.result,
+            "startedAt": self.started_at,
+            "durationSeconds": round(self.duration_seconds, 4),
+            "bytes": self.bytes,
+            "gbps": round(self.gbps, 4),
+        }
+        if self.reason:
+            status["reason"] = self.reason
+        return status
+
+
+class RoundDriver:
+    def __init__(
+        self,
+        plan: Plan,
+        engines: Mapping[int, EngineRound],
+        sources: Mapping[int, SourceControl],
+        *,
+        staging: Staging = "live",
+        verify: bool = True,
+        timeout_seconds: float = 300.0,
+        call_timeout: float = 30.0,
+        retries: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        covering: Collection[int] | None = None,
+        settle_seconds: float = 10.0,
+    ) -> None:
+        """``covering``: the engines this driver's rounds write (default: all). A catch-up round for
+        joining engines covers only them; the others are not paused, begun or committed."""
+        strangers = sorted({e for e in (*engines, *(covering or ())) if not 0 <= e < plan.layout.engines})
+        unknown_sources = sorted(s for s in sources if not 0 <= s < len(plan.sources))
+        if strangers or unknown_sources:
+            raise RoundError(
+                f"the plan has {plan.layout.engines} engines and {len(plan.sources)} trainer ranks; it does not know "
+                f"engines {strangers} or sources {unknown_sources} given to the coordinator"
+            )
+        self.settle_seconds = settle_seconds
+        self.covering = frozenset(range(plan.layout.engines) if covering is None else covering)
+        missing_engines = self.covering - set(engines)
+        needed = {a.source for a in plan.sources if any(t[0] in self.covering for t in a.targets)}
+        missing_sources = needed - set(sources)
+        if missing_engines or missing_sources:
+            raise RoundError(
+                f"the plan needs engines {sorted(missing_engines)} and sources {sorted(missing_sources)}, "
+                "which the coordinator cannot reach"
+            )
+        self.plan = plan
+        self.engines = {e: engines[e] for e in sorted(self.covering)}
+        self.sources = {s: sources[s] for s in sorted(needed)}
+        self.staging = staging
+        self.verify = verify
+        self.timeout = timeout_seconds
+        self.call_timeout = call_timeout
+        self.retries = retries
+        self.clock = clock
+        self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + len(self.sources)))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- The round -----------------------------------------------------------------------------------
+
+    def run(self, version: int) -> RoundResult:
+        started = self.clock()
+        started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        attempts = 0
+        moved = 0
+        reason: str | None = None
+        pausing = self.staging == "live"
+        try:
+            if pausing:
+                self._each_engine("pause", lambda e: e.pause(self.call_timeout))
+            self._each_engine("begin", lambda e: e.begin(version, self.call_timeout))
+        except RoundError as exc:
+            # Nothing was written; whichever engines did pause must serve again.
+            self._abort_quietly(version)
+            if pausing:
+                self._resume_quietly()
+            return self._result(version, "Failed", started, started_at, 0, 1, f"could not start the round: {exc}")
+        while attempts <= self.retries:
+            attempts += 1
+            try:
+                moved = self._attempt(version, started)
+            except RoundError as exc:
+                reason = str(exc)
+                if self.staging == "staged":
+                    self._abort_quietly(version)
+                    break
+                continue  # live: the replicas still hold v; write again
+            note = None
+            try:
+                if pausing:
+                    self._each_engine("resume", lambda e: e.resume(self.call_timeout))
+            except RoundError as exc:
+                # Every engine holds and reports verified v; one is just not serving yet.
+                note = f"committed, but resume failed: {exc}"
+            return self._result(version, "Succeeded", started, started_at, moved, attempts, note)
+        if self.staging == "staged":
+            return self._result(version, "Aborted", started, started_at, moved, attempts, reason)
+        # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
+        # they no longer fully hold for serving) until a later round succeeds.
+        return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
+
+    def _attempt(self, version: int, started: float) -> int:
+        deadline = started + self.timeout
+        reports = self._publish(version, deadline)
+        if self.verify:
+            self._verify(version, reports, deadline)
+        self._each_engine("commit", lambda e: e.commit(version, self.call_timeout))
+        return sum(r.bytes for r in reports.values())
+
+    def _publish(self, version: int, deadline: float) -> dict[int, SourceReport]:
+        futures = {s: self.pool.submit(src.publish, version, deadline) for s, src in self.sources.items()}
+        reports: dict[int, SourceReport] = {}
+        current = -1
+        try:
+            for current, future in futures.items():
+                source = current
+                report = self._result_by(future, deadline, f"source {source}")
+                if not report.ok:
+                    target = report.failed_target
+                    where = f" writing engine {target[0]} rank {target[1]}" if target else ""
+                    bucket = f", bucket {report.failed_bucket}" if report.failed_bucket is not None else ""
+                    raise RoundError(
+                        f"source {source} failed{where}{bucket}: {report.error}",
+                        peer=f"source {source}",
+                        bucket=report.failed_bucket,
+                    )
+                reports[source] = report
+        except RoundError:
+            # The round-level fence: the other sources settle (their writes done or failed) before the
+            # attempt is reported, so nothing from them lands during a retry or the next round. Sources
+            # bound their own publish by the deadline plus their transport's timeout; a source that did
+            # not answer by the deadline is not waited for (it may never answer: docs/replica.md).
+            others = [f for s, f in futures.items() if s != current and not f.done()]
+            wait(others, timeout=max(0.0, deadline - self.clock()) + self.settle_seconds)
+            raise
+        return reports
+
+    def _verify(self, version: int, reports: Mapping[int, SourceReport], deadline: float) -> None:
+        jobs: dict[Target, Future[TargetVerdict]] = {}
+        for assignment in self.plan.sources:
+            report = reports.get(assignment.source)
+            for target in assignment.targets:
+                if target[0] not in self.covering:
+                    continue
+                if report is None or target not in report.checksums:
+                    raise RoundError(
+                        f"source {assignment.source} reported nothing for engine {target[0]} rank {target[1]}",
+                        peer=f"engine {target[0]}",
+                    )
+                engine = self.engines[target[0]]
+                sums = report.checksums[target]
+                jobs[target] = self.pool.submit(engine.verify, target[1], version, sums, self.call_timeout)
+        for target, future in sorted(jobs.items()):
+            result = self._result_by(future, deadline, f"engine {target[0]} rank {target[1]} verify")
+            if not result.ok:
+                detail = f"buckets {list(result.mismatched)[:8]} differ" if result.mismatched else result.error
+                raise RoundError(
+                    f"engine {target[0]} rank {target[1]} failed verification of version {version}: {detail}",
+                    peer=f"engine {target[0]}",
+                    bucket=result.mismatched[0] if result.mismatched else None,
+                )
+
+    # --- Helpers -------------------------------------------------------------------------------------
+
+    def _result_by(self, future: Future[T], deadline: float, what: str) -> T:
+        try:
+            return future.result(timeout=max(0.0, deadline - self.clock()))
+        except FutureTimeout as exc:
+            raise RoundError(f"{what} did not finish before the round's deadline", peer=what) from exc
+        except RoundError:
+            raise
+        except Exception as exc:  # an engine or source client error: name the peer
+            raise RoundError(f"{what}: {exc}", peer=what) from exc
+
+    def _each_engine(self, step: str, action: Callable[[EngineRound], None]) -> None:
+        futures = {index: self.pool.submit(action, engine) for index, engine in self.engines.items()}
+        deadline = self.clock() + self.call_timeout
+        for index, future in futures.items():
+            self._result_by(future, deadline, f"engine {index} {step}")
+
+    def _resume_quietly(self) -> None:
+        self._each_engine_quietly(lambda e: e.resume(self.call_timeout))
+
+    def _abort_quietly(self, version: int) -> None:
+        self._each_engine_quietly(lambda e: e.abort(version, self.call_timeout))
+
+    def _each_engine_quietly(self, action: Callable[[EngineRound], None]) -> None:
+        """Best effort, every engine at once, so a hung engine costs one ``call_timeout``, not one each.
+
+        Errors are dropped: the failure already being reported matters more, and an engine that missed an
+        abort has its round superseded by the next begin.
+        """
+        wait([self.pool.submit(action, engine) for engine in self.engines.values()], timeout=self.call_timeout)
+
+    def _result(
+        self,
+        version: int,
+        result: Literal["Succeeded", "Failed", "Aborted"],
+        started: float,
+        started_at: str,
+        nbytes: int,
+        attempts: int,
+        reason: str | None,
+        *,
+        paused: bool = False,
+    ) -> RoundResult:
+        seconds = max(self.clock() - started, 1e-9)
+        return RoundResult(
+            version=version,
+            result=result,
+            started_at=started_at,
+            duration_seconds=seconds,
+            bytes=nbytes,
+            gbps=nbytes * 8 / seconds / 1e9,
+            attempts=attempts,
+            reason=reason,
+            engines_paused=paused,
+        )

@@ -1,0 +1,108 @@
+"""Talking to another agent over HTTP: the client, and a remote trainer rank as a ``SourceControl``.
+
+Routes (served by :mod:`weightsync_agent.sidecar.routes`):
+
+* ``POST /v1/publish {"version", "rank", "timeoutSeconds"}`` — a trainer process says it staged
+  ``version`` into ``rank``'s replica and waits for the round's result (the coordinator runs it).
+* ``GET /v1/rounds/{version}?wait=S&after=T`` — the coordinator's result of round ``version`` if one
+  finished after T (unix time), waiting up to S s.
+* ``POST /v1/sources/{rank}/publish {"version", "timeoutSeconds", "planHash", "engines", "catchUp"}`` —
+  the coordinator asks rank ``rank`` to write its targets; answers a source report.
+* ``POST /v1/sources/{rank}/committed {"version"}`` — every engine committed ``version``.
+* ``GET /v1/state``, ``GET /healthz``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from weightsync_agent.http.client import HttpCallError, JsonHttpClient
+from weightsync_agent.rounds.driver import RoundResult
+from weightsync_agent.rounds.wire import WireError, round_result_from_json, source_report_from_json
+from weightsync_agent.source.control import RoundScope
+from weightsync_agent.source.report import SourceReport
+
+#: Added to a call's own timeout so the server's answer (even "timed out") gets back to us.
+SLACK_SECONDS = 5.0
+
+
+class AgentError(RuntimeError):
+    """Another agent could not be reached or refused the request."""
+
+
+class AgentClient:
+    def __init__(self, base_url: str, *, timeout: float = 30.0) -> None:
+        self.http = JsonHttpClient(base_url, timeout=timeout)
+        self.base_url = self.http.base_url
+
+    def __repr__(self) -> str:
+        return f"AgentClient({self.base_url!r})"
+
+    def _call(self, method: str, route: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        try:
+            return self.http.request(method, route, body=body, timeout=timeout)[1]
+        except HttpCallError as exc:
+            raise AgentError(f"agent {self.base_url}: {exc}") from exc
+
+    def state(self, timeout: float | None = None) -> dict[str, Any]:
+        state = self._call("GET", "/v1/state", timeout=timeout)
+        if not isinstance(state, dict):
+            raise AgentError(f"agent {self.base_url}: /v1/state answered {state!r}")
+        return state
+
+    def publish(self, version: int, rank: int, timeout: float) -> RoundResult:
+        body = {"version": version, "rank": rank, "timeoutSeconds": timeout}
+        data = self._call("POST", "/v1/publish", body, timeout=timeout + 2 * SLACK_SECONDS)
+        try:
+            return round_result_from_json(data)
+        except WireError as exc:
+            raise AgentError(f"agent {self.base_url}: {exc}") from exc
+
+    def round(self, version: int, wait: float, *, after: float = 0.0) -> RoundResult | None:
+        """Round ``version``'s result if one finished after ``after`` (``time.time()``), else None."""
+        route = f"/v1/rounds/{version}?wait={wait:.3f}&after={after:.3f}"
+        data = self._call("GET", route, timeout=wait + SLACK_SECONDS)
+        if data is None or (isinstance(data, dict) and data.get("pending")):
+            return None
+        try:
+            return round_result_from_json(data)
+        except WireError as exc:
+            raise AgentError(f"agent {self.base_url}: {exc}") from exc
+
+    def publish_source(self, rank: int, version: int, timeout: float, scope: RoundScope) -> SourceReport:
+        body = {
+            "version": version,
+            "timeoutSeconds": timeout,
+            "planHash": scope.plan_hash,
+            "engines": None if scope.engines is None else sorted(scope.engines),
+            "catchUp": scope.catch_up,
+        }
+        data = self._call("POST", f"/v1/sources/{rank}/publish", body, timeout=timeout + SLACK_SECONDS)
+        try:
+            return source_report_from_json(data)
+        except WireError as exc:
+            raise AgentError(f"agent {self.base_url}: {exc}") from exc
+
+    def committed(self, rank: int, version: int, timeout: float | None = None) -> None:
+        self._call("POST", f"/v1/sources/{rank}/committed", {"version": version}, timeout=timeout)
+
+
+class HttpSourceControl:
+    """Trainer rank ``source`` in another pod, as the round driver's ``SourceControl``.
+
+    An unreachable agent is a failed report naming it, not an exception: the driver then reports the
+    round as failed at that source.
+    """
+
+    def __init__(self, client: AgentClient, source: int, scope: RoundScope) -> None:
+        self.client = client
+        self.source = source
+        self.scope = scope
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            return self.client.publish_source(self.source, version, left, self.scope)
+        except AgentError as exc:
+            return SourceReport(source=self.source, ok=False, error=str(exc))

@@ -1,0 +1,99 @@
+"""JSON forms of the round protocol's messages, as agents send them to each other over HTTP.
+
+Both directions live here so a field is spelled once; decoding checks shapes and raises
+:class:`WireError` naming the field, because a peer speaking another version must fail loudly rather
+than commit something half-understood.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.plan import Target
+from weightsync_agent.rounds.driver import RoundResult
+from weightsync_agent.source.report import SourceReport
+
+
+class WireError(ValueError):
+    """A message from another agent is not what this protocol version expects."""
+
+
+def _target_key(target: Target) -> str:
+    return f"{target[0]}/{target[1]}"
+
+
+def _target_of(key: str) -> Target:
+    try:
+        engine, rank = key.split("/")
+        return int(engine), int(rank)
+    except ValueError:
+        raise WireError(f"target key {key!r} is not '<engine>/<rank>'") from None
+
+
+def source_report_to_json(report: SourceReport) -> dict[str, Any]:
+    return {
+        "source": report.source,
+        "ok": report.ok,
+        "checksums": {_target_key(t): list(sums) for t, sums in report.checksums.items()},
+        "bytes": report.bytes,
+        "seconds": report.seconds,
+        "error": report.error,
+        "failedTarget": list(report.failed_target) if report.failed_target else None,
+        "failedBucket": report.failed_bucket,
+    }
+
+
+def source_report_from_json(data: Any) -> SourceReport:
+    if not isinstance(data, dict):
+        raise WireError(f"a source report must be an object, got {type(data).__name__}")
+    try:
+        checksums = data.get("checksums") or {}
+        if not isinstance(checksums, dict) or not all(isinstance(v, list) for v in checksums.values()):
+            raise WireError("checksums must map '<engine>/<rank>' to a list of bucket checksums")
+        failed = data.get("failedTarget")
+        return SourceReport(
+            source=int(data["source"]),
+            ok=bool(data["ok"]),
+            checksums={_target_of(k): tuple(str(x) for x in v) for k, v in checksums.items()},
+            bytes=int(data.get("bytes", 0)),
+            seconds=float(data.get("seconds", 0.0)),
+            error=data.get("error"),
+            failed_target=(int(failed[0]), int(failed[1])) if failed else None,
+            failed_bucket=None if data.get("failedBucket") is None else int(data["failedBucket"]),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"malformed source report: {exc!r}") from exc
+
+
+def round_result_to_json(result: RoundResult) -> dict[str, Any]:
+    return {
+        **result.as_status(),
+        "attempts": result.attempts,
+        "enginesPaused": result.engines_paused,
+    }
+
+
+def round_result_from_json(data: Any) -> RoundResult:
+    if not isinstance(data, dict):
+        raise WireError(f"a round result must be an object, got {type(data).__name__}")
+    try:
+        outcome = data["result"]
+        if outcome not in ("Succeeded", "Failed", "Aborted"):
+            raise WireError(f"round result {outcome!r} is not Succeeded, Failed or Aborted")
+        return RoundResult(
+            version=int(data["version"]),
+            result=outcome,
+            started_at=str(data["startedAt"]),
+            duration_seconds=float(data["durationSeconds"]),
+            bytes=int(data["bytes"]),
+            gbps=float(data["gbps"]),
+            attempts=int(data.get("attempts", 1)),
+            reason=data.get("reason"),
+            engines_paused=bool(data.get("enginesPaused", False)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"malformed round result: missing or bad {exc!r}") from exc

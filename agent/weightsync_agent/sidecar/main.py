@@ -1,0 +1,97 @@
+"""``weightsync agent``: load identity and plan, check them, run the role and serve its HTTP API."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from weightsync.api import names
+from weightsync.plan import Plan, PlanError
+from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir
+from weightsync_agent.directory import Directory, DirectoryError, FileDirectory, PodDirectory
+from weightsync_agent.http.server import BackgroundServer
+from weightsync_agent.kube import kube_core_api
+from weightsync_agent.plan_loader import load_plan
+from weightsync_agent.sidecar.duties import duties
+from weightsync_agent.sidecar.report import PodReporter
+from weightsync_agent.sidecar.routes import build_app
+from weightsync_agent.sidecar.runtime import AgentRuntime
+from weightsync_agent.transport.base import Transport
+
+log = logging.getLogger("weightsync.agent")
+
+
+def make_directory(config: AgentConfig, plan: Plan) -> Directory:
+    """A local directory file when given (runs without a cluster), else the pods' annotations."""
+    if config.directory_file:
+        return FileDirectory(config.directory_file)
+    return PodDirectory(kube_core_api(), config.namespace, config.group, plan.layout)
+
+
+def make_transport(config: AgentConfig, plan: Plan) -> Transport:
+    from weightsync_agent.transport.mooncake import MooncakeTransport
+
+    devices = os.environ.get(names.ENV_DEVICES, "")
+    return MooncakeTransport(
+        config.host,
+        plan.transfer.protocol,
+        devices,
+        timeout_seconds=float(plan.transfer.timeout_seconds),
+    )
+
+
+def replica_root(config: AgentConfig, rank: int) -> Path:
+    """Where rank ``rank``'s replica files go; ``WEIGHTSYNC_REPLICA_PATH`` names it for one-rank pods."""
+    explicit = os.environ.get(names.ENV_REPLICA_PATH)
+    if explicit and len(config.ranks) == 1:
+        return Path(explicit)
+    return replica_dir(config.group, rank)
+
+
+def run(plan_file: Path | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = AgentConfig.from_env()
+        plan = load_plan(config, plan_file)
+        work = duties(config, plan)
+        directory = make_directory(config, plan)
+    except (AgentConfigError, PlanError, DirectoryError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    log.info(
+        "group %s, %s pod %d, plan revision %d (%s)",
+        config.group,
+        config.role,
+        config.pod_index,
+        plan.revision,
+        plan.hash,
+    )
+    for duty in work:
+        log.info("  %s", duty)
+    reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
+    runtime = AgentRuntime(
+        config,
+        lambda: load_plan(config, plan_file),
+        directory,
+        make_transport=lambda p: make_transport(config, p),
+        replica_root=lambda rank: replica_root(config, rank),
+        reporter=reporter,
+        engine_url=config.advertised_engine_url(plan.layout.engine_port) if config.role == "engine" else None,
+        agent_url=config.advertised_agent_url(),
+        tick_seconds=float(os.environ.get("WEIGHTSYNC_TICK_SECONDS", "2")),
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = BackgroundServer(build_app(runtime), config.host, config.agent_port).start()
+    log.info("agent listening on %s", server.url)
+    try:
+        runtime.start()
+        stop.wait()
+    finally:
+        server.stop()
+        runtime.stop()
+    return 0

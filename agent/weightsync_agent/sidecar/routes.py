@@ -1,0 +1,89 @@
+"""The agent's HTTP server: the routes listed in :mod:`weightsync_agent.rounds.remote`, plus /metrics.
+
+Handlers are thin: they parse, hand the work to the runtime in a thread (publishing and rounds block on
+the transport) and encode the answer. A malformed request is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from weightsync_agent.http.server import BadRequestError, error_middleware, int_field, json_object, seconds_field
+from weightsync_agent.rounds.wire import round_result_to_json, source_report_to_json
+from weightsync_agent.source.control import RoundScope
+
+if TYPE_CHECKING:
+    from weightsync_agent.sidecar.runtime import AgentRuntime
+
+def build_app(runtime: AgentRuntime) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def state(_: web.Request) -> web.Response:
+        return web.json_response(runtime.state())
+
+    async def publish(request: web.Request) -> web.Response:
+        body = await json_object(request)
+        version = int_field(body.get("version"), "version")
+        rank = int_field(body.get("rank"), "rank")
+        timeout = seconds_field(body.get("timeoutSeconds", runtime.round_timeout), "timeoutSeconds")
+        result = await asyncio.to_thread(runtime.publish, rank, version, timeout)
+        return web.json_response(round_result_to_json(result))
+
+    async def round_result(request: web.Request) -> web.Response:
+        try:
+            version = int(request.match_info["version"])
+            wait = float(request.query.get("wait", "0"))
+            after = float(request.query.get("after", "0"))
+        except ValueError as exc:
+            raise BadRequestError(f"bad version, wait or after: {exc}") from exc
+        coordinator = runtime.coordinator
+        if coordinator is None:
+            raise LookupError("this agent is not the coordinator (trainer rank 0's agent is)")
+        result = await asyncio.to_thread(coordinator.wait, version, min(wait, 60.0), after)
+        return web.json_response({"pending": True} if result is None else round_result_to_json(result))
+
+    async def source_publish(request: web.Request) -> web.Response:
+        rank = int_field(int(request.match_info["rank"]), "rank")
+        body = await json_object(request)
+        version = int_field(body.get("version"), "version")
+        timeout = seconds_field(body.get("timeoutSeconds"), "timeoutSeconds")
+        engines = body.get("engines")
+        if engines is not None and (not isinstance(engines, list) or not all(isinstance(e, int) for e in engines)):
+            raise BadRequestError(f"engines must be a list of engine indexes or null, got {engines!r}")
+        plan_hash = body.get("planHash")
+        sources = runtime.sources_or_fail()
+        scope = RoundScope.of(
+            None if plan_hash is None else str(plan_hash), engines, catch_up=bool(body.get("catchUp", False))
+        )
+        report = await asyncio.to_thread(sources.publish, rank, version, time.monotonic() + timeout, scope)
+        return web.json_response(source_report_to_json(report))
+
+    async def source_committed(request: web.Request) -> web.Response:
+        rank = int(request.match_info["rank"])
+        body = await json_object(request)
+        version = int_field(body.get("version"), "version")
+        runtime.sources_or_fail().committed(rank, version)
+        return web.json_response({"ok": True})
+
+    app = web.Application(middlewares=[error_middleware])
+    app.add_routes(
+        [
+            web.get("/healthz", healthz),
+            web.get("/metrics", metrics),
+            web.get("/v1/state", state),
+            web.post("/v1/publish", publish),
+            web.get("/v1/rounds/{version}", round_result),
+            web.post(r"/v1/sources/{rank:\d+}/publish", source_publish),
+            web.post(r"/v1/sources/{rank:\d+}/committed", source_committed),
+        ]
+    )
+    return app

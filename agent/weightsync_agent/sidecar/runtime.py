@@ -1,0 +1,260 @@
+"""One agent process: its identity and plan, its role's objects, and the loops that keep them current.
+
+* trainer pods: a :class:`~weightsync_agent.source.agent.SourceAgent` for the pod's ranks; the pod that
+  holds trainer rank 0 also runs the :class:`~weightsync_agent.rounds.coordinator.Coordinator`;
+* inference pods: an :class:`~weightsync_agent.targets.agent.EngineAgent` watching the local engine.
+
+A background loop re-reads the plan (the operator rewrites its ConfigMap when the group scales), rebuilds
+the sources when it changed, lets the coordinator catch up engines that do not hold the committed
+version, and refreshes what the agent reports on its pod. Every step is bounded and failures are logged
+and retried on the next tick: a peer that is not up yet is the normal state during a scale-out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from weightsync.api import names
+from weightsync.plan import Plan, PlanError
+from weightsync_agent import metrics
+from weightsync_agent.config import AgentConfig
+from weightsync_agent.directory import Directory, DirectoryError
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.manifest import Manifest, ManifestError
+from weightsync_agent.modes.base import SyncMode
+from weightsync_agent.modes.registry import make_mode
+from weightsync_agent.rounds.coordinator import Coordinator
+from weightsync_agent.rounds.driver import RoundResult
+from weightsync_agent.rounds.remote import AgentClient, AgentError
+from weightsync_agent.sidecar.report import PodReporter
+from weightsync_agent.source.agent import SourceAgent
+from weightsync_agent.source.replica import ReplicaError
+from weightsync_agent.source.writer import SourceConfigError
+from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError
+from weightsync_agent.targets.agent import EngineAgent
+from weightsync_agent.targets.registry import make_adapter
+from weightsync_agent.transport.base import Transport, TransportError
+
+log = logging.getLogger("weightsync.agent")
+
+PlanLoader = Callable[[], Plan]
+
+
+class AgentRuntime:
+    def __init__(
+        self,
+        config: AgentConfig,
+        load_plan: PlanLoader,
+        directory: Directory,
+        *,
+        make_transport: Callable[[Plan], Transport],
+        replica_root: Callable[[int], Path],
+        reporter: PodReporter | None = None,
+        engine_url: str | None = None,
+        agent_url: str | None = None,
+        tick_seconds: float = 2.0,
+        call_timeout: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.load_plan = load_plan
+        self.directory = directory
+        self.reporter = reporter
+        self.agent_url = agent_url
+        self.tick_seconds = tick_seconds
+        self.plan = load_plan()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.call_timeout = call_timeout
+        self.sources: SourceAgent | None = None
+        #: The sync mode that builds this pod's sources (the coordinator keeps its own for rounds).
+        self.mode: SyncMode | None = None
+        self.coordinator: Coordinator | None = None
+        self.engine: EngineAgent | None = None
+        self._ready_reported: bool | None = None
+        if config.role == "trainer":
+            self.sources = SourceAgent(config.group, config.ranks, lambda: make_transport(self.plan), replica_root)
+            if 0 in config.ranks:
+                self.coordinator = Coordinator(
+                    config.group,
+                    self.sources,
+                    directory,
+                    report=self._report_round,
+                    call_timeout=call_timeout,
+                    host=config.host,
+                )
+        else:
+            if engine_url is None:
+                raise ValueError("an engine agent needs the engine's URL")
+            adapter, unavailable = None, ""
+            try:
+                adapter = make_adapter(self.plan.layout.adapter, self._adapter_settings(config, engine_url))
+            except AdapterUnavailableError as exc:
+                unavailable = str(exc)
+            self.engine = EngineAgent(
+                config.group,
+                engine_url,
+                adapter,
+                unavailable=unavailable,
+                advertise=config.pod_index == 0,
+                set_ready=self._set_ready if reporter else None,
+                annotate=reporter.annotate if reporter else None,
+            )
+        metrics.PLAN_REVISION.labels(config.group).set(self.plan.revision)
+
+    def _adapter_settings(self, config: AgentConfig, url: str) -> AdapterSettings:
+        transfer = self.plan.transfer
+        return AdapterSettings(
+            engine=config.engine_index or 0,
+            url=url,
+            ranks=self.plan.layout.ranks_per_engine,
+            bucket_bytes=transfer.bucket_bytes,
+            verify=transfer.verify,
+            staging=transfer.target_staging,
+            call_timeout=self.call_timeout,
+        )
+
+    def _fetch_manifest(self, engine: int, rank: int) -> Manifest:
+        settings = self._adapter_settings(self.config, self.directory.engine_url(engine))
+        return make_adapter(self.plan.layout.adapter, replace(settings, engine=engine)).manifest(rank)
+
+    @property
+    def round_timeout(self) -> float:
+        return float(self.plan.transfer.timeout_seconds)
+
+    # --- Background loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.reporter is not None and self.agent_url and self.sources is not None:
+            self.reporter.annotate({names.ANNOTATION_AGENT_URL: self.agent_url})
+        self.tick()
+        self._thread = threading.Thread(target=self._loop, name="weightsync-agent-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.coordinator is not None:
+            self.coordinator.close()
+        if self.sources is not None:
+            self.sources.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.tick_seconds):
+            try:
+                self.tick()
+            except Exception:  # the loop must survive anything one tick meets
+                log.exception("agent tick failed")
+
+    def tick(self) -> None:
+        self._reload_plan()
+        if self.sources is not None:
+            if not self.sources.built or self.sources.plan is None or self.sources.plan.hash != self.plan.hash:
+                self._build_sources()
+            self._set_ready(
+                self.sources.built,
+                "SourcesBuilt" if self.sources.built else "WaitingForTargets",
+                f"plan revision {self.plan.revision} ({self.plan.hash})",
+            )
+        if self.engine is not None:
+            self.engine.check()
+        if self.coordinator is not None and self.sources is not None and self.sources.built:
+            self.coordinator.catch_up()
+
+    def _reload_plan(self) -> None:
+        try:
+            plan = self.load_plan()
+        except (PlanError, OSError) as exc:
+            log.warning("keeping plan revision %d: %s", self.plan.revision, exc)
+            return
+        if plan.hash != self.plan.hash:
+            log.info("plan changed: revision %d (%s) -> %d (%s)", self.plan.revision, self.plan.hash, plan.revision,
+                     plan.hash)  # fmt: skip
+            self.plan = plan
+            metrics.PLAN_REVISION.labels(self.config.group).set(plan.revision)
+
+    def _build_sources(self) -> None:
+        assert self.sources is not None
+        try:
+            if self.mode is None or self.mode.name != self.plan.transfer.mode:
+                self.mode = make_mode(self.plan.transfer.mode)
+            self.mode.build_sources(self.sources, self.plan, self._fetch_manifest)
+        except (
+            AdapterUnavailableError,
+            DirectoryError,
+            HttpCallError,
+            ManifestError,
+            SourceConfigError,
+            ReplicaError,
+            TransportError,
+        ) as exc:
+            log.warning("sources not built yet: %s", exc)
+
+    # --- Reporting ---------------------------------------------------------------------------------
+
+    def _set_ready(self, ready: bool, reason: str, message: str) -> None:
+        if self.reporter is None or self._ready_reported == ready:
+            return
+        self.reporter.set_ready(ready, reason, message)
+        self._ready_reported = ready
+
+    def _report_round(self, result: RoundResult, committed: int | None) -> None:
+        if self.reporter is None:
+            return
+        values: dict[str, str | dict[str, Any] | int | None] = {names.ANNOTATION_LAST_ROUND: result.as_status()}
+        if committed is not None:
+            values[names.ANNOTATION_WEIGHT_VERSION] = committed
+        self.reporter.annotate(values)
+
+    # --- Trainer process requests ------------------------------------------------------------------
+
+    def sources_or_fail(self) -> SourceAgent:
+        if self.sources is None:
+            raise LookupError("this agent runs no trainer ranks")
+        return self.sources
+
+    def publish(self, rank: int, version: int, timeout: float) -> RoundResult:
+        """Trainer rank ``rank`` staged ``version``: rank 0 runs the round; the others wait for it."""
+        sources = self.sources_or_fail()
+        asked = time.time()
+        sources.mark_ready(rank, version)
+        if self.coordinator is not None and rank == 0:
+            return self.coordinator.run_round(version)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LookupError(f"no result for round {version} within {timeout:.0f} s from the coordinator")
+            if self.coordinator is not None:
+                result = self.coordinator.wait(version, left, after=asked)
+            else:
+                try:
+                    coordinator = AgentClient(self.directory.trainer_url(0), timeout=30.0)
+                    result = coordinator.round(version, min(left, 30.0), after=asked)
+                except (AgentError, DirectoryError) as exc:
+                    log.warning("waiting for round %d: %s", version, exc)
+                    time.sleep(min(1.0, max(left, 0.0)))
+                    continue
+            if result is not None:
+                return result
+
+    def state(self) -> dict[str, object]:
+        return {
+            "group": self.config.group,
+            "role": self.config.role,
+            "podIndex": self.config.pod_index,
+            "ranks": list(self.config.ranks),
+            "plan": {"revision": self.plan.revision, "hash": self.plan.hash},
+            "coordinator": self.coordinator is not None,
+            "committed": None if self.coordinator is None else self.coordinator.committed,
+            "sources": None if self.sources is None else self.sources.state(),
+            "engine": None
+            if self.engine is None
+            else {"ready": self.engine.state.ready, "version": self.engine.state.version},
+        }

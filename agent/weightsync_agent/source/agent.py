@@ -1,0 +1,211 @@
+"""A trainer pod's sources inside the agent sidecar: replicas in /dev/shm, one Source per trainer rank.
+
+The sidecar fetches its targets' manifests from the engines, creates the replica files the trainer
+process attaches to (:meth:`weightsync_agent.client.trainer.WeightSyncClient.from_env`), registers them with the
+transport once, and writes them when the coordinator asks.
+
+When may a source write version v? In a regular round, only once its trainer process said v is staged
+(:meth:`SourceAgent.mark_ready`; every trainer rank calls ``publish(v)``, like a collective). For a
+catch-up (a joining engine gets the current version) only if the replica still holds exactly the
+committed version: the coordinator told this agent v was committed (:meth:`committed`, which also
+clears the staged flags) and nothing was staged since. Anything else is refused with the reason, so a
+joining engine can never be handed a mix of two versions under one number.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+from weightsync.plan import Plan, Target
+from weightsync_agent import metrics
+from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.source.control import RoundScope
+from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError, ReplicaError, ReplicaSet
+from weightsync_agent.source.report import SourceReport
+from weightsync_agent.source.writer import Source, SourceConfigError
+from weightsync_agent.transport.base import Transport
+
+log = logging.getLogger("weightsync.agent.source")
+
+ManifestFetcher = Callable[[int, int], Manifest]  # (engine, rank) -> manifest
+
+#: A regular round over every engine, whatever plan the source runs.
+ALL = RoundScope()
+
+
+class SourceAgent:
+    """The sources of one trainer pod (``ranks``), rebuilt when the plan changes."""
+
+    def __init__(
+        self,
+        group: str,
+        ranks: Collection[int],
+        make_transport: Callable[[], Transport],
+        replica_root: Callable[[int], Path],
+        *,
+        pin: bool | None = None,
+    ) -> None:
+        self.group = group
+        self.ranks = tuple(sorted(ranks))
+        self.make_transport = make_transport
+        self.replica_root = replica_root
+        self.pin = pin
+        self.plan: Plan | None = None
+        self.sources: dict[int, Source] = {}
+        self.transports: dict[int, Transport] = {}
+        self.replicas: dict[int, ReplicaSet] = {}
+        self.held: dict[int, int | None] = dict.fromkeys(self.ranks)  # committed version the replica holds
+        self.ready_version: dict[int, int] = {}
+        #: Every target manifest fetched for the plan (broadcast mode: all targets, on rank 0's pod).
+        self.manifests: dict[Target, Manifest] = {}
+        self._cond = threading.Condition()
+        self._locks = {rank: threading.Lock() for rank in self.ranks}
+
+    # --- Building (the sync mode decides what to build: weightsync_agent.modes) ----------------------
+
+    @property
+    def built(self) -> bool:
+        """Whether a plan's sources were built (the mode adopted it)."""
+        return self.plan is not None
+
+    def rank_lock(self, rank: int) -> threading.Lock:
+        """Held while ``rank``'s replica or source changes, and while it writes."""
+        return self._locks[rank]
+
+    def replica_set(self, rank: int, layouts: Collection[Manifest]) -> ReplicaSet:
+        """``rank``'s replicas for these layouts: kept (with their bytes) when the layouts did not change,
+        otherwise created afresh (the old files are unlinked and the rank holds no committed version)."""
+        fingerprints = {m.layout_fingerprint for m in layouts}
+        old = self.replicas.get(rank)
+        if old is not None and set(old.replicas) == fingerprints:
+            return old
+        if old is not None:
+            del self.replicas[rank]
+            old.close(unlink=True)
+        self.held[rank] = None
+        replicas = ReplicaSet.for_manifests(layouts, shm_dir=self.replica_root(rank), pin=self.pin)
+        self.replicas[rank] = replicas
+        return replicas
+
+    def install_source(self, rank: int, plan: Plan, manifests: dict[Target, Manifest], replicas: ReplicaSet) -> None:
+        """A new Source for ``rank`` (its transport is kept across plans; the replicas are ours, not the Source's)."""
+        old = self.sources.pop(rank, None)
+        if old is not None:
+            old.close()  # unregisters
+        transport = self.transports.get(rank) or self.make_transport()
+        self.transports[rank] = transport
+        self.sources[rank] = Source(transport, plan, rank, manifests, replicas=replicas, pin=self.pin)
+
+    def drop_sources(self) -> None:
+        for source in self.sources.values():
+            source.close()
+        self.sources.clear()
+
+    def adopt(self, plan: Plan, manifests: dict[Target, Manifest]) -> None:
+        """The mode built everything ``plan`` needs here; ``manifests``: every target manifest it fetched."""
+        self.manifests = manifests
+        self.plan = plan
+
+    # --- The trainer's side ----------------------------------------------------------------------
+
+    def mark_ready(self, rank: int, version: int) -> None:
+        """The trainer process staged ``version`` into ``rank``'s replica."""
+        self._check_rank(rank)
+        with self._cond:
+            self.ready_version[rank] = version
+            self._cond.notify_all()
+
+    # --- The coordinator's side ------------------------------------------------------------------
+
+    def publish(self, rank: int, version: int, deadline: float, scope: RoundScope = ALL) -> SourceReport:
+        """Write ``rank``'s targets within ``scope``; failures come back as a report."""
+        try:
+            self._check_rank(rank)
+            source = self.sources.get(rank)
+            if source is None or self.plan is None:
+                raise SourceConfigError(f"source {rank} is not built yet (waiting for its targets' manifests)")
+            if scope.plan_hash is not None and scope.plan_hash != self.plan.hash:
+                raise SourceConfigError(
+                    f"source {rank} runs plan {self.plan.hash} (revision {self.plan.revision}), the coordinator "
+                    f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
+                )
+            targets = None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
+            with self._locks[rank]:
+                if scope.catch_up:
+                    self._check_holds(rank, source, version)
+                else:
+                    self.wait_ready(rank, version, deadline)
+                result = source.publish(version, deadline, targets=targets, require_staged=not scope.catch_up)
+        except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, ReplicaError, TimeoutError) as exc:
+            metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
+            return SourceReport(source=rank, ok=False, error=str(exc))
+        metrics.SOURCE_BYTES.labels(self.group, str(rank)).inc(result.bytes)
+        metrics.SOURCE_SECONDS.labels(self.group, str(rank)).observe(result.seconds)
+        if not result.ok:
+            metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
+        return result.to_report()
+
+    def committed(self, rank: int, version: int) -> None:
+        """Every engine verified and committed ``version``: the replica holds it; the next must restage."""
+        self._check_rank(rank)
+        replicas = self.replicas.get(rank)
+        with self._locks[rank]:
+            if replicas is not None:
+                replicas.reset()
+            self.held[rank] = version
+
+    # --- Internals -------------------------------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if rank not in self.ranks:
+            raise SourceConfigError(f"this agent runs trainer ranks {list(self.ranks)}, not {rank}")
+
+    def wait_ready(self, rank: int, version: int, deadline: float) -> None:
+        with self._cond:
+            while self.ready_version.get(rank, -1) < version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"trainer rank {rank} did not stage version {version} before the round's deadline "
+                        f"(last staged: {self.ready_version.get(rank)})"
+                    )
+                self._cond.wait(min(left, 1.0))
+
+    def _check_holds(self, rank: int, source: Source, version: int) -> None:
+        if self.held.get(rank) != version:
+            raise SourceConfigError(
+                f"source {rank} cannot catch up engines to version {version}: its replica holds "
+                f"{self.held.get(rank)} (committed versions only)"
+            )
+        unstaged = len(source.replicas.missing())
+        parts = sum(len(r.layout.slots) for r in source.replicas)
+        if unstaged != parts:
+            raise SourceConfigError(
+                f"source {rank} cannot catch up engines to version {version}: the trainer has started staging "
+                "the next version; joiners get it at the next round"
+            )
+
+    def state(self) -> dict[str, object]:
+        return {
+            "ranks": list(self.ranks),
+            "built": self.built,
+            "plan": None if self.plan is None else {"revision": self.plan.revision, "hash": self.plan.hash},
+            "held": {str(r): v for r, v in self.held.items()},
+            "ready": {str(r): v for r, v in self.ready_version.items()},
+            "replicas": {str(r): str(self.replica_root(r)) for r in self.ranks},
+        }
+
+    def close(self) -> None:
+        for source in self.sources.values():
+            source.close()
+        self.sources.clear()
+        for transport in self.transports.values():
+            transport.close()
+        self.transports.clear()
+        for replicas in self.replicas.values():
+            replicas.close(unlink=True)
+        self.replicas.clear()

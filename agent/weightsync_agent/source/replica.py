@@ -1,0 +1,626 @@
+"""The source's CPU replica: one buffer laid out byte for byte like a target rank's weights.
+
+A :class:`Replica` holds every local tensor of one *shape* (one target layout, identified by the
+manifest's ``layout_fingerprint``) packed back to back in manifest order, exactly as
+:func:`weightsync_agent.layout.buckets.replica_offsets` says, so each bucket is a run of plain memory copies
+into the target's registered memory. The trainer *stages* full (unsharded) tensors into it; the replica
+cuts them the way the target holds them (slice along ``part.dim``, place along ``cat_dim``), which
+covers TP row/column shards, fused qkv / gate_up and replicated tensors.
+
+Staging is all-or-nothing per call: dtype and shape are checked for every part the full tensor feeds
+before any byte is written. The replica records which parts are staged; publishing refuses an
+incomplete replica. The buffer is pinned when CUDA is present, and can live in a file under
+``/dev/shm`` so the trainer process (which stages) and the agent sidecar (which publishes) share it.
+A :class:`ReplicaSet` holds one replica per distinct layout among a source's targets and fans
+:meth:`ReplicaSet.stage` out to all of them.
+
+Shared-memory file format (little-endian), one file per replica::
+
+    [0, 64)            header: magic, json length, data offset, data bytes, part count,
+                       bitmap offset, xxh3-64 of the JSON, reserved
+    [64, 64 + json)    JSON: {"fingerprint": ..., "tensors": [TensorEntry without address, ...]}
+    [bitmap, +parts)   one byte per shard part: 1 = staged for the current version
+    [data, +bytes)     the replica (page-aligned)
+
+A publisher takes an exclusive ``flock`` on the file for the duration of a publish, and staging takes a
+shared one, so a process can't stage into a replica that another process is sending (and vice versa):
+both fail at once with :class:`ReplicaBusyError` rather than wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+import xxhash
+
+from weightsync_agent.layout.buckets import replica_offsets
+from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
+
+log = logging.getLogger("weightsync.agent.replica")
+
+TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+MAGIC: Final = b"WSREPLC1"
+_HEADER = struct.Struct("<8sQQQQQQ8x")  # 64 bytes
+_DATA_ALIGN: Final = 4096
+REPLICA_SUFFIX: Final = ".replica"
+
+
+class ReplicaError(ValueError):
+    """Staging or building a replica was refused; nothing was written."""
+
+
+class ReplicaBusyError(RuntimeError):
+    """The replica is being published (or staged) by someone else right now."""
+
+
+class IncompleteReplicaError(ReplicaError):
+    """A publish was asked for while some shard parts are not staged for this version."""
+
+
+def _align(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+# --- Layout ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """One target tensor as the replica holds it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    cat_dim: int
+    parts: tuple[ShardPart, ...]
+    offset: int  # in the replica
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class PartSlot:
+    """Where one shard part goes: the tensor, and the offset along its ``cat_dim``."""
+
+    index: int  # position in the staged bitmap
+    tensor: LocalTensor
+    part: ShardPart
+    cat_start: int
+
+    @property
+    def cat_length(self) -> int:
+        return self.part.shape[self.tensor.cat_dim] if self.tensor.shape else 1
+
+
+@dataclass(frozen=True)
+class MissingPart:
+    tensor: str
+    source: str
+    fingerprint: str
+
+    def __str__(self) -> str:
+        return f"{self.tensor} (from {self.source})"
+
+
+def _layout_json(tensors: Iterable[TensorEntry]) -> list[dict[str, Any]]:
+    return [t.model_dump(mode="json", exclude={"address"}) for t in tensors]
+
+
+def _fingerprint(layout: list[dict[str, Any]]) -> str:
+    # The same digest as Manifest.layout_fingerprint, recomputable from a replica file's header.
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ReplicaLayout:
+    """The byte layout of one target shape: tensors at their replica offsets, and their parts."""
+
+    def __init__(self, layout: list[dict[str, Any]], fingerprint: str | None = None) -> None:
+        self.json = layout
+        self.fingerprint = fingerprint or _fingerprint(layout)
+        tensors: list[LocalTensor] = []
+        cursor = 0
+        for raw in layout:
+            try:
+                dtype = str(raw["dtype"])
+                shape = tuple(int(x) for x in raw["shape"])
+                nbytes = int(raw["nbytes"])
+                parts = tuple(ShardPart.model_validate(p) for p in raw["parts"])
+                tensor = LocalTensor(str(raw["name"]), dtype, shape, nbytes, int(raw["cat_dim"]), parts, cursor)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ReplicaError(f"malformed replica layout entry {raw!r:.200}: {exc}") from exc
+            if dtype not in TORCH_DTYPES:
+                raise ReplicaError(f"{tensor.name}: unsupported dtype {dtype}")
+            expected = ITEMSIZE[dtype]
+            for dim in shape:
+                expected *= dim
+            if expected != nbytes:
+                raise ReplicaError(f"{tensor.name}: {nbytes} bytes does not match {list(shape)} of {dtype}")
+            tensors.append(tensor)
+            cursor += nbytes
+        self.tensors: tuple[LocalTensor, ...] = tuple(tensors)
+        self.nbytes = cursor
+        slots: list[PartSlot] = []
+        for tensor in self.tensors:
+            along = 0
+            for part in tensor.parts:
+                slot = PartSlot(len(slots), tensor, part, along)
+                slots.append(slot)
+                along += slot.cat_length
+        self.slots: tuple[PartSlot, ...] = tuple(slots)
+        by_source: dict[str, list[PartSlot]] = {}
+        for slot in self.slots:
+            by_source.setdefault(slot.part.source, []).append(slot)
+        self.by_source: dict[str, tuple[PartSlot, ...]] = {k: tuple(v) for k, v in by_source.items()}
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ReplicaLayout:
+        layout = cls(_layout_json(manifest.tensors), manifest.layout_fingerprint)
+        offsets = replica_offsets(manifest)
+        for tensor in layout.tensors:  # the replica must pack exactly as the bucket planner assumes
+            if offsets[tensor.name] != tensor.offset:
+                raise ReplicaError(f"{tensor.name}: replica offset {tensor.offset} != planned {offsets[tensor.name]}")
+        return layout
+
+    @cached_property
+    def by_name(self) -> dict[str, LocalTensor]:
+        return {t.name: t for t in self.tensors}
+
+    def full_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Full tensor name -> (full shape, dtype) this layout expects from the trainer."""
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for slot in self.slots:
+            out.setdefault(slot.part.source, (slot.part.full_shape, slot.tensor.dtype))
+        return out
+
+
+# --- The replica -----------------------------------------------------------------------------------
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _cuda_host_register(address: int, nbytes: int) -> bool:
+    if not nbytes:
+        return False
+    rc = _cudart().cudaHostRegister(address, nbytes, 0)
+    if int(rc) != 0:
+        log.warning("cudaHostRegister of %d bytes at %#x failed (%s); the replica stays pageable", nbytes, address, rc)
+        return False
+    return True
+
+
+class Replica:
+    """One CPU buffer holding one target shape's weights, plus which parts are staged.
+
+    ``Replica(manifest)`` allocates an anonymous buffer; ``Replica.create(manifest, shm_path=...)``
+    backs it with a file another process can :meth:`attach`. ``pin`` defaults to
+    ``torch.cuda.is_available()``. The buffer's address never changes, so it is registered with a
+    transport once.
+    """
+
+    def __init__(self, layout: Manifest | ReplicaLayout, *, pin: bool | None = None) -> None:
+        self._init(layout if isinstance(layout, ReplicaLayout) else ReplicaLayout.of(layout))
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.buffer = torch.zeros(max(self.layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        self._staged = torch.zeros(max(len(self.layout.slots), 1), dtype=torch.uint8)
+        self.pinned = pin
+
+    def _init(self, layout: ReplicaLayout) -> None:
+        self.layout = layout
+        self.shm_path: Path | None = None
+        self._fd: int | None = None
+        self._mmap: mmap.mmap | None = None
+        self._host_registered = False
+        self._lock = threading.Lock()
+        self._publishing = False
+        self._closed = False
+
+    # --- Construction ------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        layout: Manifest | ReplicaLayout,
+        *,
+        shm_path: str | os.PathLike[str] | None = None,
+        pin: bool | None = None,
+    ) -> Replica:
+        if shm_path is None:
+            return cls(layout, pin=pin)
+        layout = layout if isinstance(layout, ReplicaLayout) else ReplicaLayout.of(layout)
+        body = json.dumps({"fingerprint": layout.fingerprint, "tensors": layout.json}).encode()
+        bitmap_offset = _align(_HEADER.size + len(body), 64)
+        parts = len(layout.slots)
+        data_offset = _align(bitmap_offset + max(parts, 1), _DATA_ALIGN)
+        size = data_offset + max(layout.nbytes, 1)
+        path = Path(shm_path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            with mmap.mmap(fd, size) as mm:
+                header = _HEADER.pack(
+                    MAGIC, len(body), data_offset, layout.nbytes, parts, bitmap_offset, xxhash.xxh3_64_intdigest(body)
+                )
+                mm[: _HEADER.size] = header
+                mm[_HEADER.size : _HEADER.size + len(body)] = body
+            os.replace(tmp, path)  # attachers never see a half-written header
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return cls._map(path, layout, pin=torch.cuda.is_available() if pin is None else pin)
+
+    @classmethod
+    def attach(cls, shm_path: str | os.PathLike[str], *, pin: bool | None = None) -> Replica:
+        """Map a replica another process created; sees (and makes) the same bytes and staged flags."""
+        path = Path(shm_path)
+        try:
+            with path.open("rb") as handle:
+                head = handle.read(_HEADER.size)
+                if len(head) < _HEADER.size:
+                    raise ReplicaError(f"{path}: too short to be a replica file")
+                magic, body_len, _, _, _, _, digest = _HEADER.unpack(head)
+                if magic != MAGIC:
+                    raise ReplicaError(f"{path}: not a weightsync replica file (magic {magic!r})")
+                body = handle.read(body_len)
+        except OSError as exc:
+            raise ReplicaError(f"cannot read replica file {path}: {exc}") from exc
+        if len(body) != body_len or xxhash.xxh3_64_intdigest(body) != digest:
+            raise ReplicaError(f"{path}: replica header is corrupt (checksum mismatch)")
+        meta = json.loads(body)
+        layout = ReplicaLayout(meta["tensors"], meta["fingerprint"])
+        if _fingerprint(layout.json) != layout.fingerprint:
+            raise ReplicaError(f"{path}: layout does not match its fingerprint {layout.fingerprint}")
+        return cls._map(path, layout, pin=torch.cuda.is_available() if pin is None else pin)
+
+    @classmethod
+    def _map(cls, path: Path, layout: ReplicaLayout, *, pin: bool) -> Replica:
+        self = cls.__new__(cls)
+        self._init(layout)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        _, _, data_offset, data_nbytes, parts, bitmap_offset, _ = _HEADER.unpack(mm[: _HEADER.size])
+        if data_nbytes != layout.nbytes or parts != len(layout.slots) or size < data_offset + max(data_nbytes, 1):
+            mm.close()
+            os.close(fd)
+            raise ReplicaError(f"{path}: file size or header does not match its layout")
+        self.shm_path, self._fd, self._mmap = path, fd, mm
+        self.buffer = torch.frombuffer(mm, dtype=torch.uint8, count=max(data_nbytes, 1), offset=data_offset)
+        self._staged = torch.frombuffer(mm, dtype=torch.uint8, count=max(parts, 1), offset=bitmap_offset)
+        self.pinned = False
+        if pin:
+            self._host_registered = _cuda_host_register(self.address, self.buffer.numel())
+            self.pinned = self._host_registered
+        return self
+
+    # --- Queries ---------------------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        return self.layout.fingerprint
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def address(self) -> int:
+        """Start of the replica bytes (what a transport registers; bucket offsets are relative to it)."""
+        return int(self.buffer.data_ptr())
+
+    def full_names(self) -> set[str]:
+        return set(self.layout.by_source)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The local tensor ``name`` as the target will hold it.
+
+        A view into the replica when its offset is aligned for its dtype, else a copy.
+        """
+        try:
+            tensor = self.layout.by_name[name]
+        except KeyError:
+            raise ReplicaError(f"replica {self.fingerprint} has no tensor {name!r}") from None
+        typed = self._typed(tensor)
+        return typed if typed is not None else self._typed_copy(tensor)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The bytes of local tensor ``name`` (a uint8 view)."""
+        tensor = self.layout.by_name[name]
+        return self.buffer.narrow(0, tensor.offset, tensor.nbytes)
+
+    def missing(self) -> list[MissingPart]:
+        """Shard parts not staged since the last :meth:`reset`, in layout order."""
+        flags = self._staged.tolist()
+        return [
+            MissingPart(s.tensor.name, s.part.source, self.fingerprint) for s in self.layout.slots if not flags[s.index]
+        ]
+
+    def is_complete(self) -> bool:
+        return not self.layout.slots or bool(self._staged[: len(self.layout.slots)].all())
+
+    # --- Staging ---------------------------------------------------------------------------------
+
+    def check(self, full_name: str, full: torch.Tensor) -> tuple[PartSlot, ...]:
+        """The parts ``full`` feeds here; ReplicaError (naming the tensor) if any would not fit."""
+        slots = self.layout.by_source.get(full_name, ())
+        if not isinstance(full, torch.Tensor):
+            raise ReplicaError(f"cannot stage {full_name!r}: expected a torch.Tensor, got {type(full).__name__}")
+        for slot in slots:
+            want = slot.tensor.torch_dtype
+            if full.dtype != want:
+                raise ReplicaError(
+                    f"cannot stage {full_name!r} into {slot.tensor.name!r}: dtype {full.dtype} differs from the "
+                    f"target's {want} (cast before staging; weightsync does not convert)"
+                )
+            if tuple(full.shape) != slot.part.full_shape:
+                raise ReplicaError(
+                    f"cannot stage {full_name!r} into {slot.tensor.name!r}: shape {list(full.shape)} differs from "
+                    f"the full shape the target expects, {list(slot.part.full_shape)}"
+                )
+        return slots
+
+    def stage(self, full_name: str, full: torch.Tensor) -> int:
+        """Write every part cut from ``full`` into its local tensor; returns how many parts were written.
+
+        Nothing is written when a check fails. A name no local tensor uses writes nothing and returns 0
+        (see :meth:`ReplicaSet.stage` for the strict form).
+        """
+        slots = self.check(full_name, full)
+        if slots:
+            with self._staging():
+                self._write(slots, full)
+        return len(slots)
+
+    def _write(self, slots: tuple[PartSlot, ...], full: torch.Tensor) -> None:
+        with torch.no_grad():
+            source = full.detach()
+            for slot in slots:
+                tensor = slot.tensor
+                piece = source.narrow(slot.part.dim, slot.part.start, slot.part.length)
+                typed = self._typed(tensor)
+                if typed is not None:
+                    self._place(typed, slot).copy_(piece)
+                else:  # offset not aligned for the dtype: go through an aligned copy
+                    scratch = self._typed_copy(tensor)
+                    self._place(scratch, slot).copy_(piece)
+                    self.raw(tensor.name).copy_(scratch.reshape(-1).view(torch.uint8))
+                self._staged[slot.index] = 1
+
+    @staticmethod
+    def _place(local: torch.Tensor, slot: PartSlot) -> torch.Tensor:
+        if not slot.tensor.shape:
+            return local
+        return local.narrow(slot.tensor.cat_dim, slot.cat_start, slot.cat_length)
+
+    def _typed(self, tensor: LocalTensor) -> torch.Tensor | None:
+        itemsize = ITEMSIZE[tensor.dtype]
+        if tensor.offset % itemsize:
+            return None
+        return self.raw(tensor.name).view(tensor.torch_dtype).view(tensor.shape)
+
+    def _typed_copy(self, tensor: LocalTensor) -> torch.Tensor:
+        out = torch.empty(tensor.shape, dtype=tensor.torch_dtype)
+        out.reshape(-1).view(torch.uint8).copy_(self.raw(tensor.name))
+        return out
+
+    def reset(self) -> None:
+        """Forget what was staged (the bytes stay): the next version must stage every part again."""
+        with self._staging():
+            self._staged.zero_()
+
+    # --- Exclusion between staging and publishing ------------------------------------------------
+
+    @contextlib.contextmanager
+    def _staging(self) -> Iterator[None]:
+        with self._lock:
+            self._check_open()
+            if self._publishing:
+                raise ReplicaBusyError(
+                    f"replica {self.fingerprint} is being published; stage the next version after publish returns"
+                )
+            self._flock(fcntl.LOCK_SH, "staged")
+            try:
+                yield
+            finally:
+                self._flock(fcntl.LOCK_UN, "")
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        """Hold the replica read-only while it is sent; ReplicaBusyError if it is being staged or sent."""
+        with self._lock:
+            self._check_open()
+            if self._publishing:
+                raise ReplicaBusyError(f"replica {self.fingerprint} is already being published")
+            self._flock(fcntl.LOCK_EX, "published")
+            self._publishing = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._publishing = False
+                self._flock(fcntl.LOCK_UN, "")
+
+    def _flock(self, op: int, doing: str) -> None:
+        if self._fd is None:
+            return
+        if op == fcntl.LOCK_UN:
+            fcntl.flock(self._fd, op)
+            return
+        try:
+            fcntl.flock(self._fd, op | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = "published" if op == fcntl.LOCK_SH else "staged or published"
+            raise ReplicaBusyError(
+                f"replica {self.shm_path} cannot be {doing} now: another process has it {other}"
+            ) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ReplicaError(f"replica {self.fingerprint} is closed")
+
+    # --- Teardown --------------------------------------------------------------------------------
+
+    def close(self, *, unlink: bool = False) -> None:
+        """Release the buffer (and the file mapping); ``unlink`` also removes the shm file."""
+        if unlink and self.shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.shm_path.unlink()  # the mapping stays valid until it is closed below
+        if self._closed:
+            return
+        self._closed = True
+        if self._host_registered:
+            _cudart().cudaHostUnregister(self.address)
+            self._host_registered = False
+        del self.buffer
+        del self._staged
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # views handed out by tensor() are still alive; the GC unmaps later
+                log.debug("replica %s: mapping still referenced; left to the garbage collector", self.shm_path)
+        if self._fd is not None:
+            os.close(self._fd)
+
+    def __repr__(self) -> str:
+        where = f" at {self.shm_path}" if self.shm_path else ""
+        return f"Replica({self.fingerprint}, {len(self.layout.tensors)} tensors, {self.nbytes} B{where})"
+
+
+# --- One replica per distinct layout ---------------------------------------------------------------
+
+
+class ReplicaSet:
+    """The replicas of one source: one per distinct target layout (fingerprint), shared by all targets
+    with that layout. :meth:`stage` checks against every replica, then writes into every replica."""
+
+    def __init__(self, replicas: Iterable[Replica]) -> None:
+        self.replicas: dict[str, Replica] = {}
+        for replica in replicas:
+            if replica.fingerprint in self.replicas:
+                raise ReplicaError(f"two replicas with layout {replica.fingerprint}; one is enough")
+            self.replicas[replica.fingerprint] = replica
+
+    @classmethod
+    def for_manifests(
+        cls,
+        manifests: Iterable[Manifest],
+        *,
+        shm_dir: str | os.PathLike[str] | None = None,
+        pin: bool | None = None,
+    ) -> ReplicaSet:
+        """One replica per distinct ``layout_fingerprint``; files ``<shm_dir>/<fingerprint>.replica``."""
+        layouts: dict[str, ReplicaLayout] = {}
+        for manifest in manifests:
+            if manifest.layout_fingerprint not in layouts:
+                layouts[manifest.layout_fingerprint] = ReplicaLayout.of(manifest)
+        replicas: list[Replica] = []
+        try:
+            for fingerprint, layout in layouts.items():
+                path = None if shm_dir is None else Path(shm_dir) / f"{fingerprint}{REPLICA_SUFFIX}"
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                replicas.append(Replica.create(layout, shm_path=path, pin=pin))
+        except BaseException:
+            for replica in replicas:
+                replica.close(unlink=True)
+            raise
+        return cls(replicas)
+
+    @classmethod
+    def attach(cls, shm_dir: str | os.PathLike[str], *, pin: bool | None = None) -> ReplicaSet:
+        """Every ``*.replica`` file in ``shm_dir`` (as :meth:`for_manifests` wrote them)."""
+        paths = sorted(Path(shm_dir).glob(f"*{REPLICA_SUFFIX}"))
+        if not paths:
+            raise ReplicaError(f"no replica files ({REPLICA_SUFFIX}) in {shm_dir}")
+        return cls(Replica.attach(p, pin=pin) for p in paths)
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(self.replicas.values())
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def __getitem__(self, fingerprint: str) -> Replica:
+        return self.replicas[fingerprint]
+
+    @property
+    def nbytes(self) -> int:
+        """CPU memory this source spends on replicas: the sum over its shapes of one shard each."""
+        return sum(r.nbytes for r in self)
+
+    def full_names(self) -> set[str]:
+        return set().union(*(r.full_names() for r in self)) if self.replicas else set()
+
+    def stage(self, full_name: str, full: torch.Tensor, *, strict: bool = True) -> int:
+        """Stage ``full`` into every replica that uses it; returns the parts written across replicas.
+
+        Every replica checks first; if any refuses, nothing is written anywhere. With ``strict``, a
+        name no target tensor is cut from is an error (usually a naming mismatch with the engine).
+        """
+        plans = [(replica, replica.check(full_name, full)) for replica in self]
+        if strict and not any(slots for _, slots in plans):
+            raise ReplicaError(f"no target tensor of this source is cut from {full_name!r}")
+        plans = [(replica, slots) for replica, slots in plans if slots]
+        with contextlib.ExitStack() as stack:
+            for replica, _ in plans:  # every replica must be free before any is written
+                stack.enter_context(replica._staging())
+            for replica, slots in plans:
+                replica._write(slots, full)
+        return sum(len(slots) for _, slots in plans)
+
+    def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        return sum(self.stage(name, tensor) for name, tensor in items)
+
+    def missing(self) -> list[MissingPart]:
+        return [m for r in self for m in r.missing()]
+
+    def reset(self) -> None:
+        for replica in self:
+            replica.reset()
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for replica in self:
+                stack.enter_context(replica.publishing())
+            yield
+
+    def close(self, *, unlink: bool = False) -> None:
+        for replica in self:
+            replica.close(unlink=unlink)

@@ -1,0 +1,22 @@
+"""What one source wrote in one attempt of a round: the message sources send back to the coordinator."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from weightsync.plan import Target
+
+
+@dataclass(frozen=True)
+class SourceReport:
+    """What a source wrote: per target, the checksum of every bucket (what the target must verify)."""
+
+    source: int
+    ok: bool
+    checksums: Mapping[Target, Sequence[str]] = field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    failed_target: Target | None = None
+    failed_bucket: int | None = None

@@ -1,0 +1,104 @@
+"""The engine-adapter seam: everything the agent needs from one kind of inference engine.
+
+One adapter object stands for one engine (all its ranks). The round driver, the coordinator, the sources
+and the engine pod's agent talk to engines only through :class:`EngineAdapter`; each engine kind is one
+folder under ``targets/`` with one class, registered in :mod:`weightsync_agent.targets.registry` under its
+``inference.adapter`` name. What a kind can do (sync modes, target staging, verification, catch-up) is
+declared once, in the contract :mod:`weightsync.api.engines`, which the operator checks specs against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from weightsync.api.engines import Capabilities, Staging
+from weightsync_agent.layout.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class TargetVerdict:
+    """One target's (engine rank's) answer to "does what landed match these checksums?"."""
+
+    ok: bool
+    mismatched: Sequence[int] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether the engine can take part in rounds; ``reason`` is CamelCase (the pod condition's reason)."""
+
+    ready: bool
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """What an adapter is built from: where its engine answers and the plan's transfer settings."""
+
+    engine: int
+    url: str
+    ranks: int
+    bucket_bytes: int
+    verify: bool = True
+    staging: Staging = "live"
+    #: Bound on one HTTP call to the engine (docs/architecture.md, "Timeouts").
+    call_timeout: float = 30.0
+
+
+class EngineRound(Protocol):
+    """An engine's part of a round, as the driver runs it (test fakes implement just this)."""
+
+    name: str
+
+    def pause(self, timeout: float) -> None: ...
+
+    def resume(self, timeout: float) -> None: ...
+
+    def begin(self, version: int, timeout: float) -> None:
+        """Open round ``version``: from here until commit or abort the engine expects writes."""
+        ...
+
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict: ...
+
+    def commit(self, version: int, timeout: float) -> None: ...
+
+    def abort(self, version: int, timeout: float) -> None: ...
+
+
+class EngineAdapter(EngineRound, Protocol):
+    """One engine of one kind: discovery, readiness, the round, and (if it can) broadcast reception."""
+
+    kind: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    settings: AdapterSettings
+
+    def manifest(self, rank: int) -> Manifest:
+        """Rank ``rank``'s target manifest (names, dtypes, shapes, shard map, addresses, transfer session)."""
+        ...
+
+    def held_version(self, timeout: float | None = None) -> str | None:
+        """The version the engine fully holds (it changes only on a verified commit)."""
+        ...
+
+    def readiness(self) -> Readiness:
+        """Whether the engine answers and serves usable manifests for every rank."""
+        ...
+
+    def healthy(self, timeout: float) -> bool: ...
+
+    def join_broadcast(self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str,
+                       timeout: float) -> None:  # fmt: skip
+        """Broadcast mode: join the trainer's torch.distributed group as ``members``."""
+        ...
+
+    def arm_broadcast(self, version: int, timeout: float) -> None:
+        """Broadcast mode: expect the buckets of ``version`` on the group."""
+        ...
+
+
+class AdapterUnavailableError(LookupError):
+    """No adapter for this engine kind in this version (the message says why)."""

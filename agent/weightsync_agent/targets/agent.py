@@ -1,0 +1,92 @@
+"""An inference pod's agent: advertises its engine, checks it serves a usable manifest, reports its version.
+
+The engine (SGLang or the reference engine) does the receiving itself: sources write into the memory it
+registered and the coordinator drives its pause/verify/commit routes. The agent's part is what the
+operator and the other agents need to know about this pod: the engine's URL (annotation
+``weightsync.io/engine-url``, so sources and the coordinator find it), whether it is up with a manifest
+that parses (the ``weightsync.io/agent-ready`` condition), and the version it fully holds (annotation
+``weightsync.io/weight-version``, which the engine changes only on a verified commit).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api import names
+from weightsync_agent import metrics
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.targets.adapter import EngineAdapter, Readiness
+
+log = logging.getLogger("weightsync.agent.engine")
+
+SetReady = Callable[[bool, str, str], None]
+Annotate = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class EngineState:
+    ready: bool = False
+    reason: str = ""
+    version: str | None = None
+
+
+class EngineAgent:
+    """``adapter`` None: this engine kind has no adapter (``unavailable`` says why); the pod stays unready."""
+
+    def __init__(
+        self,
+        group: str,
+        engine_url: str,
+        adapter: EngineAdapter | None,
+        *,
+        advertise: bool,
+        unavailable: str = "",
+        set_ready: SetReady | None = None,
+        annotate: Annotate | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self.group = group
+        self.engine_url = engine_url
+        self.adapter = adapter
+        self.unavailable = unavailable
+        self.advertise = advertise  # only the engine's first pod hosts its HTTP server
+        self.set_ready = set_ready
+        self.annotate = annotate
+        self.timeout = timeout
+        self.state = EngineState()
+        self._advertised = False
+
+    def check(self) -> EngineState:
+        """One look at the engine; report what changed."""
+        if self.advertise and not self._advertised and self.annotate is not None:
+            self.annotate({names.ANNOTATION_ENGINE_URL: self.engine_url})
+            self._advertised = True
+        version = self.state.version
+        if self.adapter is None:
+            ready, reason, message = False, "AdapterUnavailable", self.unavailable
+        else:
+            try:
+                if self.advertise and not self.state.ready:
+                    # Each rank's manifest, once per (re)start: a bad one keeps the pod unready.
+                    readiness = self.adapter.readiness()
+                else:
+                    readiness = Readiness(True, "EngineServing", f"engine at {self.engine_url} answers")
+                if readiness.ready and self.advertise:
+                    version = self.adapter.held_version(timeout=self.timeout)
+                ready, reason, message = readiness.ready, readiness.reason, readiness.message
+            except HttpCallError as exc:
+                ready, reason, message = False, "EngineUnavailable", str(exc)
+        if (ready, reason) != (self.state.ready, self.state.reason) and self.set_ready is not None:
+            self.set_ready(ready, reason, message)
+            (log.info if ready else log.warning)("engine %s: %s", reason, message)
+        if version != self.state.version and version is not None:
+            if self.annotate is not None:
+                self.annotate({names.ANNOTATION_WEIGHT_VERSION: version})
+            if version.isdigit():
+                metrics.WEIGHT_VERSION.labels(self.group).set(int(version))
+            log.info("engine holds weight version %s", version)
+        self.state = EngineState(ready, reason, version if version is not None else self.state.version)
+        return self.state

@@ -1,0 +1,166 @@
+"""One engine rank's weight memory as the transport sees it: live buffer, optional staging twin, verify.
+
+In **live** mode the manifest points at the live weights: sources write straight into what the engine
+serves, so the engine must be paused while they do. In **staged** mode the manifest points at a second,
+separately registered buffer with the identical layout: the engine keeps serving the previous version from
+its live weights while sources write, and :meth:`RankMemory.promote` copies staging over live at commit
+(one memcpy; the caller makes that atomic with respect to serving).
+
+Verification hashes the target side of every bucket of ``plan_buckets(manifest, bucket_bytes)`` with
+:func:`weightsync_agent.layout.checksums.target_checksum`, the same definition sources use over their replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.checksums import target_checksum
+from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.transport.base import Transport
+
+
+class FlatWeights(Protocol):
+    """A rank's parameters packed in one flat buffer (e.g. the reference model's ``RankWeights``)."""
+
+    @property
+    def buffer(self) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def new_buffer(self) -> torch.Tensor: ...
+
+    def manifest(
+        self, *, engine: int, session_id: str, buffer: torch.Tensor | None = None, staging: bool = False
+    ) -> Manifest: ...
+
+
+@dataclass(frozen=True)
+class BucketMismatch:
+    index: int
+    expected: str
+    actual: str
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    rank: int
+    bucket_bytes: int
+    buckets: int
+    mismatched: tuple[BucketMismatch, ...] = ()
+    error: str | None = None
+    staged: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.mismatched
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "ok": self.ok,
+            "bucket_bytes": self.bucket_bytes,
+            "buckets": self.buckets,
+            "staged": self.staged,
+            "mismatched": [{"index": m.index, "expected": m.expected, "actual": m.actual} for m in self.mismatched],
+            "error": self.error,
+        }
+
+
+@dataclass
+class RankMemory:
+    """Live (and optionally staging) memory of one rank, registered with that rank's transport."""
+
+    weights: FlatWeights
+    transport: Transport
+    engine: int
+    rank: int
+    staging: torch.Tensor | None = None
+    _manifests: dict[bool, Manifest] = field(default_factory=dict)
+    _registered: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._register(self.weights.buffer)
+
+    @property
+    def session_id(self) -> str:
+        return self.transport.session_id
+
+    @property
+    def staged(self) -> bool:
+        return self.staging is not None
+
+    def manifest(self) -> Manifest:
+        """Where sources write now: the staging buffer in staged mode, else the live weights."""
+        staged = self.staged
+        if staged not in self._manifests:
+            self._manifests[staged] = self.weights.manifest(
+                engine=self.engine, session_id=self.session_id, buffer=self.staging, staging=staged
+            )
+        return self._manifests[staged]
+
+    def enable_staging(self) -> None:
+        if self.staging is not None:
+            return
+        staging = self.weights.new_buffer()
+        staging.copy_(self.weights.buffer)  # bytes nobody writes stay equal to live (none, when packed)
+        self._register(staging)
+        self.staging = staging
+        self._manifests.pop(True, None)
+
+    def disable_staging(self) -> None:
+        if self.staging is None:
+            return
+        self._unregister(self.staging.data_ptr())
+        self.staging = None
+        self._manifests.pop(True, None)
+
+    def verify(self, bucket_bytes: int, checksums: list[str]) -> VerifyResult:
+        """Compare the source's per-bucket checksums with what is in this rank's target memory now."""
+        manifest = self.manifest()
+        try:
+            buckets = plan_buckets(manifest, bucket_bytes)
+        except ValueError as exc:
+            return VerifyResult(self.rank, bucket_bytes, 0, error=str(exc), staged=self.staged)
+        if len(checksums) != len(buckets):
+            return VerifyResult(
+                self.rank,
+                bucket_bytes,
+                len(buckets),
+                error=f"expected {len(buckets)} checksums for {bucket_bytes}-byte buckets, got {len(checksums)}",
+                staged=self.staged,
+            )
+        mismatched = []
+        for bucket, expected in zip(buckets, checksums, strict=True):
+            actual = target_checksum(bucket)
+            if actual != expected.lower():
+                mismatched.append(BucketMismatch(bucket.index, expected, actual))
+        return VerifyResult(self.rank, bucket_bytes, len(buckets), tuple(mismatched), staged=self.staged)
+
+    def checksums(self, bucket_bytes: int) -> list[str]:
+        """Per-bucket checksums of this rank's target memory now (what :meth:`verify` compares against)."""
+        return [target_checksum(bucket) for bucket in plan_buckets(self.manifest(), bucket_bytes)]
+
+    def promote(self) -> None:
+        """Copy staging over live (commit in staged mode). The caller excludes concurrent serving."""
+        if self.staging is None:
+            raise RuntimeError(f"rank {self.rank} has no staging buffer")
+        self.weights.buffer.copy_(self.staging)
+
+    def close(self) -> None:
+        for address in list(self._registered):
+            self._unregister(address)
+        self.staging = None
+        self.transport.close()
+
+    def _register(self, buffer: torch.Tensor) -> None:
+        self.transport.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+        self._registered.append(buffer.data_ptr())
+
+    def _unregister(self, address: int) -> None:
+        self.transport.unregister(address)
+        self._registered.remove(address)

@@ -1,0 +1,100 @@
+"""The reference engine's adapter: SGLang's route shapes plus weightsync's verify/commit extension routes.
+
+The engine publishes a full weightsync manifest per rank in ``/remote_instance_transfer_engine_info``,
+verifies per-bucket xxh3 checksums over its own memory, and changes the version it reports only on its
+own commit, which it refuses unless every rank verified (docs/reference-engine.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from weightsync.api.engines import ENGINE_KINDS, Capabilities
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.targets.adapter import AdapterSettings, Readiness, TargetVerdict
+from weightsync_agent.targets.engine_client import EngineClient, PauseMode
+
+JOIN_BROADCAST_ROUTE = "/weightsync/broadcast"
+ARM_BROADCAST_ROUTE = "/weightsync/broadcast/receive"
+
+
+class ReferenceAdapter:
+    kind: ClassVar[str] = "reference"
+    capabilities: ClassVar[Capabilities] = ENGINE_KINDS["reference"].capabilities  # type: ignore[assignment]
+
+    def __init__(self, settings: AdapterSettings, *, pause_mode: PauseMode = "abort") -> None:
+        self.settings = settings
+        self.client = EngineClient(settings.url, timeout=settings.call_timeout)
+        self.name = f"engine {settings.engine} ({self.client.base_url})"
+        self.pause_mode = pause_mode
+
+    def __repr__(self) -> str:
+        return f"ReferenceAdapter({self.name})"
+
+    # --- Discovery and readiness -------------------------------------------------------------------
+
+    def manifest(self, rank: int) -> Manifest:
+        return self.client.manifest(rank)
+
+    def held_version(self, timeout: float | None = None) -> str | None:
+        return self.client.weight_version(timeout=timeout)
+
+    def healthy(self, timeout: float) -> bool:
+        return self.client.health(timeout)
+
+    def readiness(self) -> Readiness:
+        try:
+            for rank in range(self.settings.ranks):
+                self.client.manifest(rank)
+        except HttpCallError as exc:
+            return Readiness(False, "EngineUnavailable", str(exc))
+        return Readiness(True, "EngineServing", f"engine at {self.client.base_url} answers")
+
+    # --- The round ---------------------------------------------------------------------------------
+
+    def pause(self, timeout: float) -> None:
+        self.client.pause_generation(self.pause_mode, timeout=timeout)
+
+    def resume(self, timeout: float) -> None:
+        self.client.continue_generation(timeout=timeout)
+
+    def begin(self, version: int, timeout: float) -> None:
+        self.client.begin(version, timeout=timeout, verify=self.settings.verify)
+
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+        answer = self.client.verify(rank, version, self.settings.bucket_bytes, checksums, timeout=timeout)
+        return TargetVerdict(ok=answer.ok, mismatched=answer.mismatched, error=answer.error)
+
+    def commit(self, version: int, timeout: float) -> None:
+        self.client.commit(version, timeout=timeout)
+
+    def abort(self, version: int, timeout: float) -> None:
+        self.client.abort(version, timeout=timeout)
+
+    # --- Broadcast reception -----------------------------------------------------------------------
+
+    def join_broadcast(
+        self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str, timeout: float
+    ) -> None:
+        body = {
+            "init_method": init_method,
+            "world_size": world_size,
+            "members": members,
+            "backend": backend,
+            "timeout_seconds": timeout,
+        }
+        # Joining blocks until the whole group formed: allow the collective's timeout plus one call.
+        self.client.request("POST", JOIN_BROADCAST_ROUTE, body=body, timeout=timeout + self.settings.call_timeout)
+
+    def arm_broadcast(self, version: int, timeout: float) -> None:
+        self.client.request("POST", ARM_BROADCAST_ROUTE, body={"version": str(version)}, timeout=timeout)
+
+
+def reference_adapter(
+    engine: int, url: str, *, bucket_bytes: int, ranks: int = 1, verify: bool = True, call_timeout: float = 30.0
+) -> ReferenceAdapter:
+    """A reference engine's adapter from its URL (tests, benchmarks and the testbed drive engines directly)."""
+    settings = AdapterSettings(engine, url, ranks, bucket_bytes, verify=verify, call_timeout=call_timeout)
+    return ReferenceAdapter(settings)

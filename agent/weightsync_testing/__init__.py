@@ -1,0 +1,5 @@
+"""Development harnesses, shipped in the distribution but never imported by the operator or the agent.
+
+``reference_engine`` (a small real TP transformer behind SGLang-shaped routes), ``loopback_group`` (a
+whole group as local processes), ``testbed`` (an emulated multi-node cluster in network namespaces).
+"""

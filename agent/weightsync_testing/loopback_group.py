@@ -1,0 +1,196 @@
+"""A whole group as local processes, no cluster: reference engines, one agent per trainer pod.
+
+What ``weightsync demo --local`` and the agent integration tests run. Every piece is the real thing
+(``weightsync agent`` processes, reference engine processes, Mooncake over TCP on loopback); only the
+discovery differs from a cluster: agents read the plan from a file and find their peers in a directory
+file (``WEIGHTSYNC_DIRECTORY_FILE``) instead of the plan ConfigMap and pod annotations.
+
+The trainer side is whatever process calls :meth:`LocalGroup.client`: it attaches to a rank's replica
+files and publishes through that rank's agent, as trainer code does in a pod.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.plan import Plan, plan_for, replan
+from weightsync.ports import free_port
+from weightsync_agent.client import WeightSyncClient
+from weightsync_agent.directory import StaticDirectory
+from weightsync_agent.rounds.remote import AgentClient, AgentError
+from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
+
+
+@dataclass
+class AgentProcess:
+    pod: int
+    port: int
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+    log: IO[bytes] = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, *, kill: bool = False) -> None:
+        stop_process(self.process, kill=kill)
+        self.log.close()
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+
+class LocalGroup:
+    def __init__(self, spec: WeightSyncGroupSpec, *, group: str = "local", workdir: Path | None = None) -> None:
+        if spec.trainer.ranks_per_pod != 1:
+            raise ValueError("local groups run one trainer rank per agent (trainer.ranksPerPod: 1)")
+        if spec.inference.ranks_per_pod != spec.inference.ranks_per_engine:
+            raise ValueError("local groups run each engine as one process (inference.ranksPerPod = ranksPerEngine)")
+        self.spec = spec
+        self.group = group
+        self._own_workdir = workdir is None
+        # Replicas are memory-backed files: keep them on tmpfs, like the pods' /dev/shm.
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"weightsync-{group}-", dir=root))
+        self.plan: Plan = plan_for(spec, group=group, namespace="local")
+        self.engines: dict[int, EngineProcess] = {}
+        self.agents: dict[int, AgentProcess] = {}
+        self.directory = StaticDirectory({}, {})
+
+    # --- Files the agents read ---------------------------------------------------------------------
+
+    @property
+    def plan_file(self) -> Path:
+        return self.workdir / "plan.json"
+
+    @property
+    def directory_file(self) -> Path:
+        return self.workdir / "directory.json"
+
+    def _write(self, path: Path, text: str) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # agents never read half a file
+
+    def _publish_files(self) -> None:
+        self._write(self.plan_file, self.plan.to_json())
+        self._write(self.directory_file, json.dumps(self.directory.to_json()))
+
+    # --- Lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, *, seed: int = 0, timeout: float = 90.0) -> LocalGroup:
+        try:
+            for engine in range(self.spec.inference.engines):
+                self._start_engine(engine, seed)
+            for pod in range(self.spec.trainer.replicas):
+                self.directory.trainers[pod] = f"http://127.0.0.1:{free_port()}"
+            self._publish_files()
+            for pod in range(self.spec.trainer.replicas):
+                self.start_agent(pod)
+            self.wait_built(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_engine(self, engine: int, seed: int) -> None:
+        staged = self.spec.transfer.target_staging == "staged"
+        process = launch_engine(
+            engine,
+            self.spec.inference.ranks_per_engine,
+            seed=seed + engine,
+            staged=staged,
+            extra=("--transfer-timeout", str(self.spec.transfer.timeout_seconds)),
+        )
+        self.engines[engine] = process
+        self.directory.engines[engine] = process.url
+
+    def agent_env(self, pod: int) -> dict[str, str]:
+        port = int(self.directory.trainers[pod].rsplit(":", 1)[1])
+        return {
+            names.ENV_GROUP: self.group,
+            names.ENV_NAMESPACE: "local",
+            names.ENV_ROLE: "trainer",
+            names.ENV_POD_INDEX: str(pod),
+            names.ENV_RANKS: str(pod),
+            names.ENV_PLAN_FILE: str(self.plan_file),
+            names.ENV_DIRECTORY_FILE: str(self.directory_file),
+            names.ENV_AGENT_PORT: str(port),
+            names.ENV_REPLICA_PATH: str(self.workdir / f"replica-{pod}"),
+            "WEIGHTSYNC_TICK_SECONDS": "0.5",
+        }
+
+    def start_agent(self, pod: int) -> AgentProcess:
+        env = self.agent_env(pod)
+        log = (self.workdir / f"agent-{pod}.log").open("ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.cli.main", "agent"],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        agent = AgentProcess(pod, int(env[names.ENV_AGENT_PORT]), env, process, log)
+        self.agents[pod] = agent
+        return agent
+
+    def wait_built(self, timeout: float = 90.0, *, plan_hash: str | None = None) -> None:
+        """Until every agent built its sources (for ``plan_hash``, when given)."""
+        deadline = time.monotonic() + timeout
+        for pod, agent in self.agents.items():
+            client = AgentClient(agent.url, timeout=5.0)
+            while True:
+                if agent.process.poll() is not None:
+                    raise RuntimeError(f"agent of trainer pod {pod} exited:\n{agent.log_text()[-3000:]}")
+                try:
+                    sources = client.state().get("sources") or {}
+                    plan = sources.get("plan") or {}
+                    if sources.get("built") and (plan_hash is None or plan.get("hash") == plan_hash):
+                        break
+                except AgentError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"agent of trainer pod {pod} not built after {timeout:.0f} s")
+                time.sleep(0.2)
+
+    def client(self, rank: int, *, sidecar_timeout: float = 60.0) -> WeightSyncClient:
+        """The trainer-side client of ``rank``, as trainer code in that rank's pod builds it."""
+        env = {**self.agent_env(rank), "LOCAL_RANK": "0"}
+        return WeightSyncClient.from_env(env, plan=self.plan, sidecar_timeout=sidecar_timeout)
+
+    def scale_engines(self, engines: int, *, seed: int = 100) -> Plan:
+        """Add engines (the operator's replan, by hand): start them, then hand the agents the new plan."""
+        spec = self.spec.model_copy(update={"inference": self.spec.inference.model_copy(update={"engines": engines})})
+        for engine in range(self.spec.inference.engines, engines):
+            self._start_engine(engine, seed)
+        self.spec = spec
+        self.plan = replan(self.plan, spec)
+        self._publish_files()
+        return self.plan
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+        for engine in self.engines.values():
+            engine.stop()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalGroup:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

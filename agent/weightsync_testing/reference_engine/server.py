@@ -1,0 +1,782 @@
+"""The reference engine's HTTP server: one process per engine, all its TP ranks inside, SGLang-shaped routes.
+
+Like SGLang, one server fronts every tensor-parallel rank of the engine; per-rank routes take ``?rank=r``.
+Each rank has its own flat weight buffer (live, plus a staging twin in staged mode) and its own transport
+session, so sources write to ``(engine, rank)`` exactly as they would to SGLang ranks.
+
+SGLang routes (same paths and payloads; see docs/reference-engine.md for the sources):
+
+* ``GET /health``, ``GET /health_generate``: 200 while serving, 503 while shutting down.
+* ``GET /remote_instance_transfer_engine_info?rank=r`` (and the deprecated ``/get_...`` alias):
+  ``{"rank": r, "remote_instance_transfer_engine_info": [session_id, manifest]}``, our
+  :class:`~weightsync_agent.layout.manifest.Manifest` (JSON) in the slot where SGLang puts ``weights_info_dict``.
+* ``POST /pause_generation {"mode": "abort"|"retract"|"in_place"}``, ``POST /continue_generation {}``.
+* ``POST /update_weight_version {"new_version": v}``: a commit of ``v`` (see the invariant below).
+* ``GET /model_info`` (and ``/get_model_info``), ``GET /weight_version`` (and ``/get_weight_version``),
+  ``GET /server_info`` (and ``/get_server_info``): all report ``weight_version``.
+* ``POST /generate {"input_ids": [...], "sampling_params": {"max_new_tokens": n}}``: greedy tokens.
+* ``GET|POST /flush_cache``: accepted (no cache here).
+
+Extension routes under ``/weightsync/``: ``status``, ``stage``, ``begin``, ``verify``, ``commit``,
+``abort``, ``forward``, ``checksums?rank=r&bucket_bytes=n`` (per-bucket xxh3 of what the rank's target
+memory holds now: how tests and operators check an engine's bytes without copying them out), and for
+broadcast mode (``transfer.mode: broadcast``):
+
+* ``POST /weightsync/broadcast {"init_method": "tcp://host:port", "world_size": W, "members": [{"group_rank":
+  g, "ranks": [r, ...]}], "backend": "auto", "timeout_seconds": T}``: join the group (answers once the whole
+  world has joined; joining again replaces the old group);
+* ``POST /weightsync/broadcast/receive {"version": v}``: needs the open round ``v``; starts receiving it in the
+  background into the live weights (live) or the staging twin (staged), each rank cutting its own shards
+  from the full tensors. ``verify`` of a rank waits for the receive to end and fails if it did not
+  deliver every part; ``commit`` is refused while it runs.
+
+**Invariant**: the reported weight version changes only on commit, and commit is refused unless, in the
+round for that version, the last verify of every rank succeeded for every bucket. A round is opened with
+``begin``. In live mode (sources write into the served weights) ``begin`` needs the engine paused and marks
+the live weights dirty: generation stays refused until a verified commit, even after an abort, because a
+partial write cannot be undone. In staged mode the engine keeps serving the previous version from its live
+weights during the round; commit copies staging over live and sets the version in one step of the event
+loop, so no request sees a mix.
+
+Run: ``python -m weightsync_testing.reference_engine.server --engine E --tp 2 --port P --seed S
+--transport mooncake|memory --host 127.0.0.1``. Prints one JSON ready line on stdout; exits cleanly on
+SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from weightsync_agent.http.server import BackgroundServer, bound_port, error_response
+from weightsync_agent.modes.broadcast.layout import Member
+from weightsync_agent.modes.broadcast.receiver import BroadcastReceiver, Destination, Reception
+from weightsync_agent.targets.rank_memory import RankMemory, VerifyResult
+from weightsync_agent.transport.base import Transport, TransportError
+from weightsync_testing.reference_engine.model import (
+    DEFAULT_CONFIG,
+    ModelConfig,
+    RankWeights,
+    forward_tp,
+    full_state,
+    greedy,
+    shard,
+)
+
+MODEL_PATH = "weightsync/reference-transformer"
+PAUSE_MODES = ("abort", "retract", "in_place")
+MAX_TOKENS = 4096
+
+
+class EngineError(Exception):
+    """A refused request: HTTP status, message and extra JSON fields."""
+
+    def __init__(self, status: int, text: str, **extra: Any) -> None:
+        super().__init__(text)
+        self.status = status
+        self.message = text
+        self.extra = extra
+
+
+@dataclass
+class Round:
+    version: str
+    staged: bool
+    verified: dict[int, VerifyResult] = field(default_factory=dict)
+    reception: Reception | None = None  # broadcast mode: the latest receive of this round
+    verify: bool = True  # False: the group set transfer.verify false; commit needs no checksums
+
+
+class ReferenceEngine:
+    """The engine's state machine, without HTTP: every method is synchronous and raises EngineError."""
+
+    def __init__(
+        self,
+        *,
+        engine: int,
+        tp: int,
+        seed: int,
+        transports: Sequence[Transport],
+        config: ModelConfig = DEFAULT_CONFIG,
+        weight_version: str = "default",
+        transport_kind: str = "custom",
+    ) -> None:
+        if len(transports) != tp:
+            raise ValueError(f"need one transport per rank: tp={tp}, got {len(transports)}")
+        self.engine = engine
+        self.tp = tp
+        self.config = config
+        self.transport_kind = transport_kind
+        full = full_state(seed, config)
+        self.weights = [RankWeights(tp, rank, config) for rank in range(tp)]
+        for rank, weights in enumerate(self.weights):
+            weights.load(shard(full, tp, rank))
+        self.memory: list[RankMemory] = []
+        try:  # from here on the engine owns the transports: on failure, close them all
+            for rank, weights in enumerate(self.weights):
+                self.memory.append(RankMemory(weights, transports[rank], engine, rank))
+        except Exception:
+            for memory in self.memory:
+                memory.close()
+            for transport in transports[len(self.memory) :]:
+                transport.close()
+            raise
+        self.weight_version = weight_version
+        self.paused = False
+        self.pause_mode: str | None = None
+        self.live_dirty = False
+        self.round: Round | None = None
+        self.broadcast: BroadcastReceiver | None = None
+        self.shutting_down = False
+        self.closed = False
+
+    # ----------------------------------------------------------------------------------- SGLang-shaped
+
+    def transfer_engine_info(self, rank: int | None) -> dict[str, Any]:
+        if rank is None or rank < 0:
+            raise EngineError(400, "Missing or invalid rank parameter")
+        if rank >= self.tp:
+            raise EngineError(400, f"Failed to get transfer engine info for rank {rank}")
+        memory = self.memory[rank]
+        manifest = memory.manifest().model_dump(mode="json", by_alias=True)
+        return {"rank": rank, "remote_instance_transfer_engine_info": [memory.session_id, manifest]}
+
+    def pause(self, mode: str) -> dict[str, Any]:
+        if mode not in PAUSE_MODES:
+            raise EngineError(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        # Requests here are synchronous, so nothing is in flight: abort, retract and in_place coincide.
+        self.paused, self.pause_mode = True, mode
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self) -> dict[str, Any]:
+        if self.live_dirty:
+            raise EngineError(
+                409,
+                "live weights were written by an unfinished or aborted round; "
+                "commit a verified version before continuing generation",
+                weight_version=self.weight_version,
+            )
+        self.paused, self.pause_mode = False, None
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        """SGLang's route; here it is a commit, so it cannot claim a version that was not verified."""
+        if new_version == self.weight_version and not self.live_dirty and self.round is None:
+            return {"success": True, "message": f"Weight version is {new_version}", "new_version": new_version}
+        try:
+            self.commit(new_version)
+        except EngineError as exc:
+            raise EngineError(400, exc.message, success=False, message=exc.message, **exc.extra) from exc
+        return {"success": True, "message": f"Weight version updated to {new_version}", "new_version": new_version}
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": MODEL_PATH,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "model_path": MODEL_PATH,
+            "tp_size": self.tp,
+            "pp_size": 1,
+            "dp_size": 1,
+            "ep_size": 1,
+            "weight_version": self.weight_version,
+            "version": "weightsync-reference",
+            "engine": self.engine,
+            "transport": self.transport_kind,
+            "model_config": {k: v for k, v in vars(self.config).items()},
+            "internal_states": [],
+        }
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        if self.paused:
+            raise EngineError(503, f"generation is paused (mode {self.pause_mode})", paused=True)
+        try:
+            return self._logits(tokens)
+        except ValueError as exc:
+            raise EngineError(400, str(exc)) from exc
+
+    def _logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        return forward_tp([w.params for w in self.weights], tokens, self.config)
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+        if not 0 <= max_new_tokens <= MAX_TOKENS:
+            raise EngineError(400, f"max_new_tokens must be in [0, {MAX_TOKENS}]")
+        if self.paused:
+            raise EngineError(503, f"generation is paused (mode {self.pause_mode})", paused=True)
+        version = self.weight_version
+        try:
+            output = greedy(self._logits, input_ids, max_new_tokens)
+        except ValueError as exc:
+            raise EngineError(400, str(exc)) from exc
+        return {
+            "output_ids": output,
+            "meta_info": {
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(output),
+                "finish_reason": {"type": "length", "length": max_new_tokens},
+                "weight_version": version,
+            },
+        }
+
+    # ------------------------------------------------------------------------------------ weightsync
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "tp_size": self.tp,
+            "weight_version": self.weight_version,
+            "paused": self.paused,
+            "pause_mode": self.pause_mode,
+            "staged": self.staged,
+            "live_dirty": self.live_dirty,
+            "round": None
+            if self.round is None
+            else {
+                "version": self.round.version,
+                "staged": self.round.staged,
+                "verified": {str(r): v.ok for r, v in sorted(self.round.verified.items())},
+            },
+            "sessions": [m.session_id for m in self.memory],
+            "broadcast": None if self.broadcast is None else self.broadcast.status(),
+        }
+
+    @property
+    def staged(self) -> bool:
+        return self.memory[0].staged
+
+    def set_staged(self, enabled: bool) -> dict[str, Any]:
+        if self.round is not None:
+            raise EngineError(409, f"round for version {self.round.version} is open; commit or abort it first")
+        for memory in self.memory:
+            if enabled:
+                memory.enable_staging()
+            else:
+                memory.disable_staging()
+        return {"staged": self.staged}
+
+    def begin(self, version: str, verify: bool = True) -> dict[str, Any]:
+        """Open round ``version``, superseding any open round.
+
+        A begin comes from the coordinator about to write. One that died mid-round leaves its round open
+        and its successor must be able to start, with the same version or another. The new round starts
+        with no rank verified (also when it repeats the open version), so its commit needs every rank
+        verified after this begin: whatever the dead round wrote counts only if it hashes right then.
+        ``verify=False`` (a group with ``transfer.verify: false``) lets the commit go without checksums:
+        the user chose the transport's completion as the only evidence.
+        """
+        current = self.round
+        if current is not None and current.reception is not None and current.reception.running:
+            # Its bytes would keep landing under the new round: wait for the receive to end.
+            raise EngineError(409, f"version {current.version} is still being received over the broadcast group")
+        if version == self.weight_version and not self.live_dirty:
+            raise EngineError(409, f"engine already holds version {version}")
+        if not self.staged:
+            if not self.paused:
+                raise EngineError(409, "live mode writes into the served weights: pause generation first")
+            self.live_dirty = True
+        self.round = Round(version, self.staged, verify=verify)
+        resumed = current is not None and current.version == version
+        superseded = current.version if current is not None and not resumed else None
+        return {"version": version, "staged": self.staged, "resumed": resumed, "superseded": superseded}
+
+    def verify(self, rank: int, version: str, bucket_bytes: int, checksums: list[str]) -> dict[str, Any]:
+        if not 0 <= rank < self.tp:
+            raise EngineError(400, f"rank {rank} outside tp={self.tp}")
+        if bucket_bytes <= 0:
+            raise EngineError(400, f"bucket_bytes must be positive, got {bucket_bytes}")
+        current = self.round
+        if current is None or current.version != version:
+            raise self._no_round(version)
+        received = None if current.reception is None else current.reception.error_for(rank)
+        if received is not None:  # broadcast: this rank does not hold the round, whatever its bytes hash to
+            result = VerifyResult(rank, bucket_bytes, 0, error=received, staged=current.staged)
+        else:
+            result = self.memory[rank].verify(bucket_bytes, checksums)
+        current.verified[rank] = result  # the LAST verify of a rank is what commit looks at
+        return {"version": version, **result.to_json()}
+
+    def _no_round(self, version: str) -> EngineError:
+        open_version = None if self.round is None else self.round.version
+        return EngineError(409, f"no open round for version {version}", round=open_version)
+
+    def commit(self, version: str) -> dict[str, Any]:
+        current = self.round
+        if current is None or current.version != version:
+            raise self._no_round(version)
+        if current.reception is not None and current.reception.running:
+            raise EngineError(409, f"version {version} is still being received over the broadcast group")
+        unverified = [r for r in range(self.tp) if r not in current.verified] if current.verify else []
+        failed = [r for r, result in sorted(current.verified.items()) if not result.ok]
+        if unverified or failed:
+            raise EngineError(
+                409,
+                f"version {version} is not verified on every rank (unverified {unverified}, failed {failed})",
+                unverified_ranks=unverified,
+                failed_ranks=failed,
+            )
+        # No await from here to the end: forward runs on the same event loop, so it sees all or nothing.
+        if current.staged:
+            for memory in self.memory:
+                memory.promote()
+        self.weight_version = version
+        self.live_dirty = False
+        self.round = None
+        return {"success": True, "weight_version": version}
+
+    def abort(self, version: str | None) -> dict[str, Any]:
+        current = self.round
+        if current is None:
+            return {"aborted": None, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
+        if version is not None and version != current.version:
+            raise EngineError(409, f"open round is for version {current.version}, not {version}")
+        self.round = None
+        # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
+        return {"aborted": current.version, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
+
+    # ---------------------------------------------------------------------------------- broadcast mode
+
+    def join_broadcast(
+        self, members: Sequence[Member], *, world_size: int, init_method: str, backend: str, timeout_seconds: float
+    ) -> dict[str, Any]:
+        """Join (or re-join) the broadcast group. Blocks until the whole world has joined: call off the loop."""
+        filled = sorted(r for m in members for r in m.ranks)
+        if filled != list(range(self.tp)):
+            raise EngineError(400, f"members must fill every rank 0..{self.tp - 1} exactly once, got {filled}")
+        if self.broadcast is not None and self.broadcast.busy:
+            raise EngineError(409, "a broadcast round is still being received; join again when it has ended")
+        old, self.broadcast = self.broadcast, None
+        if old is not None:
+            old.close()
+        try:
+            receiver = BroadcastReceiver(
+                members,
+                world_size=world_size,
+                init_method=init_method,
+                backend=backend,
+                timeout_seconds=timeout_seconds,
+            )
+        except (TransportError, ValueError) as exc:
+            raise EngineError(502, f"could not join the broadcast group: {exc}") from exc
+        self.broadcast = receiver
+        return {"joined": True, **receiver.status()}
+
+    def receive_broadcast(self, version: str) -> dict[str, Any]:
+        """Start receiving the open round's version over the broadcast group (returns at once)."""
+        current = self.round
+        if current is None or current.version != version:
+            raise self._no_round(version)
+        if self.broadcast is None:
+            raise EngineError(409, "not in a broadcast group: POST /weightsync/broadcast first")
+        try:
+            number = int(version)
+        except ValueError as exc:
+            raise EngineError(400, f"broadcast rounds carry integer versions, not {version!r}") from exc
+        destinations = {}
+        for rank, memory in enumerate(self.memory):
+            buffer = memory.staging if memory.staging is not None else self.weights[rank].buffer
+            destinations[rank] = Destination(memory.manifest().tensors, self.weights[rank].views(buffer))
+        try:
+            current.reception = self.broadcast.receive(number, destinations)
+        except TransportError as exc:
+            raise EngineError(409, str(exc)) from exc
+        current.verified.clear()  # earlier verifies were of bytes this receive overwrites
+        return {"receiving": version, "staged": current.staged}
+
+    def pending_reception(self) -> Reception | None:
+        reception = None if self.round is None else self.round.reception
+        return reception if reception is not None and reception.running else None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.broadcast is not None:
+            self.broadcast.close()
+        for memory in self.memory:
+            memory.close()
+
+
+# ------------------------------------------------------------------------------------------------- HTTP
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineError(400, f"invalid JSON body: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise EngineError(400, "request body must be a JSON object")
+    return data
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EngineError(400, f"{what} must be an integer")
+    return value
+
+
+def _version(value: Any, what: str = "version") -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
+        raise EngineError(400, f"{what} must be a non-empty string")
+    return str(value)
+
+
+def _token_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not value or len(value) > MAX_TOKENS:
+        raise EngineError(400, f"{what} must be a non-empty list of at most {MAX_TOKENS} token ids")
+    return [_int(v, what) for v in value]
+
+
+def _query_rank(request: web.Request) -> int | None:
+    raw = request.query.get("rank")
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(engine: ReferenceEngine) -> web.Application:
+    """The aiohttp application serving ``engine``."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except EngineError as exc:
+            return error_response(exc.status, exc.message, **exc.extra)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=503 if engine.shutting_down else 200)
+
+    async def transfer_info(request: web.Request) -> web.Response:
+        return web.json_response(engine.transfer_engine_info(_query_rank(request)))
+
+    async def pause(request: web.Request) -> web.Response:
+        body = await _body(request)
+        mode = body.get("mode", "abort")
+        if not isinstance(mode, str):
+            raise EngineError(400, "mode must be a string")
+        return web.json_response(engine.pause(mode))
+
+    async def resume(request: web.Request) -> web.Response:
+        await _body(request)
+        return web.json_response(engine.resume())
+
+    async def update_version(request: web.Request) -> web.Response:
+        body = await _body(request)
+        return web.json_response(engine.update_weight_version(_version(body.get("new_version"), "new_version")))
+
+    async def model_info(_: web.Request) -> web.Response:
+        return web.json_response(engine.model_info())
+
+    async def weight_version(_: web.Request) -> web.Response:
+        return web.json_response({"weight_version": engine.weight_version})
+
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response(engine.server_info())
+
+    async def flush_cache(_: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.\n")
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await _body(request)
+        if "input_ids" not in body:
+            raise EngineError(400, "this engine has no tokenizer: send input_ids")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise EngineError(400, "sampling_params must be an object")
+        max_new = _int(params.get("max_new_tokens", 16), "max_new_tokens")
+        return web.json_response(engine.generate(_token_list(body["input_ids"], "input_ids"), max_new))
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(engine.status())
+
+    async def stage(request: web.Request) -> web.Response:
+        body = await _body(request)
+        enabled = body.get("enabled")
+        if not isinstance(enabled, bool):
+            raise EngineError(400, "enabled must be true or false")
+        return web.json_response(engine.set_staged(enabled))
+
+    async def begin(request: web.Request) -> web.Response:
+        body = await _body(request)
+        verify = body.get("verify", True)
+        if not isinstance(verify, bool):
+            raise EngineError(400, "verify must be true or false")
+        return web.json_response(engine.begin(_version(body.get("version")), verify))
+
+    async def verify(request: web.Request) -> web.Response:
+        body = await _body(request)
+        checksums = body.get("checksums")
+        if not isinstance(checksums, list) or not all(isinstance(c, str) for c in checksums):
+            raise EngineError(400, "checksums must be a list of xxh3-64 hex strings")
+        reception = engine.pending_reception()
+        if reception is not None and engine.broadcast is not None:
+            # The sender is done when verify comes; this rank may still be cutting the last bucket.
+            received = asyncio.shield(asyncio.wrap_future(reception.done))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(received, engine.broadcast.timeout_seconds)
+        result = engine.verify(
+            _int(body.get("rank"), "rank"),
+            _version(body.get("version")),
+            _int(body.get("bucket_bytes"), "bucket_bytes"),
+            checksums,
+        )
+        return web.json_response(result)
+
+    async def commit(request: web.Request) -> web.Response:
+        body = await _body(request)
+        return web.json_response(engine.commit(_version(body.get("version"))))
+
+    async def abort(request: web.Request) -> web.Response:
+        body = await _body(request)
+        raw = body.get("version")
+        return web.json_response(engine.abort(None if raw is None else _version(raw)))
+
+    async def join_broadcast(request: web.Request) -> web.Response:
+        body = await _body(request)
+        raw_members = body.get("members")
+        if not isinstance(raw_members, list) or not raw_members:
+            raise EngineError(400, "members must be a non-empty list of {group_rank, ranks}")
+        members = []
+        for raw in raw_members:
+            if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list):
+                raise EngineError(400, "each member is {group_rank: int, ranks: [int, ...]}")
+            ranks = tuple(_int(r, "members[].ranks[]") for r in raw["ranks"])
+            members.append(Member(_int(raw.get("group_rank"), "members[].group_rank"), ranks))
+        init_method, backend = body.get("init_method"), body.get("backend", "auto")
+        if not isinstance(init_method, str) or not isinstance(backend, str):
+            raise EngineError(400, "init_method and backend must be strings")
+        timeout = body.get("timeout_seconds", 300)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise EngineError(400, "timeout_seconds must be a positive number")
+        world_size = _int(body.get("world_size"), "world_size")
+        join = functools.partial(
+            engine.join_broadcast,
+            members,
+            world_size=world_size,
+            init_method=init_method,
+            backend=backend,
+            timeout_seconds=float(timeout),
+        )
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, join))
+
+    async def receive_broadcast(request: web.Request) -> web.Response:
+        body = await _body(request)
+        return web.json_response(engine.receive_broadcast(_version(body.get("version"))))
+
+    async def checksums(request: web.Request) -> web.Response:
+        rank = _query_rank(request)
+        if rank is None or not 0 <= rank < engine.tp:
+            raise EngineError(400, f"rank must be one of 0..{engine.tp - 1}")
+        try:
+            bucket_bytes = int(request.query.get("bucket_bytes", ""))
+        except ValueError:
+            raise EngineError(400, "bucket_bytes must be an integer") from None
+        if bucket_bytes <= 0:
+            raise EngineError(400, "bucket_bytes must be positive")
+        return web.json_response({"rank": rank, "checksums": engine.memory[rank].checksums(bucket_bytes)})
+
+    async def forward(request: web.Request) -> web.Response:
+        body = await _body(request)
+        version = engine.weight_version
+        logits = engine.forward(_token_list(body.get("tokens"), "tokens"))
+        return web.json_response(
+            {"logits": logits.tolist(), "next_token": int(logits[-1].argmax()), "weight_version": version}
+        )
+
+    app = web.Application(middlewares=[errors])
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/health_generate", health),
+            web.get("/remote_instance_transfer_engine_info", transfer_info),
+            web.get("/get_remote_instance_transfer_engine_info", transfer_info),
+            web.post("/pause_generation", pause),
+            web.post("/continue_generation", resume),
+            web.post("/update_weight_version", update_version),
+            web.get("/model_info", model_info),
+            web.get("/get_model_info", model_info),
+            web.get("/weight_version", weight_version),
+            web.get("/get_weight_version", weight_version),
+            web.get("/server_info", server_info),
+            web.get("/get_server_info", server_info),
+            web.get("/flush_cache", flush_cache),
+            web.post("/flush_cache", flush_cache),
+            web.post("/generate", generate),
+            web.get("/weightsync/status", status),
+            web.post("/weightsync/stage", stage),
+            web.post("/weightsync/begin", begin),
+            web.post("/weightsync/verify", verify),
+            web.post("/weightsync/commit", commit),
+            web.post("/weightsync/abort", abort),
+            web.post("/weightsync/forward", forward),
+            web.get("/weightsync/checksums", checksums),
+            web.post("/weightsync/broadcast", join_broadcast),
+            web.post("/weightsync/broadcast/receive", receive_broadcast),
+        ]
+    )
+    return app
+
+
+def serve_in_thread(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
+    """``engine``'s app on a :class:`BackgroundServer` (not started): tests and in-process transports."""
+    return BackgroundServer(build_app(engine), host, port, name="reference-engine")
+
+
+# ------------------------------------------------------------------------------------------- transports
+
+
+def make_transport(
+    kind: str,
+    *,
+    host: str,
+    protocol: str = "tcp",
+    devices: str = "",
+    force_tcp: bool = False,
+    timeout_seconds: float = 30.0,
+) -> Transport:
+    """A fresh transport session of ``kind`` (``mooncake`` or ``memory``) for one engine rank."""
+    if kind == "mooncake":
+        from weightsync_agent.transport.mooncake import MooncakeTransport
+
+        return MooncakeTransport(host, protocol, devices, force_tcp=force_tcp, timeout_seconds=timeout_seconds)
+    if kind == "memory":
+        from weightsync_agent.transport.memory import MemoryTransport
+
+        return MemoryTransport(timeout_seconds=timeout_seconds)
+    raise ValueError(f"unknown transport {kind!r} (mooncake or memory)")
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="weightsync-reference-engine", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--engine", type=int, required=True, help="engine index")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks in this engine")
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: pick a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address and transport host")
+    parser.add_argument(
+        "--rank-hosts",
+        default="",
+        help="transport host per rank, comma-separated (default: --host for every rank; the testbed puts each "
+        "rank on its own emulated node link)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights (full_state(seed))")
+    parser.add_argument("--weight-version", default="default", help="version label of the initial weights")
+    parser.add_argument("--transport", choices=("mooncake", "memory"), default="mooncake")
+    parser.add_argument("--protocol", choices=("tcp", "rdma", "auto"), default="tcp", help="Mooncake protocol")
+    parser.add_argument("--devices", default="", help="Mooncake device names (RDMA NICs), comma-separated")
+    parser.add_argument("--force-tcp", action="store_true", help="TCP even where Mooncake finds RDMA NICs")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0, help="transport timeout, seconds")
+    parser.add_argument("--staged", action="store_true", help="start in staged mode")
+    parser.add_argument("--layers", type=int, default=DEFAULT_CONFIG.num_layers, help="transformer blocks")
+    parser.add_argument(
+        "--model-config",
+        type=json.loads,
+        default={},
+        help='more ModelConfig fields as JSON, e.g. \'{"hidden_size": 1024, "head_dim": 128}\' (benchmarks)',
+    )
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = ModelConfig(**{"num_layers": args.layers, **args.model_config})
+    transports: list[Transport] = []
+    rank_hosts = [h.strip() for h in args.rank_hosts.split(",") if h.strip()] or [args.host] * args.tp
+    if len(rank_hosts) != args.tp:
+        raise SystemExit(f"--rank-hosts names {len(rank_hosts)} hosts for tp={args.tp}")
+    try:
+        for rank in range(args.tp):
+            transports.append(
+                make_transport(
+                    args.transport,
+                    host=rank_hosts[rank],
+                    protocol=args.protocol,
+                    devices=args.devices,
+                    force_tcp=args.force_tcp,
+                    timeout_seconds=args.transfer_timeout,
+                )
+            )
+    except Exception:
+        for transport in transports:
+            transport.close()
+        raise
+    engine = ReferenceEngine(
+        engine=args.engine,
+        tp=args.tp,
+        seed=args.seed,
+        transports=transports,
+        config=config,
+        weight_version=args.weight_version,
+        transport_kind=args.transport,
+    )
+    runner = web.AppRunner(build_app(engine), access_log=None)
+    try:
+        if args.staged:
+            engine.set_staged(True)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        port = bound_port(runner, args.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        ready = {
+            "event": "ready",
+            "engine": args.engine,
+            "tp": args.tp,
+            "url": f"http://{args.host}:{port}",
+            "port": port,
+            "pid": os.getpid(),
+            "transport": args.transport,
+            "sessions": [m.session_id for m in engine.memory],
+            "weight_version": engine.weight_version,
+            "staged": engine.staged,
+        }
+        print(json.dumps(ready), flush=True)
+        await stop.wait()
+        engine.shutting_down = True
+    finally:
+        await runner.cleanup()
+        engine.close()
+    print(json.dumps({"event": "stopped", "engine": args.engine}), flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""hack/system-packages.sh (run by hack/setup.sh): a missing Debian package is one line with the command to run.
+
+The check runs as a user who is not root (as root: `runuser -u nobody`), so it never installs anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "hack" / "system-packages.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="not Debian: no dpkg-query")
+
+
+def check_as_user(**env: str) -> subprocess.CompletedProcess[str]:
+    """Run the check as a user who is not root, with only ``env`` (and a plain PATH) in its environment."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("runuser") is None:
+            pytest.skip("root without runuser: cannot run the check as another user")
+        prefix = ["runuser", "-u", "nobody", "--"]
+    assignments = [f"{k}={v}" for k, v in {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}.items()]
+    return subprocess.run(
+        [*prefix, "env", "-i", *assignments, "bash", "-s"],
+        input=SCRIPT.read_text(),  # on stdin: the user need not be able to read the checkout
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_missing_package_is_one_line_naming_it_and_the_command() -> None:
+    result = check_as_user(WEIGHTSYNC_SYSTEM_PACKAGES="bash weightsync-no-such-package")
+    assert result.returncode != 0
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "missing Debian packages: weightsync-no-such-package;" in lines[0]
+    assert "sudo apt-get install -y weightsync-no-such-package " in lines[0]
+
+
+def test_nothing_missing_is_silent() -> None:
+    result = check_as_user(WEIGHTSYNC_SYSTEM_PACKAGES="bash")
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_the_check_can_be_skipped() -> None:
+    result = check_as_user(WEIGHTSYNC_SYSTEM_PACKAGES="weightsync-no-such-package", WEIGHTSYNC_SKIP_SYSTEM_PACKAGES="1")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_missing_interpreter_names_python3_and_its_venv() -> None:
+    result = check_as_user(WEIGHTSYNC_SYSTEM_PACKAGES="python3 python3-venv", PYTHON="weightsync-no-such-python")
+    assert result.returncode != 0
+    assert "sudo apt-get install -y python3 python3-venv " in result.stderr
+
+
+def test_every_readme_command_and_ci_set_up_the_same_way() -> None:
+    """demo.sh and test.sh run setup.sh before anything else; setup.sh checks packages before making .venv;
+    CI (.ci/run) is test.sh, so CI proves the demo's setup on a clean machine."""
+    for script in ("demo.sh", "test.sh"):
+        commands = [
+            line
+            for line in (ROOT / "hack" / script).read_text().splitlines()
+            if line.strip() and not line.startswith(("#", "set ", "cd "))
+        ]
+        assert commands[0] == "./hack/setup.sh", script
+    setup = (ROOT / "hack" / "setup.sh").read_text()
+    assert setup.index("./hack/system-packages.sh") < setup.index("-m venv")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "exec ./hack/test.sh" in ci and "apt-get" not in ci

@@ -1,0 +1,109 @@
+"""Engine kinds (``inference.adapter``) and what each one's adapter can do: the contract the operator checks
+a spec against and the agents' adapters declare. Pure.
+
+A capability a spec requests but its adapter lacks is refused with a message that names both, on the
+group's status (by the operator) and in the round's result (by the coordinator): never pods that wait
+for a sync that cannot happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+Adapter = Literal["sglang", "reference"]
+SyncModeName = Literal["p2p", "broadcast"]
+Staging = Literal["live", "staged"]
+#: How targets check what landed: per-bucket xxh3-64 over the engine's own memory (weightsync's
+#: verify routes), or nothing.
+VerifyKind = Literal["bucket-xxh3", "none"]
+
+ADAPTERS: Final[tuple[Adapter, ...]] = get_args(Adapter)
+SYNC_MODES: Final[tuple[SyncModeName, ...]] = get_args(SyncModeName)
+STAGINGS: Final[tuple[Staging, ...]] = get_args(Staging)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    modes: frozenset[SyncModeName]
+    staging: frozenset[Staging]
+    verify: VerifyKind
+    #: Whether a joining or restarted engine can be brought to the committed version from the replicas.
+    catch_up: bool
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    adapter: Adapter
+    #: None: this version has no adapter for the kind yet (``unavailable`` says why).
+    capabilities: Capabilities | None
+    unavailable: str = ""
+
+
+ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
+    "reference": EngineKind(
+        "reference",
+        Capabilities(
+            modes=frozenset({"p2p", "broadcast"}),
+            staging=frozenset({"live", "staged"}),
+            verify="bucket-xxh3",
+            catch_up=True,
+        ),
+    ),
+    "sglang": EngineKind(
+        "sglang",
+        None,
+        unavailable="stock SGLang servers lack the verify/commit routes and a shard map from trainer tensors "
+        "to their parameters (docs/agent.md, 'Engines'); use inference.adapter: reference",
+    ),
+}
+
+
+def unavailable_message(kind: EngineKind) -> str:
+    return f"inference.adapter {kind.adapter!r} has no weightsync adapter yet: {kind.unavailable}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a group asks of its engines' adapter (from ``spec.transfer``)."""
+
+    mode: SyncModeName
+    staging: Staging
+    verify: bool
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an adapter cannot serve a request: ``reason`` is CamelCase, ``message`` names adapter and capability."""
+
+    reason: str
+    message: str
+
+
+def refusal(adapter: str, request: Request) -> Refusal | None:
+    """None when ``adapter`` can do everything ``request`` asks; else the first thing it cannot."""
+    kind = ENGINE_KINDS.get(adapter)  # type: ignore[call-overload]
+    if kind is None:
+        return Refusal("UnknownAdapter", f"inference.adapter {adapter!r} is not one of {', '.join(ADAPTERS)}")
+    caps = kind.capabilities
+    if caps is None:
+        return Refusal("AdapterUnavailable", unavailable_message(kind))
+    if request.mode not in caps.modes:
+        return Refusal(
+            "AdapterLacksCapability",
+            f"inference.adapter {adapter!r} cannot sync in transfer.mode {request.mode!r} "
+            f"(it supports {', '.join(sorted(caps.modes))})",
+        )
+    if request.staging not in caps.staging:
+        return Refusal(
+            "AdapterLacksCapability",
+            f"inference.adapter {adapter!r} cannot do transfer.targetStaging {request.staging!r} "
+            f"(it supports {', '.join(sorted(caps.staging))})",
+        )
+    if request.verify and caps.verify == "none":
+        return Refusal(
+            "AdapterLacksCapability",
+            f"inference.adapter {adapter!r} cannot verify what landed (transfer.verify: true); set transfer.verify: "
+            "false to sync without verification",
+        )
+    return None
