@@ -41,7 +41,7 @@ from weightsync_agent.modes.broadcast.layout import Receivers, broadcast_round_p
 from weightsync_agent.modes.broadcast.sender import BroadcastSource
 from weightsync_agent.rounds.driver import RoundDriver, RoundResult
 from weightsync_agent.source.control import SourceControl
-from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.source.writer import InProcessSourceControl, Source
 from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             transport = MooncakeTransport("127.0.0.1", "tcp", force_tcp=True, timeout_seconds=60)
             sources.append(Source(transport, p2p_plan, assignment.source, mine, pin=False))
             sources[-1].replicas.stage_many(full)
-        p2p_sources: dict[int, SourceControl] = {s.source: LocalSourceControl(s) for s in sources}
+        p2p_sources: dict[int, SourceControl] = {s.source: InProcessSourceControl(s) for s in sources}
         broadcast = BroadcastSource(broadcast_plan, manifests, controls, call_timeout=60)
         broadcast.stage_many(full)
         sender = broadcast

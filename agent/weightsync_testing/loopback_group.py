@@ -5,7 +5,7 @@ What ``weightsync demo --local`` and the agent integration tests run. Every piec
 discovery differs from a cluster: agents read the plan from a file and find their peers in a directory
 file (``WEIGHTSYNC_DIRECTORY_FILE``) instead of the plan ConfigMap and pod annotations.
 
-The trainer side is whatever process calls :meth:`LocalGroup.client`: it attaches to a rank's replica
+The trainer side is whatever process calls :meth:`LoopbackGroup.client`: it attaches to a rank's replica
 files and publishes through that rank's agent, as trainer code does in a pod.
 """
 
@@ -53,7 +53,7 @@ class AgentProcess:
         return Path(self.log.name).read_text(errors="replace")
 
 
-class LocalGroup:
+class LoopbackGroup:
     def __init__(self, spec: WeightSyncGroupSpec, *, group: str = "local", workdir: Path | None = None) -> None:
         if spec.trainer.ranks_per_pod != 1:
             raise ValueError("local groups run one trainer rank per agent (trainer.ranksPerPod: 1)")
@@ -91,7 +91,7 @@ class LocalGroup:
 
     # --- Lifecycle ---------------------------------------------------------------------------------
 
-    def start(self, *, seed: int = 0, timeout: float = 90.0) -> LocalGroup:
+    def start(self, *, seed: int = 0, timeout: float = 90.0) -> LoopbackGroup:
         try:
             for engine in range(self.spec.inference.engines):
                 self._start_engine(engine, seed)
@@ -189,7 +189,7 @@ class LocalGroup:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> LocalGroup:
+    def __enter__(self) -> LoopbackGroup:
         return self
 
     def __exit__(self, *_: object) -> None:

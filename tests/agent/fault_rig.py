@@ -18,7 +18,7 @@ from test_sync_p2p import group_plan
 from weightsync.plan import Plan
 from weightsync_agent.rounds.driver import RoundDriver
 from weightsync_agent.source.control import SourceControl
-from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.source.writer import InProcessSourceControl, Source
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.base import Transfer, Transport
@@ -143,7 +143,7 @@ def make_driver(
 ) -> RoundDriver:
     controls = {e: reference_adapter(e, clients[e].base_url, bucket_bytes=BUCKET_BYTES) for e in range(len(clients))}
     if not isinstance(sources, Mapping):
-        sources = {s.source: LocalSourceControl(s) for s in sources}
+        sources = {s.source: InProcessSourceControl(s) for s in sources}
     return RoundDriver(
         plan,
         controls,

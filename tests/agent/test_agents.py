@@ -21,7 +21,7 @@ from sync_helpers import TOKENS, expected_checksums, group_spec, training_step
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
-from weightsync_testing.loopback_group import LocalGroup
+from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.reference_engine.model import forward_full, full_state
 
 
@@ -32,8 +32,8 @@ def spec(staging: str = "live", mode: str = "p2p", verify: bool = True) -> Weigh
 
 
 @pytest.fixture(params=["live", "staged"])
-def group(request: pytest.FixtureRequest) -> Iterator[LocalGroup]:
-    with LocalGroup(spec(request.param), group=f"t-{request.param}").start() as running:
+def group(request: pytest.FixtureRequest) -> Iterator[LoopbackGroup]:
+    with LoopbackGroup(spec(request.param), group=f"t-{request.param}").start() as running:
         yield running
 
 
@@ -56,7 +56,7 @@ def publish_all(clients: list[WeightSyncClient], full: dict[str, torch.Tensor], 
     return outcomes
 
 
-def assert_engines_hold(group: LocalGroup, full: dict[str, torch.Tensor], version: int) -> None:
+def assert_engines_hold(group: LoopbackGroup, full: dict[str, torch.Tensor], version: int) -> None:
     bucket_bytes = group.plan.transfer.bucket_bytes
     logits = forward_full(full, TOKENS)
     for index, engine in group.engines.items():
@@ -67,7 +67,7 @@ def assert_engines_hold(group: LocalGroup, full: dict[str, torch.Tensor], versio
         torch.testing.assert_close(torch.tensor(client.forward(TOKENS)), logits, rtol=1e-5, atol=1e-5)
 
 
-def test_rounds_through_agents_are_bit_exact_and_reported(group: LocalGroup) -> None:
+def test_rounds_through_agents_are_bit_exact_and_reported(group: LoopbackGroup) -> None:
     clients = [group.client(rank) for rank in range(2)]
     full = full_state(seed=3)
     try:
@@ -87,7 +87,7 @@ def test_rounds_through_agents_are_bit_exact_and_reported(group: LocalGroup) -> 
             client.close()
 
 
-def test_a_source_agent_killed_mid_round_fails_it_and_a_retry_lands(group: LocalGroup) -> None:
+def test_a_source_agent_killed_mid_round_fails_it_and_a_retry_lands(group: LoopbackGroup) -> None:
     clients = [group.client(rank) for rank in range(2)]
     try:
         full = training_step(full_state(seed=3), 1)
@@ -125,7 +125,7 @@ def test_a_source_agent_killed_mid_round_fails_it_and_a_retry_lands(group: Local
             client.close()
 
 
-def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(group: LocalGroup) -> None:
+def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(group: LoopbackGroup) -> None:
     clients = [group.client(rank) for rank in range(2)]
     try:
         full = training_step(full_state(seed=3), 1)
@@ -153,7 +153,7 @@ def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(
 @pytest.mark.parametrize("staging", ["live", "staged"])
 def test_broadcast_mode_through_agents(staging: str) -> None:
     """mode broadcast: rank 0's agent sends the full tensors from its replica; rank 1 stages nothing."""
-    with LocalGroup(spec(staging, mode="broadcast"), group=f"b-{staging}").start() as group:
+    with LoopbackGroup(spec(staging, mode="broadcast"), group=f"b-{staging}").start() as group:
         clients = [group.client(rank) for rank in range(2)]
         try:
             assert len(clients[1].replicas) == 0 and len(clients[0].replicas) == 1
@@ -170,7 +170,7 @@ def test_broadcast_mode_through_agents(staging: str) -> None:
 
 def test_verify_off_commits_on_the_transports_word() -> None:
     """transfer.verify: false: no checksums are computed or checked; the bytes still land exactly."""
-    with LocalGroup(spec("staged", verify=False), group="noverify").start() as group:
+    with LoopbackGroup(spec("staged", verify=False), group="noverify").start() as group:
         clients = [group.client(rank) for rank in range(2)]
         try:
             full = training_step(full_state(seed=3), 1)

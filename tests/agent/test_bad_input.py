@@ -26,7 +26,7 @@ from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.server import BackgroundServer
 from weightsync_agent.rounds.driver import RoundDriver, RoundError
 from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaError
-from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.source.writer import InProcessSourceControl, Source
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.base import Transport
@@ -276,7 +276,7 @@ def test_a_coordinator_handed_peers_the_plan_does_not_know_is_refused(engine: En
     plan = make_plan()
     with MemoryTransport() as sender, reference_source(engine, sender) as source:
         control = reference_adapter(0, engine.client.base_url, bucket_bytes=BUCKET_BYTES)
-        sources = {0: LocalSourceControl(source)}
+        sources = {0: InProcessSourceControl(source)}
         with pytest.raises(RoundError, match=r"does not know engines \[3\] or sources \[\]"):
             RoundDriver(plan, {0: control, 3: control}, sources)
         with pytest.raises(RoundError, match=r"does not know engines \[\] or sources \[2\]"):

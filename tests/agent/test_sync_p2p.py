@@ -17,7 +17,7 @@ from weightsync.plan import Plan, plan_for
 from weightsync_agent.rounds.driver import RoundDriver
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.report import SourceReport
-from weightsync_agent.source.writer import LocalSourceControl, Source
+from weightsync_agent.source.writer import InProcessSourceControl, Source
 from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
@@ -55,7 +55,7 @@ def test_two_sources_sync_two_tp2_engines_bit_exactly(rig: tuple[Plan, list[Engi
     bucket_bytes = plan.transfer.bucket_bytes
     controls = {e: reference_adapter(e, engines[e].url, bucket_bytes=bucket_bytes) for e in range(ENGINES)}
     driver = RoundDriver(
-        plan, controls, {s.source: LocalSourceControl(s) for s in sources},
+        plan, controls, {s.source: InProcessSourceControl(s) for s in sources},
         staging=plan.transfer.target_staging, timeout_seconds=30, call_timeout=15,
     )  # fmt: skip
     full = full_state(seed=1)
@@ -86,7 +86,7 @@ def test_two_sources_sync_two_tp2_engines_bit_exactly(rig: tuple[Plan, list[Engi
 class KillingSource:
     """A source whose publish first kills one engine process: a target dies mid-round."""
 
-    def __init__(self, inner: LocalSourceControl, victim: EngineProcess) -> None:
+    def __init__(self, inner: InProcessSourceControl, victim: EngineProcess) -> None:
         self.inner = inner
         self.source = inner.source
         self.victim = victim
@@ -103,8 +103,8 @@ def test_a_target_killed_mid_round_leaves_no_engine_claiming_the_version(
     plan, engines, sources = rig
     bucket_bytes = plan.transfer.bucket_bytes
     controls = {e: reference_adapter(e, engines[e].url, bucket_bytes=bucket_bytes) for e in range(ENGINES)}
-    controls_sources: dict[int, SourceControl] = {s.source: LocalSourceControl(s) for s in sources}
-    controls_sources[0] = KillingSource(LocalSourceControl(sources[0]), engines[1])
+    controls_sources: dict[int, SourceControl] = {s.source: InProcessSourceControl(s) for s in sources}
+    controls_sources[0] = KillingSource(InProcessSourceControl(sources[0]), engines[1])
     survivor = engines[0].client()
     before_version = survivor.weight_version()
     staged = plan.transfer.target_staging == "staged"

@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from weightsync.api.cel import CelRule
 from weightsync.api.engines import Adapter
+from weightsync.api.timeouts import Timeouts
 
 GROUP = "weightsync.io"
 VERSION = "v1alpha1"
@@ -214,6 +215,11 @@ class TransferSpec(SpecModel):
         description="live: write into the engine's weights while it is paused. "
         "staged: write into a staging area, copy on commit; the engine keeps serving meanwhile.",
     )
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """Every timeout of a round, each with one job, from ``timeoutSeconds``."""
+        return Timeouts.of(self.timeout_seconds)
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,7 +1,7 @@
 """``weightsync demo --local``: the data plane on one machine, no cluster.
 
 Starts the example group as local processes (reference engines, one ``weightsync agent`` per trainer
-pod; :class:`~weightsync_testing.loopback_group.LocalGroup`), then trains the reference model for a few
+pod; :class:`~weightsync_testing.loopback_group.LoopbackGroup`), then trains the reference model for a few
 steps (real gradient steps on a toy next-token task) and syncs after each: every trainer rank stages
 the full tensors into its replica and publishes, rank 0's agent runs the round. After each round the
 engines' outputs are compared with the trainer's own forward pass. Optionally engines join at the end
@@ -73,11 +73,11 @@ def run_local_demo(example: Path, *, steps: int, join: int, console: Console, st
     layout = f"{spec.trainer.replicas} trainer ranks → {inference.engines} engines × TP{inference.ranks_per_engine}"
     starting = f"starting {layout}: reference engines and agents as local processes"
     with step(starting), console.status(f"[bold]{starting}[/]…"):
-        from weightsync_testing.loopback_group import LocalGroup
+        from weightsync_testing.loopback_group import LoopbackGroup
         from weightsync_testing.reference_engine.model import full_state
 
         started = time.monotonic()
-        local = LocalGroup(spec, group=name).start()
+        local = LoopbackGroup(spec, group=name).start()
     console.print(f"[green]✓[/] {layout} up [dim]({time.monotonic() - started:.1f} s; logs in {local.workdir})[/]")
     rows: list[StepRow] = []
     failure: BaseException | None = None

@@ -39,14 +39,16 @@ from typing import Final, Protocol
 import torch
 
 from weightsync.api import names
+from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
 from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir
 from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.modes.registry import make_mode
 from weightsync_agent.rounds.driver import RoundDriver, RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.replica import MissingPart, ReplicaSet
-from weightsync_agent.source.writer import LocalSourceControl, Outcome, PublishError, PublishResult, Source
+from weightsync_agent.source.writer import InProcessSourceControl, Outcome, PublishError, PublishResult, Source
 from weightsync_agent.targets.adapter import EngineRound
 from weightsync_agent.transport.base import Transport
 
@@ -104,7 +106,7 @@ class RoundPublisher:
 
     The driver's own timeout (the plan's ``timeoutSeconds``) bounds the round; ``deadline`` is not
     passed through because the driver takes none. Sources are any ``SourceControl``: this process's
-    :class:`~weightsync_agent.source.writer.LocalSourceControl`, or clients of other trainer ranks' agents.
+    :class:`~weightsync_agent.source.writer.InProcessSourceControl`, or clients of other trainer ranks' agents.
     """
 
     def __init__(self, driver: RoundDriver, *, owns: Source | None = None) -> None:
@@ -215,7 +217,7 @@ class WeightSyncClient:
             source.replicas,
             InProcessPublisher(source),
             source_rank=source_rank,
-            timeout=float(plan.transfer.timeout_seconds),
+            timeout=plan.transfer.timeouts.round_budget,
         )
 
     @classmethod
@@ -230,7 +232,7 @@ class WeightSyncClient:
         other_sources: Mapping[int, SourceControl] | None = None,
         shm_dir: str | os.PathLike[str] | None = None,
         pin: bool | None = None,
-        call_timeout: float = 30.0,
+        call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
     ) -> WeightSyncClient:
         """This process writes its own targets *and* coordinates the round (pause, verify, commit).
@@ -239,7 +241,7 @@ class WeightSyncClient:
         runs through the sidecar (or ``RoundDriver(broadcast_round_plan(plan), engines, {0:
         BroadcastSource(...)})`` in-process).
         """
-        if plan.transfer.mode != "p2p":
+        if not make_mode(plan.transfer.mode).each_rank_writes:
             raise ClientError(
                 f"coordinating() writes p2p plans; this plan's mode is {plan.transfer.mode!r}: use the sidecar "
                 "(from_env) or weightsync_agent.modes.broadcast.sender.BroadcastSource with broadcast_round_plan"
@@ -251,10 +253,10 @@ class WeightSyncClient:
             driver = RoundDriver(
                 plan,
                 engines,
-                {source_rank: LocalSourceControl(source), **(other_sources or {})},
+                {source_rank: InProcessSourceControl(source), **(other_sources or {})},
                 staging=plan.transfer.target_staging,
                 verify=plan.transfer.verify,
-                timeout_seconds=float(plan.transfer.timeout_seconds),
+                timeout_seconds=plan.transfer.timeouts.round_budget,
                 call_timeout=call_timeout,
                 retries=retries,
             )
@@ -265,7 +267,7 @@ class WeightSyncClient:
             source.replicas,
             RoundPublisher(driver, owns=source),
             source_rank=source_rank,
-            timeout=float(plan.transfer.timeout_seconds),
+            timeout=plan.transfer.timeouts.round_budget,
         )
 
     @classmethod
@@ -303,7 +305,7 @@ class WeightSyncClient:
 
                 plan = load_plan(config, None)
             return cls.in_process(transport, plan, rank, manifests, shm_dir=path)
-        timeout = float(plan.transfer.timeout_seconds) if plan is not None else DEFAULT_TIMEOUT_S
+        timeout = plan.transfer.timeouts.round_budget if plan is not None else DEFAULT_TIMEOUT_S
         if publisher is None:
             agent_url = f"http://127.0.0.1:{config.agent_port}"
             wait_for_sidecar(agent_url, sidecar_timeout)

@@ -24,9 +24,9 @@ from weightsync_agent.targets.adapter import EngineAdapter
 
 
 class RoundPeers(Protocol):
-    """What the coordinator offers a mode: this pod's sources, and the group's other agents and engines."""
+    """What the coordinator offers a mode: this pod's sources (``own_sources``), the group's agents and engines."""
 
-    local: SourceAgent
+    own_sources: SourceAgent
     #: The address this process binds group sockets on (broadcast's rendezvous).
     host: str
     call_timeout: float
@@ -46,6 +46,9 @@ class SyncMode(Protocol):
     name: ClassVar[str]
     #: Whether joining engines can catch up from the replicas (else they get the next version).
     catch_up: ClassVar[bool]
+    #: Whether every trainer rank writes its own targets from its own replica (so one rank can write and
+    #: coordinate in-process, ``WeightSyncClient.coordinating``).
+    each_rank_writes: ClassVar[bool]
 
     # --- trainer pods ----------------------------------------------------------------------------------
 

@@ -20,3 +20,12 @@ def make_mode(name: str) -> SyncMode:
         return MODES[name]()
     except KeyError:
         raise LookupError(f"transfer.mode {name!r} is not one of {', '.join(MODES)}") from None
+
+
+def mode_for(current: SyncMode | None, name: str) -> SyncMode:
+    """``current`` if it is the mode ``name``, else a new one (the old one is closed)."""
+    if current is not None and current.name == name:
+        return current
+    if current is not None:
+        current.close()
+    return make_mode(name)

@@ -21,12 +21,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from weightsync.api.engines import Request, refusal
+from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan
 from weightsync_agent import metrics
 from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.modes.base import SyncMode
-from weightsync_agent.modes.registry import make_mode
+from weightsync_agent.modes.registry import mode_for
 from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError, HttpSourceControl
 from weightsync_agent.source.agent import SourceAgent
@@ -76,16 +77,16 @@ class Coordinator:
     def __init__(
         self,
         group: str,
-        local: SourceAgent,
+        own_sources: SourceAgent,
         directory: Directory,
         *,
         report: Reporter | None = None,
-        call_timeout: float = 30.0,
+        call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
         host: str = "127.0.0.1",
     ) -> None:
         self.group = group
-        self.local = local
+        self.own_sources = own_sources
         self.directory = directory
         self.report = report
         self.call_timeout = call_timeout
@@ -108,7 +109,7 @@ class Coordinator:
                     self._refused(version, f"version {version} is not newer than committed {self.committed}"),
                     "regular",
                 )
-            plan = self.local.plan
+            plan = self.own_sources.plan
             if plan is None:
                 return self._finish(self._refused(version, "the sources are not built yet"), "regular")
             refused = refusal(plan.layout.adapter, Request(plan.transfer.mode, plan.transfer.target_staging,
@@ -137,7 +138,7 @@ class Coordinator:
     def catch_up(self) -> RoundResult | None:
         """Bring engines that answer with another version than the committed one up to it."""
         with self._round:
-            plan, version = self.local.plan, self.committed
+            plan, version = self.own_sources.plan, self.committed
             if plan is None or version is None:
                 return None
             mode = self._mode_for(plan)
@@ -184,14 +185,14 @@ class Coordinator:
     # --- RoundPeers (what the sync mode may ask of the coordinator) --------------------------------
 
     def source(self, plan: Plan, rank: int, scope: RoundScope) -> SourceControl:
-        if rank in self.local.ranks:
-            return InProcessRankSource(self.local, rank, scope)
+        if rank in self.own_sources.ranks:
+            return InProcessRankSource(self.own_sources, rank, scope)
         return HttpSourceControl(self._agent_of(plan, rank), rank, scope)
 
     def tell_committed(self, plan: Plan, rank: int, version: int) -> None:
         try:
-            if rank in self.local.ranks:
-                self.local.committed(rank, version)
+            if rank in self.own_sources.ranks:
+                self.own_sources.committed(rank, version)
             else:
                 self._agent_of(plan, rank).committed(rank, version)
         except (AgentError, DirectoryError) as exc:
@@ -204,9 +205,7 @@ class Coordinator:
     # --- Pieces ----------------------------------------------------------------------------------
 
     def _mode_for(self, plan: Plan) -> SyncMode:
-        if self.mode is None or self.mode.name != plan.transfer.mode:
-            self.close()
-            self.mode = make_mode(plan.transfer.mode)
+        self.mode = mode_for(self.mode, plan.transfer.mode)
         return self.mode
 
     def _adapter(self, plan: Plan, engine: int) -> EngineAdapter:
@@ -236,7 +235,7 @@ class Coordinator:
             sources,
             staging=transfer.target_staging,
             verify=transfer.verify,
-            timeout_seconds=float(transfer.timeout_seconds),
+            timeout_seconds=transfer.timeouts.round_budget,
             call_timeout=self.call_timeout,
             retries=self.retries,
             covering=covering,

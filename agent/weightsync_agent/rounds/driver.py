@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.report import SourceReport
@@ -83,7 +84,7 @@ class RoundDriver:
         staging: Staging = "live",
         verify: bool = True,
         timeout_seconds: float = 300.0,
-        call_timeout: float = 30.0,
+        call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
         clock: Callable[[], float] = time.monotonic,
         covering: Collection[int] | None = None,

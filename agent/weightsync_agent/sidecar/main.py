@@ -39,7 +39,7 @@ def make_transport(config: AgentConfig, plan: Plan) -> Transport:
         config.host,
         plan.transfer.protocol,
         devices,
-        timeout_seconds=float(plan.transfer.timeout_seconds),
+        timeout_seconds=plan.transfer.timeouts.peer_stall,
     )
 
 

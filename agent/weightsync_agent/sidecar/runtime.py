@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.api import names
+from weightsync.api.engines import Refusal, Request, refusal
+from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, PlanError
 from weightsync_agent import metrics
 from weightsync_agent.config import AgentConfig
@@ -28,7 +30,7 @@ from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.modes.base import SyncMode
-from weightsync_agent.modes.registry import make_mode
+from weightsync_agent.modes.registry import mode_for
 from weightsync_agent.rounds.coordinator import Coordinator
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
@@ -59,7 +61,7 @@ class AgentRuntime:
         engine_url: str | None = None,
         agent_url: str | None = None,
         tick_seconds: float = 2.0,
-        call_timeout: float = 30.0,
+        call_timeout: float = HTTP_CALL_SECONDS,
     ) -> None:
         self.config = config
         self.load_plan = load_plan
@@ -91,16 +93,15 @@ class AgentRuntime:
         else:
             if engine_url is None:
                 raise ValueError("an engine agent needs the engine's URL")
-            adapter, unavailable = None, ""
-            try:
+            refused = self._refusal()
+            adapter = None
+            if refused is None:
                 adapter = make_adapter(self.plan.layout.adapter, self._adapter_settings(config, engine_url))
-            except AdapterUnavailableError as exc:
-                unavailable = str(exc)
             self.engine = EngineAgent(
                 config.group,
                 engine_url,
                 adapter,
-                unavailable=unavailable,
+                refused=refused,
                 advertise=config.pod_index == 0,
                 set_ready=self._set_ready if reporter else None,
                 annotate=reporter.annotate if reporter else None,
@@ -119,13 +120,18 @@ class AgentRuntime:
             call_timeout=self.call_timeout,
         )
 
+    def _refusal(self) -> Refusal | None:
+        """Why this group's engines cannot be synced by their adapter, if they cannot (weightsync.api.engines)."""
+        transfer = self.plan.transfer
+        return refusal(self.plan.layout.adapter, Request(transfer.mode, transfer.target_staging, transfer.verify))
+
     def _fetch_manifest(self, engine: int, rank: int) -> Manifest:
         settings = self._adapter_settings(self.config, self.directory.engine_url(engine))
         return make_adapter(self.plan.layout.adapter, replace(settings, engine=engine)).manifest(rank)
 
     @property
     def round_timeout(self) -> float:
-        return float(self.plan.transfer.timeout_seconds)
+        return self.plan.transfer.timeouts.round_budget
 
     # --- Background loop ---------------------------------------------------------------------------
 
@@ -154,7 +160,10 @@ class AgentRuntime:
 
     def tick(self) -> None:
         self._reload_plan()
-        if self.sources is not None:
+        refused = self._refusal() if self.sources is not None else None
+        if refused is not None:
+            self._set_ready(False, refused.reason, refused.message)
+        elif self.sources is not None:
             if not self.sources.built or self.sources.plan is None or self.sources.plan.hash != self.plan.hash:
                 self._build_sources()
             self._set_ready(
@@ -182,8 +191,7 @@ class AgentRuntime:
     def _build_sources(self) -> None:
         assert self.sources is not None
         try:
-            if self.mode is None or self.mode.name != self.plan.transfer.mode:
-                self.mode = make_mode(self.plan.transfer.mode)
+            self.mode = mode_for(self.mode, self.plan.transfer.mode)
             self.mode.build_sources(self.sources, self.plan, self._fetch_manifest)
         except (
             AdapterUnavailableError,
@@ -235,7 +243,7 @@ class AgentRuntime:
                 result = self.coordinator.wait(version, left, after=asked)
             else:
                 try:
-                    coordinator = AgentClient(self.directory.trainer_url(0), timeout=30.0)
+                    coordinator = AgentClient(self.directory.trainer_url(0), timeout=self.call_timeout)
                     result = coordinator.round(version, min(left, 30.0), after=asked)
                 except (AgentError, DirectoryError) as exc:
                     log.warning("waiting for round %d: %s", version, exc)

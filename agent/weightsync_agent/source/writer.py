@@ -276,7 +276,7 @@ class Source:
         """
         start = time.monotonic()
         if deadline is None:
-            deadline = start + (self.plan.transfer.timeout_seconds if timeout is None else timeout)
+            deadline = start + (self.plan.transfer.timeouts.round_budget if timeout is None else timeout)
         chosen = self.targets
         if targets is not None:
             unknown = set(targets) - set(self.targets)
@@ -360,7 +360,7 @@ class Source:
         self.close()
 
 
-class LocalSourceControl:
+class InProcessSourceControl:
     """A :class:`Source` in this process as the round driver's ``SourceControl``.
 
     Refusals that :meth:`Source.publish` raises (incomplete or busy replica) become a failed report,

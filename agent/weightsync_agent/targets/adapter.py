@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from weightsync.api.engines import Capabilities, Staging
+from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync_agent.layout.manifest import Manifest
 
 
@@ -46,7 +47,7 @@ class AdapterSettings:
     verify: bool = True
     staging: Staging = "live"
     #: Bound on one HTTP call to the engine (docs/architecture.md, "Timeouts").
-    call_timeout: float = 30.0
+    call_timeout: float = HTTP_CALL_SECONDS
 
 
 class EngineRound(Protocol):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api import names
+from weightsync.api.engines import Refusal
 from weightsync_agent import metrics
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.targets.adapter import EngineAdapter, Readiness
@@ -34,7 +35,7 @@ class EngineState:
 
 
 class EngineAgent:
-    """``adapter`` None: this engine kind has no adapter (``unavailable`` says why); the pod stays unready."""
+    """``refused``: the group asks what this engine kind's adapter cannot do; the pod stays unready, saying why."""
 
     def __init__(
         self,
@@ -43,7 +44,7 @@ class EngineAgent:
         adapter: EngineAdapter | None,
         *,
         advertise: bool,
-        unavailable: str = "",
+        refused: Refusal | None = None,
         set_ready: SetReady | None = None,
         annotate: Annotate | None = None,
         timeout: float = 5.0,
@@ -51,7 +52,7 @@ class EngineAgent:
         self.group = group
         self.engine_url = engine_url
         self.adapter = adapter
-        self.unavailable = unavailable
+        self.refused = refused
         self.advertise = advertise  # only the engine's first pod hosts its HTTP server
         self.set_ready = set_ready
         self.annotate = annotate
@@ -65,8 +66,9 @@ class EngineAgent:
             self.annotate({names.ANNOTATION_ENGINE_URL: self.engine_url})
             self._advertised = True
         version = self.state.version
-        if self.adapter is None:
-            ready, reason, message = False, "AdapterUnavailable", self.unavailable
+        if self.refused is not None or self.adapter is None:
+            refused = self.refused or Refusal("AdapterUnavailable", "no adapter for this engine kind")
+            ready, reason, message = False, refused.reason, refused.message
         else:
             try:
                 if self.advertise and not self.state.ready:

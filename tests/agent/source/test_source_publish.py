@@ -26,7 +26,7 @@ from weightsync.plan import Plan, Target
 from weightsync_agent.layout.buckets import plan_buckets
 from weightsync_agent.layout.checksums import checksum_ranges, source_checksum, target_checksum
 from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError
-from weightsync_agent.source.writer import LocalSourceControl, Source, SourceConfigError
+from weightsync_agent.source.writer import InProcessSourceControl, Source, SourceConfigError
 
 
 class Cluster:
@@ -301,7 +301,7 @@ def test_round_report_names_the_failed_target_and_refusals_become_reports(cluste
     bad: Target = (1, 0)
     cluster.target_party[bad].transport.unregister(cluster.memory[bad].manifest.regions[0].address)
     with cluster.source(bucket_bytes=100) as source:
-        control = LocalSourceControl(source)
+        control = InProcessSourceControl(source)
         report = control.publish(1, time.monotonic() + 5)  # nothing staged yet
         assert not report.ok and report.error and "missing from the replica" in report.error
         source.replicas.stage_many(full_state())

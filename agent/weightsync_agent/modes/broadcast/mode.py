@@ -55,6 +55,7 @@ class SidecarBroadcast:
 class BroadcastMode:
     name: ClassVar[str] = "broadcast"
     catch_up: ClassVar[bool] = False
+    each_rank_writes: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.sender: BroadcastSource | None = None
@@ -80,11 +81,11 @@ class BroadcastMode:
         if self.sender is None or self.plan_hash != plan.hash or self.sender.group is None:
             self._form(peers, plan, engines)
         assert self.sender is not None
-        return {SENDER: SidecarBroadcast(peers.local, self.sender)}
+        return {SENDER: SidecarBroadcast(peers.own_sources, self.sender)}
 
     def _form(self, peers: RoundPeers, plan: Plan, engines: Mapping[int, EngineAdapter]) -> None:
         self.close()
-        sender = BroadcastSource(plan, peers.local.manifests, engines, call_timeout=peers.call_timeout)
+        sender = BroadcastSource(plan, peers.own_sources.manifests, engines, call_timeout=peers.call_timeout)
         try:
             sender.connect(f"tcp://{peers.host}:{free_port(peers.host)}")
         except BaseException:
@@ -93,8 +94,8 @@ class BroadcastMode:
         self.sender, self.plan_hash = sender, plan.hash
 
     def committed(self, peers: RoundPeers, plan: Plan, version: int) -> None:
-        if SENDER in peers.local.replicas:
-            peers.local.committed(SENDER, version)
+        if SENDER in peers.own_sources.replicas:
+            peers.own_sources.committed(SENDER, version)
 
     def failed(self) -> None:
         self.close()  # out of step after a failure: re-form before the next round

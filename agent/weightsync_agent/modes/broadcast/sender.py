@@ -78,7 +78,7 @@ class BroadcastSource:
         self.engines = dict(engines)
         self.layout = BroadcastLayout.of(plan.layout, receivers)
         self.bucket_bytes = bucket_bytes or plan.transfer.bucket_bytes
-        self.timeout_seconds = float(plan.transfer.timeout_seconds)
+        self.timeout_seconds = plan.transfer.timeouts.collective
         self.call_timeout = call_timeout
         self.progress = progress
         # Every full tensor any target cuts from, with the one shape and dtype validate() made sure of.

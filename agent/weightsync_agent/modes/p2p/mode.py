@@ -17,6 +17,7 @@ from weightsync_agent.targets.adapter import EngineAdapter
 class P2PMode:
     name: ClassVar[str] = "p2p"
     catch_up: ClassVar[bool] = True
+    each_rank_writes: ClassVar[bool] = True
 
     def build_sources(self, agent: SourceAgent, plan: Plan, fetch: ManifestFetcher) -> None:
         fetched: dict[int, dict[Target, Manifest]] = {}

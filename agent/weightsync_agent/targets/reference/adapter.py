@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from weightsync.api.engines import ENGINE_KINDS, Capabilities
+from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.targets.adapter import AdapterSettings, Readiness, TargetVerdict
@@ -93,7 +94,13 @@ class ReferenceAdapter:
 
 
 def reference_adapter(
-    engine: int, url: str, *, bucket_bytes: int, ranks: int = 1, verify: bool = True, call_timeout: float = 30.0
+    engine: int,
+    url: str,
+    *,
+    bucket_bytes: int,
+    ranks: int = 1,
+    verify: bool = True,
+    call_timeout: float = HTTP_CALL_SECONDS,
 ) -> ReferenceAdapter:
     """A reference engine's adapter from its URL (tests, benchmarks and the testbed drive engines directly)."""
     settings = AdapterSettings(engine, url, ranks, bucket_bytes, verify=verify, call_timeout=call_timeout)

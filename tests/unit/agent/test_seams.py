@@ -1,0 +1,198 @@
+"""The agent's two seams (docs/architecture.md): engine adapters and sync modes, and what depends on them."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from weightsync.api.engines import ENGINE_KINDS, Refusal, Request, SyncModeName, refusal
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.plan import Plan, plan_for
+from weightsync_agent.modes.broadcast.mode import BroadcastMode
+from weightsync_agent.modes.p2p.mode import P2PMode
+from weightsync_agent.modes.registry import MODES, make_mode
+from weightsync_agent.source.agent import SourceAgent
+from weightsync_agent.source.control import RoundScope, SourceControl
+from weightsync_agent.source.report import SourceReport
+from weightsync_agent.source.writer import SourceConfigError
+from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
+from weightsync_agent.targets.agent import EngineAgent
+from weightsync_agent.targets.registry import ADAPTERS, make_adapter
+
+AGENT = Path(__file__).resolve().parents[3] / "agent" / "weightsync_agent"
+SETTINGS = AdapterSettings(engine=0, url="http://127.0.0.1:9", ranks=2, bucket_bytes=1 << 20)
+
+
+# --- Engine adapters ---------------------------------------------------------------------------------
+
+
+def test_every_registered_adapter_declares_its_contract_capabilities() -> None:
+    for kind, factory in ADAPTERS.items():
+        adapter = factory(SETTINGS)
+        assert adapter.kind == kind
+        assert adapter.capabilities == ENGINE_KINDS[kind].capabilities  # type: ignore[index]
+
+
+def test_every_kind_the_contract_calls_available_has_an_adapter_and_no_other() -> None:
+    available = {kind for kind, spec in ENGINE_KINDS.items() if spec.capabilities is not None}
+    assert available == set(ADAPTERS)
+
+
+def test_an_adapter_has_every_method_of_the_seam() -> None:
+    members = [
+        name
+        for klass in EngineAdapter.__mro__
+        if klass.__name__ in {"EngineAdapter", "EngineRound"}
+        for name, value in vars(klass).items()
+        if callable(value) and not name.startswith("_")
+    ]
+    assert {"manifest", "held_version", "readiness", "pause", "begin", "verify", "commit", "abort"} <= set(members)
+    for factory in ADAPTERS.values():
+        adapter = factory(SETTINGS)
+        missing = [name for name in members if not callable(getattr(adapter, name, None))]
+        assert not missing, f"{type(adapter).__name__} lacks {missing}"
+
+
+def test_an_engine_kind_without_an_adapter_is_refused_naming_it() -> None:
+    with pytest.raises(AdapterUnavailableError, match=r"inference\.adapter 'sglang' has no weightsync adapter"):
+        make_adapter("sglang", SETTINGS)
+    with pytest.raises(AdapterUnavailableError, match="'nonesuch' is not a known engine kind"):
+        make_adapter("nonesuch", SETTINGS)
+
+
+def test_an_engine_pod_whose_adapter_is_refused_stays_unready_saying_why() -> None:
+    said: list[tuple[bool, str, str]] = []
+    why = refusal("sglang", Request("p2p", "live", True))
+    assert why is not None
+    agent = EngineAgent("g", "http://127.0.0.1:9", None, refused=why, advertise=True,
+                        set_ready=lambda *a: said.append(a))  # fmt: skip
+    state = agent.check()
+    assert not state.ready and said == [(False, "AdapterUnavailable", why.message)]
+    assert "sglang" in why.message
+
+
+# --- Sync modes --------------------------------------------------------------------------------------
+
+
+def test_the_mode_registry_covers_exactly_the_api_modes() -> None:
+    assert set(MODES) == set(get_args(SyncModeName))
+    for name in MODES:
+        assert make_mode(name).name == name
+    assert P2PMode.catch_up and not BroadcastMode.catch_up
+    with pytest.raises(LookupError, match="'ring' is not one of p2p, broadcast"):
+        make_mode("ring")
+
+
+class RecordingPeers:
+    """A fake of what the coordinator offers a mode: records who was asked for what."""
+
+    def __init__(self) -> None:
+        self.own_sources = SourceAgent("g", [0], make_transport=lambda: None, replica_root=lambda r: Path("/x"))  # type: ignore[arg-type,return-value]
+        self.host = "127.0.0.1"
+        self.call_timeout = 1.0
+        self.asked: list[tuple[int, RoundScope]] = []
+        self.told: list[tuple[int, int]] = []
+
+    def source(self, plan: Plan, rank: int, scope: RoundScope) -> SourceControl:
+        self.asked.append((rank, scope))
+
+        class Quiet:
+            source = rank
+
+            def publish(self, version: int, deadline: float) -> SourceReport:
+                return SourceReport(source=rank, ok=True)
+
+        return Quiet()
+
+    def tell_committed(self, plan: Plan, rank: int, version: int) -> None:
+        self.told.append((rank, version))
+
+    def engines(self, plan: Plan, which: Collection[int]) -> dict[int, EngineAdapter]:
+        return {}
+
+
+TEMPLATE = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
+
+
+def _plan(mode: str) -> Plan:
+    spec = WeightSyncGroupSpec.model_validate({
+        "trainer": {"replicas": 3, "template": TEMPLATE},
+        "inference": {"engines": 3, "ranksPerEngine": 2, "ranksPerPod": 2, "adapter": "reference",
+                      "template": TEMPLATE},
+        "transfer": {"mode": mode},
+    })  # fmt: skip
+    return plan_for(spec, group="g")
+
+
+def test_p2p_asks_only_the_sources_whose_targets_the_round_covers() -> None:
+    plan, peers = _plan("p2p"), RecordingPeers()
+    everyone = P2PMode().round_sources(peers, plan, {}, RoundScope.of(plan.hash))
+    assert set(everyone) == {a.source for a in plan.sources}
+    peers.asked.clear()
+    joiner = 2
+    scope = RoundScope.of(plan.hash, [joiner], catch_up=True)
+    some = P2PMode().round_sources(peers, plan, {}, scope)
+    assert set(some) == {a.source for a in plan.sources if any(t[0] == joiner for t in a.targets)}
+    assert all(asked_scope == scope for _, asked_scope in peers.asked)
+    P2PMode().committed(peers, plan, 7)
+    assert sorted(peers.told) == [(a.source, 7) for a in plan.sources]
+
+
+def test_broadcast_rounds_cover_every_engine_and_never_catch_up() -> None:
+    plan, peers = _plan("broadcast"), RecordingPeers()
+    with pytest.raises(SourceConfigError, match="joining engines get the next version"):
+        BroadcastMode().round_sources(peers, plan, {}, RoundScope.of(plan.hash, [1], catch_up=True))
+    view = BroadcastMode().round_plan(plan)
+    assert [a.source for a in view.sources if a.targets] == [0]
+
+
+def test_round_scope_is_one_value() -> None:
+    scope = RoundScope.of("h", [2, 1])
+    assert scope == RoundScope("h", frozenset({1, 2}), False)
+    assert scope.covers(1) and not scope.covers(0) and RoundScope.of("h").covers(99)
+
+
+# --- No branch on a mode or an adapter outside the seams ---------------------------------------------
+
+
+def _branches(tree: ast.AST, attribute: str, owner: str) -> list[int]:
+    """Lines comparing ``<...>.<owner>.<attribute>`` with something (``plan.transfer.mode == "p2p"``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                if (
+                    isinstance(side, ast.Attribute)
+                    and side.attr == attribute
+                    and isinstance(side.value, ast.Attribute)
+                    and side.value.attr == owner
+                ):
+                    lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize(("attribute", "owner", "allowed"), [
+    ("mode", "transfer", {"modes"}),  # the registries compare names; the modes are the implementations
+    ("adapter", "layout", {"targets"}),
+])  # fmt: skip
+def test_nothing_outside_the_seams_branches_on_the_mode_or_the_adapter(
+    attribute: str, owner: str, allowed: set[str]
+) -> None:
+    offenders: Mapping[str, list[int]] = {
+        str(path.relative_to(AGENT)): lines
+        for path in AGENT.rglob("*.py")
+        if path.relative_to(AGENT).parts[0] not in allowed
+        and (lines := _branches(ast.parse(path.read_text()), attribute, owner))
+    }
+    assert not offenders, f"branches on {owner}.{attribute} outside {sorted(allowed)}: {offenders}"
+
+
+def test_the_refusal_names_adapter_and_capability() -> None:
+    assert refusal("reference", Request("broadcast", "staged", True)) is None
+    assert refusal("sglang", Request("p2p", "live", True)) == Refusal(
+        "AdapterUnavailable", refusal("sglang", Request("p2p", "live", False)).message  # type: ignore[union-attr]
+    )
