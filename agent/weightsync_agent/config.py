@@ -30,7 +30,6 @@ class AgentConfig(BaseModel):
     agent_port: int = Field(default=9470, ge=1, le=65535)
     pod_name: str | None = None
     pod_ip: str | None = None
-    engine_port: int | None = Field(default=None, ge=1, le=65535)
     engine_url: str | None = None
     agent_url: str | None = None
     directory_file: str | None = None
@@ -53,8 +52,9 @@ class AgentConfig(BaseModel):
     def advertised_agent_url(self) -> str:
         return self.agent_url or f"http://{self.host}:{self.agent_port}"
 
-    def advertised_engine_url(self, default_port: int) -> str:
-        return self.engine_url or f"http://{self.host}:{self.engine_port or default_port}"
+    def advertised_engine_url(self, port: int) -> str:
+        """``WEIGHTSYNC_ENGINE_URL`` (local runs), else this pod's IP and the plan's ``inference.port``."""
+        return self.engine_url or f"http://{self.host}:{port}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AgentConfig:
@@ -71,7 +71,6 @@ class AgentConfig(BaseModel):
             "agent_port": env.get(names.ENV_AGENT_PORT, "9470"),
             "pod_name": env.get(names.ENV_POD_NAME) or None,
             "pod_ip": env.get(names.ENV_POD_IP) or None,
-            "engine_port": env.get(names.ENV_ENGINE_PORT) or None,
             "engine_url": env.get(names.ENV_ENGINE_URL) or None,
             "agent_url": env.get(names.ENV_AGENT_URL) or None,
             "directory_file": env.get(names.ENV_DIRECTORY_FILE) or None,

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import ValidationError
-
-from weightsync.api import cel, crd, names
+from weightsync.api import names
+from weightsync.api.load import SpecError, parse_group
 from weightsync.api.v1alpha1 import API_VERSION, KIND, WeightSyncGroup
 from weightsync.plan import PlanError
 from weightsync_operator import metrics
@@ -32,6 +31,7 @@ from weightsync_operator.builders import (
     decide_plan,
     desired_state,
 )
+from weightsync_operator.capabilities import capability_problem
 from weightsync_operator.kube import KINDS, ApiError, KubeApi, path_of
 from weightsync_operator.status import (
     Folded,
@@ -124,29 +124,13 @@ class Result:
     status: dict[str, Any] | None = None
 
 
-RULES = crd.rule_sets()
-
-
 def validate(body: Mapping[str, Any]) -> tuple[WeightSyncGroup | None, Problem | None]:
-    """The group, or why its spec is unusable (pydantic validation, then the CRD's CEL rules)."""
+    """The group, or why its spec is unusable: the one validator (``weightsync.api.load.parse_group``:
+    the pydantic schema, then the CRD's CEL rules), as ``weightsync validate`` and the API server check it."""
     try:
-        group = WeightSyncGroup.model_validate({**body, "status": None})
-    except ValidationError as exc:
-        details = "; ".join(
-            f"spec.{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}"
-            if e["loc"][:1] == ("spec",)
-            else f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-            for e in exc.errors()[:5]
-        )
-        return None, Problem("InvalidSpec", f"spec rejected: {details}")
-    view = {
-        "metadata": {"name": group.metadata.name},
-        "spec": group.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
-    }
-    violations = cel.check(view, RULES)
-    if violations:
-        return None, Problem("InvalidSpec", "spec rejected: " + "; ".join(str(v) for v in violations[:5]))
-    return group, None
+        return parse_group({**body, "status": None}), None
+    except SpecError as exc:
+        return None, Problem("InvalidSpec", "spec rejected: " + "; ".join(exc.problems[:5]))
 
 
 # --- The reconciler ------------------------------------------------------------------------------
@@ -199,6 +183,9 @@ class Reconciler:
         name, namespace = str(meta.get("name", "")), str(meta.get("namespace") or "default")
 
         group, problem = validate(body)
+        if group is not None and (problem := capability_problem(group.spec)) is not None:
+            # Refused like an invalid spec: nothing is built, existing pods are left alone.
+            group = None
         decision: PlanDecision | None = None
         outdated: list[str] = []
         retry = False

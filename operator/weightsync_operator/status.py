@@ -23,21 +23,31 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal, get_args
 
 from pydantic import ValidationError
 
 from weightsync.api import names
-from weightsync.api.v1alpha1 import Condition, PlanStatus, SyncStatus, WeightSyncGroupSpec, WeightSyncGroupStatus
+from weightsync.api.v1alpha1 import (
+    Condition,
+    ConditionType,
+    Phase,
+    PlanStatus,
+    SyncStatus,
+    WeightSyncGroupSpec,
+    WeightSyncGroupStatus,
+)
 from weightsync.plan import Plan
+from weightsync_operator.builders.desired import expected_pods
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-READY = "Ready"
-PROGRESSING = "Progressing"
-DEGRADED = "Degraded"
-PLAN_READY = "PlanReady"
-CONDITION_ORDER = (READY, PROGRESSING, DEGRADED, PLAN_READY)
+# The condition types are the API's closed set (v1alpha1.ConditionType); typed, so a typo fails mypy.
+READY: Final[ConditionType] = "Ready"
+PROGRESSING: Final[ConditionType] = "Progressing"
+DEGRADED: Final[ConditionType] = "Degraded"
+PLAN_READY: Final[ConditionType] = "PlanReady"
+CONDITION_ORDER: Final[tuple[ConditionType, ...]] = get_args(ConditionType)
 
 MAX_MESSAGE = 1024
 
@@ -251,16 +261,6 @@ def condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any]
 # --- The fold ------------------------------------------------------------------------------------
 
 
-def _expected(spec: WeightSyncGroupSpec, group: str) -> tuple[list[str], list[str]]:
-    trainers = [names.trainer_pod(group, i) for i in range(spec.trainer.replicas)]
-    engines = [
-        names.engine_pod(group, e, j)
-        for e in range(spec.inference.engines)
-        for j in range(max(spec.inference.ranks_per_engine // spec.inference.ranks_per_pod, 1))
-    ]
-    return trainers, engines
-
-
 def plan_status(plan: Plan, group: str) -> dict[str, Any]:
     return {
         "hash": plan.hash,
@@ -283,7 +283,7 @@ def fold_status(obs: Observation) -> Folded:
 
     # --- who should exist, who is ready ----------------------------------------------------------
     if obs.spec is not None:
-        trainer_names, engine_names = _expected(obs.spec, obs.name)
+        trainer_names, engine_names = expected_pods(obs.spec, obs.name)
     else:  # an unusable spec: report what is there, keep the last known desired counts
         trainer_names = sorted(n for n, p in by_name.items() if _role(p) == "trainer")
         engine_names = sorted(n for n, p in by_name.items() if _role(p) == "engine")
@@ -341,6 +341,7 @@ def fold_status(obs: Observation) -> Folded:
     # --- phase and conditions ----------------------------------------------------------------------
     problem = obs.problem
     scheduled = any(is_scheduled(p) for p in present)
+    phase: Phase
     if problem is not None and problem.fatal:
         phase = "Failed"
     elif problem is not None or failures:

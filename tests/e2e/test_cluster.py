@@ -16,7 +16,7 @@ from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.localcluster.session import group_pods
 from weightsync.plan import Plan, plan_for
-from weightsync_agent.engines.reference.model import full_state, shard
+from weightsync_testing.reference_engine.model import full_state, shard
 
 INVALID = sorted((ROOT / "tests" / "fixtures" / "invalid").glob("*.yaml"))
 NS = "e2e"
@@ -157,7 +157,8 @@ RDMA_GROUP = "rdma"
 
 
 def test_rdma_group_pods_carry_everything_rdma_needs(admin: Kube, group_ns: str) -> None:
-    obj = load_example("rdma-group.yaml", NS, trainer__replicas=2, inference__engines=2)
+    # The example's sglang adapter is refused until it lands (see the next test): the pods need reference.
+    obj = load_example("rdma-group.yaml", NS, trainer__replicas=2, inference__engines=2, inference__adapter="reference")
     obj["metadata"]["name"] = RDMA_GROUP
     obj["spec"]["rdma"]["networks"] = ["e2e/rdma-net"]
     admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
@@ -186,6 +187,43 @@ def test_rdma_group_pods_carry_everything_rdma_needs(admin: Kube, group_ns: str)
     )
     admin.kubectl("-n", NS, "delete", "wsg", RDMA_GROUP)
     wait_for("the RDMA group's pods to go", lambda: not pods(admin, RDMA_GROUP), timeout=90)
+
+
+def test_an_adapter_without_support_is_refused_not_provisioned(
+    admin: Kube, group_ns: str, operator: OperatorProcess
+) -> None:
+    """The production-shaped example as it is (inference.adapter: sglang, which has no adapter yet): the API
+    server accepts it, the operator refuses it on the status, with a Warning event, and creates no pods."""
+    name = "no-adapter"
+    obj = load_example("rdma-group.yaml", NS)
+    obj["metadata"]["name"] = name
+    assert obj["spec"]["inference"]["adapter"] == "sglang"
+    admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+    try:
+        final = wait_for(
+            "the group to be refused", lambda: (s := status(admin, name)).get("phase") == "Failed" and s, timeout=60
+        )
+        conditions = {c["type"]: c for c in final["conditions"]}
+        ready = conditions["Ready"]
+        assert ready["status"] == "False" and ready["reason"] == "AdapterUnavailable", ready
+        assert "sglang" in ready["message"]
+        assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "AdapterUnavailable"
+        assert conditions["PlanReady"]["status"] == "False"
+        events = wait_for(
+            "the AdapterUnavailable event",
+            lambda: admin.json(
+                "-n", NS, "get", "events", "--field-selector", f"involvedObject.name={name},reason=AdapterUnavailable"
+            )["items"],
+        )
+        assert events[0]["type"] == "Warning" and "sglang" in events[0]["message"]
+        # Still nothing after further reconciles (resync every 5 s): refused, not merely slow.
+        seen = operator.reconciles()
+        wait_for("two more reconciles", lambda: operator.reconciles() >= seen + 2, timeout=45)
+        assert pods(admin, name) == {}
+        assert admin.kubectl("-n", NS, "get", "configmap", names.plan_config_map(name), check=False).returncode != 0
+        assert status(admin, name)["phase"] == "Failed"
+    finally:
+        admin.kubectl("-n", NS, "delete", "wsg", name, "--wait=false")
 
 
 def test_group_comes_up_and_agents_report_ready(admin: Kube, group_ns: str, agents: Agents | None = None) -> None:

@@ -46,6 +46,9 @@ class GroupBuilder:
                 "ranksPerEngine": 1,
                 "ranksPerPod": 1,
                 "template": template(container("engine")),
+                # Not the API's default (sglang): this version has no SGLang adapter, so the operator
+                # refuses such groups (AdapterUnavailable). ``.adapter("sglang")`` asks for that.
+                "adapter": "reference",
             },
             "agent": {"image": DEFAULT_AGENT_IMAGE},
         }

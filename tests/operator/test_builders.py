@@ -136,8 +136,8 @@ def test_engine_agent_env() -> None:
     assert env[names.ENV_ENGINE_INDEX] == "2"
     assert env[names.ENV_POD_INDEX] == "1"
     assert env[names.ENV_RANKS] == "4,5,6,7"
-    assert env[names.ENV_ENGINE_PORT] == "31000"
-    assert env[names.ENV_ADAPTER] == "reference"
+    # The engine's port and kind reach agents through the plan only (one channel): not also the env.
+    assert not {"WEIGHTSYNC_ENGINE_PORT", "WEIGHTSYNC_ADAPTER"} & set(env)
     assert env[names.ENV_DEVICES] == ""
     assert names.ENV_ENGINE_INDEX not in env_of(build_trainer_pod(group, 0))
 

@@ -401,6 +401,30 @@ async def test_invalid_layout_is_caught_by_the_cel_rules(cluster: Cluster, opera
     assert cluster.pods() == {}
 
 
+async def test_an_adapter_that_cannot_serve_the_spec_is_refused(cluster: Cluster, operator: KopfRunner) -> None:
+    # Valid for the API server, but this version has no SGLang adapter: refused, not pods that never get ready.
+    await cluster.create_group(GroupBuilder("g", NS).adapter("sglang").build())
+    await cluster.create_group(GroupBuilder("ok", NS).adapter("reference").build())
+    await eventually(lambda: cluster.status("g").get("phase") == "Failed", what="Failed")
+    ready = cluster.condition("g", "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "AdapterUnavailable"
+    assert "sglang" in ready["message"]
+    degraded = cluster.condition("g", "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "AdapterUnavailable"
+    plan_ready = cluster.condition("g", "PlanReady")
+    assert plan_ready["status"] == "False" and plan_ready["reason"] == "AdapterUnavailable"
+    (warning,) = await eventually(lambda: cluster.events("AdapterUnavailable"), what="Warning event")
+    assert warning["type"] == "Warning" and "sglang" in warning["message"]
+    assert warning["involvedObject"]["name"] == "g"
+    assert "g-plan" not in cluster.objects("v1/configmaps")
+
+    # The reference group beside it is built as usual.
+    await eventually(pods_named(cluster, "ok-trainer-0", "ok-engine-0-0"), what="the reference group's pods")
+    await eventually(lambda: cluster.condition("ok", "PlanReady").get("status") == "True", what="PlanReady")
+    assert cluster.status("ok")["phase"] != "Failed"
+    assert not [p for p in cluster.pods() if p.startswith("g-")]
+
+
 # --- The reconciler directly (no kopf): what the fake API cannot be made to do -------------------
 
 

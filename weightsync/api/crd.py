@@ -8,6 +8,7 @@ no ``anyOf`` with ``null``, a ``type`` on every node. :func:`to_structural` does
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,6 +173,7 @@ def _walk_rules(schema: dict[str, Any], path: str) -> Iterator[RuleSet]:
         yield from _walk_rules(sub, f"{path}.{name}" if path else name)
 
 
-def rule_sets() -> list[RuleSet]:
-    """Every CEL rule in the CRD, by the object path it applies to (arrays are not descended)."""
-    return list(_walk_rules(openapi_schema(), ""))
+@functools.cache
+def rule_sets() -> tuple[RuleSet, ...]:
+    """Every CEL rule in the CRD, by the object path it applies to (arrays are not descended); computed once."""
+    return tuple(_walk_rules(openapi_schema(), ""))

@@ -72,8 +72,6 @@ ENV_RANKS: Final = "WEIGHTSYNC_RANKS"  # comma-separated global trainer ranks, o
 ENV_PLAN_CONFIG_MAP: Final = "WEIGHTSYNC_PLAN_CONFIGMAP"
 ENV_PLAN_FILE: Final = "WEIGHTSYNC_PLAN_FILE"  # local runs without a cluster
 ENV_AGENT_PORT: Final = "WEIGHTSYNC_AGENT_PORT"
-ENV_ENGINE_PORT: Final = "WEIGHTSYNC_ENGINE_PORT"
-ENV_ADAPTER: Final = "WEIGHTSYNC_ADAPTER"
 ENV_DEVICES: Final = "WEIGHTSYNC_RDMA_DEVICES"
 #: The engine's HTTP base URL as the engine's agent should advertise it (default: POD_IP + engine port).
 ENV_ENGINE_URL: Final = "WEIGHTSYNC_ENGINE_URL"

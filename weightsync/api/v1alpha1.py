@@ -14,7 +14,7 @@ from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Fiel
 from pydantic.alias_generators import to_camel
 
 from weightsync.api.cel import CelRule
-from weightsync.api.engines import Adapter
+from weightsync.api.engines import Adapter, Request
 from weightsync.api.timeouts import Timeouts
 
 GROUP = "weightsync.io"
@@ -43,6 +43,9 @@ def rules(*items: CelRule) -> dict[str, Any]:
 def immutable(path: str, why: str) -> CelRule:
     return CelRule(rule="self == oldSelf", message=f"{path} is immutable: {why}")
 
+
+#: Planner policies (weightsync/plan/policies.py), spelled once.
+Planner = Literal["balanced", "miles"]
 
 class ApiModel(BaseModel):
     """Base for every API object: camelCase on the wire, unknown fields rejected."""
@@ -188,7 +191,7 @@ class TransferSpec(SpecModel):
     protocol: Literal["auto", "rdma", "tcp"] = Field(
         default="auto", description="Transport for p2p: RDMA when a NIC is present (auto), or forced."
     )
-    planner: Literal["balanced", "miles"] = Field(
+    planner: Planner = Field(
         default="balanced",
         description="balanced: even bytes per source, fewest replica shapes. "
         "miles: the published SGLang/Miles round-robin rule.",
@@ -215,6 +218,11 @@ class TransferSpec(SpecModel):
         description="live: write into the engine's weights while it is paused. "
         "staged: write into a staging area, copy on commit; the engine keeps serving meanwhile.",
     )
+
+    @property
+    def request(self) -> Request:
+        """What this transfer asks of the engines' adapter (checked by ``weightsync.api.engines.refusal``)."""
+        return Request(mode=self.mode, staging=self.target_staging, verify=self.verify)
 
     @property
     def timeouts(self) -> Timeouts:

@@ -21,7 +21,7 @@ from typing import Any, Final, Literal, Self
 from pydantic import ConfigDict, Field, model_validator
 
 from weightsync.api.engines import Adapter
-from weightsync.api.v1alpha1 import ApiModel, TransferSpec
+from weightsync.api.v1alpha1 import ApiModel, Planner, TransferSpec
 
 SCHEMA_VERSION: Final = "weightsync.io/plan/v1"
 
@@ -108,7 +108,7 @@ class Plan(ApiModel):
     group: str = ""
     namespace: str = ""
     revision: int = Field(default=1, ge=1, description="Bumped by the operator whenever the hash changes.")
-    policy: Literal["balanced", "miles"]
+    policy: Planner
     layout: Layout
     transfer: TransferSpec = Field(default_factory=TransferSpec)
     sources: tuple[SourceAssignment, ...]

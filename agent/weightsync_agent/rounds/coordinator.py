@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from weightsync.api.engines import Request, refusal
+from weightsync.api.engines import refusal
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan
 from weightsync_agent import metrics
@@ -112,8 +112,7 @@ class Coordinator:
             plan = self.own_sources.plan
             if plan is None:
                 return self._finish(self._refused(version, "the sources are not built yet"), "regular")
-            refused = refusal(plan.layout.adapter, Request(plan.transfer.mode, plan.transfer.target_staging,
-                                                           plan.transfer.verify))  # fmt: skip
+            refused = refusal(plan.layout.adapter, plan.transfer.request)
             if refused is not None:
                 return self._finish(self._refused(version, refused.message), "regular")
             mode = self._mode_for(plan)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.api import names
-from weightsync.api.engines import Refusal, Request, refusal
+from weightsync.api.engines import Refusal, refusal
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, PlanError
 from weightsync_agent import metrics
@@ -122,8 +122,7 @@ class AgentRuntime:
 
     def _refusal(self) -> Refusal | None:
         """Why this group's engines cannot be synced by their adapter, if they cannot (weightsync.api.engines)."""
-        transfer = self.plan.transfer
-        return refusal(self.plan.layout.adapter, Request(transfer.mode, transfer.target_staging, transfer.verify))
+        return refusal(self.plan.layout.adapter, self.plan.transfer.request)
 
     def _fetch_manifest(self, engine: int, rank: int) -> Manifest:
         settings = self._adapter_settings(self.config, self.directory.engine_url(engine))

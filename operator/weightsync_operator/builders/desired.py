@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightsync.api import names
-from weightsync.api.v1alpha1 import WeightSyncGroup
+from weightsync.api.v1alpha1 import WeightSyncGroup, WeightSyncGroupSpec
 from weightsync.plan import Plan
 from weightsync_operator.builders.common import BuildOptions, JsonDict
 from weightsync_operator.builders.configmap import build_plan_config_map
@@ -36,16 +36,20 @@ class DesiredState:
         return (*self.supporting_objects(), *self.pods)
 
 
-def expected_pod_names(group: WeightSyncGroup) -> tuple[str, ...]:
-    """Names of every pod the group should have: trainers by index, then engines engine-major."""
-    spec = group.spec
-    name = group.metadata.name
+def expected_pods(spec: WeightSyncGroupSpec, name: str) -> tuple[list[str], list[str]]:
+    """The one list of the pods a group should have: (trainers by index, engines engine-major)."""
     trainers = [names.trainer_pod(name, i) for i in range(spec.trainer.replicas)]
     engines = [
         names.engine_pod(name, e, j)
         for e in range(spec.inference.engines)
         for j in range(spec.inference.pods_per_engine)
     ]
+    return trainers, engines
+
+
+def expected_pod_names(group: WeightSyncGroup) -> tuple[str, ...]:
+    """Names of every pod the group should have: trainers by index, then engines engine-major."""
+    trainers, engines = expected_pods(group.spec, group.metadata.name)
     return (*trainers, *engines)
 
 

@@ -241,11 +241,6 @@ def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
         (names.ENV_PLAN_CONFIG_MAP, names.plan_config_map(group.metadata.name)),
         (names.ENV_AGENT_PORT, str(spec.agent.port)),
     ]
-    if who.role == "engine":
-        values += [
-            (names.ENV_ENGINE_PORT, str(spec.inference.port)),
-            (names.ENV_ADAPTER, spec.inference.adapter),
-        ]
     values.append((names.ENV_DEVICES, ",".join(spec.rdma.devices)))
     env: list[JsonDict] = [{"name": key, "value": value} for key, value in values]
     env += [
