@@ -30,13 +30,21 @@ class Directory(Protocol):
         """The agent URL of trainer pod ``pod``."""
         ...
 
+    def engine_agent_url(self, engine: int) -> str:
+        """The agent URL of engine ``engine``'s first pod (adapters whose manifests the agent assembles)."""
+        ...
+
 
 class StaticDirectory:
-    """Fixed URLs, e.g. from ``WEIGHTSYNC_DIRECTORY_FILE``: ``{"engines": {...}, "trainers": {...}}``."""
+    """Fixed URLs, e.g. from ``WEIGHTSYNC_DIRECTORY_FILE``:
+    ``{"engines": {...}, "trainers": {...}, "engineAgents": {...}}``."""
 
-    def __init__(self, engines: Mapping[int, str], trainers: Mapping[int, str]) -> None:
+    def __init__(
+        self, engines: Mapping[int, str], trainers: Mapping[int, str], engine_agents: Mapping[int, str] | None = None
+    ) -> None:
         self.engines = dict(engines)
         self.trainers = dict(trainers)
+        self.engine_agents = dict(engine_agents or {})
 
     @classmethod
     def from_file(cls, path: str | Path) -> StaticDirectory:
@@ -45,15 +53,19 @@ class StaticDirectory:
             return cls(
                 {int(k): str(v) for k, v in data.get("engines", {}).items()},
                 {int(k): str(v) for k, v in data.get("trainers", {}).items()},
+                {int(k): str(v) for k, v in data.get("engineAgents", {}).items()},
             )
         except (OSError, ValueError, AttributeError) as exc:
             raise DirectoryError(f"cannot read the directory file {path}: {exc}") from exc
 
     def to_json(self) -> dict[str, dict[str, str]]:
-        return {
+        out = {
             "engines": {str(k): v for k, v in sorted(self.engines.items())},
             "trainers": {str(k): v for k, v in sorted(self.trainers.items())},
         }
+        if self.engine_agents:
+            out["engineAgents"] = {str(k): v for k, v in sorted(self.engine_agents.items())}
+        return out
 
     def engine_url(self, engine: int) -> str:
         try:
@@ -66,6 +78,12 @@ class StaticDirectory:
             return self.trainers[pod]
         except KeyError:
             raise DirectoryError(f"no URL for trainer pod {pod} in the directory") from None
+
+    def engine_agent_url(self, engine: int) -> str:
+        try:
+            return self.engine_agents[engine]
+        except KeyError:
+            raise DirectoryError(f"no agent URL for engine {engine} in the directory") from None
 
 
 class FileDirectory:
@@ -93,6 +111,9 @@ class FileDirectory:
 
     def trainer_url(self, pod: int) -> str:
         return self._refresh().trainer_url(pod)
+
+    def engine_agent_url(self, engine: int) -> str:
+        return self._refresh().engine_agent_url(engine)
 
 
 class PodDirectory:
@@ -126,3 +147,7 @@ class PodDirectory:
     def trainer_url(self, pod: int) -> str:
         name = names.trainer_pod(self.group, pod)
         return self._advertised(name, names.ANNOTATION_AGENT_URL) or self._dns(name, self.layout.agent_port)
+
+    def engine_agent_url(self, engine: int) -> str:
+        pod = names.engine_pod(self.group, engine, 0)
+        return self._advertised(pod, names.ANNOTATION_AGENT_URL) or self._dns(pod, self.layout.agent_port)

@@ -29,7 +29,8 @@ from weightsync.ports import free_port
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.directory import StaticDirectory
 from weightsync_agent.rounds.remote import AgentClient, AgentError
-from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
+from weightsync_testing.engine_harness import EngineHarness, ReferenceEngines, StartedEngine
+from weightsync_testing.reference_engine.launch import stop_process
 
 
 @dataclass
@@ -54,7 +55,14 @@ class AgentProcess:
 
 
 class LoopbackGroup:
-    def __init__(self, spec: WeightSyncGroupSpec, *, group: str = "local", workdir: Path | None = None) -> None:
+    def __init__(
+        self,
+        spec: WeightSyncGroupSpec,
+        *,
+        group: str = "local",
+        workdir: Path | None = None,
+        engines: EngineHarness | None = None,
+    ) -> None:
         if spec.trainer.ranks_per_pod != 1:
             raise ValueError("local groups run one trainer rank per agent (trainer.ranksPerPod: 1)")
         if spec.inference.ranks_per_pod != spec.inference.ranks_per_engine:
@@ -66,8 +74,10 @@ class LoopbackGroup:
         root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"weightsync-{group}-", dir=root))
         self.plan: Plan = plan_for(spec, group=group, namespace="local")
-        self.engines: dict[int, EngineProcess] = {}
+        self.harness: EngineHarness = engines or ReferenceEngines()
+        self.engines: dict[int, StartedEngine] = {}
         self.agents: dict[int, AgentProcess] = {}
+        self.engine_agents: dict[int, AgentProcess] = {}
         self.directory = StaticDirectory({}, {})
 
     # --- Files the agents read ---------------------------------------------------------------------
@@ -107,16 +117,31 @@ class LoopbackGroup:
         return self
 
     def _start_engine(self, engine: int, seed: int) -> None:
-        staged = self.spec.transfer.target_staging == "staged"
-        process = launch_engine(
-            engine,
-            self.spec.inference.ranks_per_engine,
-            seed=seed + engine,
-            staged=staged,
-            extra=("--transfer-timeout", str(self.spec.transfer.timeout_seconds)),
-        )
-        self.engines[engine] = process
-        self.directory.engines[engine] = process.url
+        started = self.harness.start(engine, self.spec, seed + engine)
+        self.engines[engine] = started
+        self.directory.engines[engine] = started.url
+        if self.harness.needs_engine_agent:
+            port = free_port()
+            self.directory.engine_agents[engine] = f"http://127.0.0.1:{port}"
+            self._publish_files()
+            self.engine_agents[engine] = self._spawn(f"engine-{engine}", self.engine_agent_env(engine, port, started))
+
+    def engine_agent_env(self, engine: int, port: int, started: StartedEngine) -> dict[str, str]:
+        ranks = range(self.spec.inference.ranks_per_engine)
+        return {
+            names.ENV_GROUP: self.group,
+            names.ENV_NAMESPACE: "local",
+            names.ENV_ROLE: "engine",
+            names.ENV_POD_INDEX: "0",
+            names.ENV_ENGINE_INDEX: str(engine),
+            names.ENV_RANKS: ",".join(str(r) for r in ranks),
+            names.ENV_PLAN_FILE: str(self.plan_file),
+            names.ENV_DIRECTORY_FILE: str(self.directory_file),
+            names.ENV_AGENT_PORT: str(port),
+            names.ENV_ENGINE_URL: started.url,
+            "WEIGHTSYNC_TICK_SECONDS": "0.5",
+            **started.agent_env,
+        }
 
     def agent_env(self, pod: int) -> dict[str, str]:
         port = int(self.directory.trainers[pod].rsplit(":", 1)[1])
@@ -134,8 +159,12 @@ class LoopbackGroup:
         }
 
     def start_agent(self, pod: int) -> AgentProcess:
-        env = self.agent_env(pod)
-        log = (self.workdir / f"agent-{pod}.log").open("ab")
+        agent = self._spawn(f"agent-{pod}", self.agent_env(pod), pod)
+        self.agents[pod] = agent
+        return agent
+
+    def _spawn(self, name: str, env: dict[str, str], pod: int = 0) -> AgentProcess:
+        log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(
             [sys.executable, "-m", "weightsync.cli.main", "agent"],
             env={**os.environ, **env},
@@ -143,9 +172,7 @@ class LoopbackGroup:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        agent = AgentProcess(pod, int(env[names.ENV_AGENT_PORT]), env, process, log)
-        self.agents[pod] = agent
-        return agent
+        return AgentProcess(pod, int(env[names.ENV_AGENT_PORT]), env, process, log)
 
     def wait_built(self, timeout: float = 90.0, *, plan_hash: str | None = None) -> None:
         """Until every agent built its sources (for ``plan_hash``, when given)."""
@@ -182,7 +209,7 @@ class LoopbackGroup:
         return self.plan
 
     def stop(self) -> None:
-        for agent in self.agents.values():
+        for agent in [*self.agents.values(), *self.engine_agents.values()]:
             agent.stop()
         for engine in self.engines.values():
             engine.stop()

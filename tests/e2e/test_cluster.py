@@ -157,8 +157,7 @@ RDMA_GROUP = "rdma"
 
 
 def test_rdma_group_pods_carry_everything_rdma_needs(admin: Kube, group_ns: str) -> None:
-    # The example's sglang adapter is refused until it lands (see the next test): the pods need reference.
-    obj = load_example("rdma-group.yaml", NS, trainer__replicas=2, inference__engines=2, inference__adapter="reference")
+    obj = load_example("rdma-group.yaml", NS, trainer__replicas=2, inference__engines=2)
     obj["metadata"]["name"] = RDMA_GROUP
     obj["spec"]["rdma"]["networks"] = ["e2e/rdma-net"]
     admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
@@ -192,12 +191,13 @@ def test_rdma_group_pods_carry_everything_rdma_needs(admin: Kube, group_ns: str)
 def test_an_adapter_without_support_is_refused_not_provisioned(
     admin: Kube, group_ns: str, operator: OperatorProcess
 ) -> None:
-    """The production-shaped example as it is (inference.adapter: sglang, which has no adapter yet): the API
+    """The production-shaped example asking stock SGLang for staged writes (it has no staging area): the API
     server accepts it, the operator refuses it on the status, with a Warning event, and creates no pods."""
     name = "no-adapter"
     obj = load_example("rdma-group.yaml", NS)
     obj["metadata"]["name"] = name
     assert obj["spec"]["inference"]["adapter"] == "sglang"
+    obj["spec"]["transfer"]["targetStaging"] = "staged"
     admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
     try:
         final = wait_for(
@@ -205,14 +205,16 @@ def test_an_adapter_without_support_is_refused_not_provisioned(
         )
         conditions = {c["type"]: c for c in final["conditions"]}
         ready = conditions["Ready"]
-        assert ready["status"] == "False" and ready["reason"] == "AdapterUnavailable", ready
-        assert "sglang" in ready["message"]
-        assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "AdapterUnavailable"
+        assert ready["status"] == "False" and ready["reason"] == "AdapterLacksCapability", ready
+        assert "sglang" in ready["message"] and "targetStaging 'staged'" in ready["message"]
+        degraded = conditions["Degraded"]
+        assert degraded["status"] == "True" and degraded["reason"] == "AdapterLacksCapability"
         assert conditions["PlanReady"]["status"] == "False"
         events = wait_for(
-            "the AdapterUnavailable event",
+            "the AdapterLacksCapability event",
             lambda: admin.json(
-                "-n", NS, "get", "events", "--field-selector", f"involvedObject.name={name},reason=AdapterUnavailable"
+                "-n", NS, "get", "events", "--field-selector",
+                f"involvedObject.name={name},reason=AdapterLacksCapability",
             )["items"],
         )
         assert events[0]["type"] == "Warning" and "sglang" in events[0]["message"]

@@ -17,11 +17,13 @@ def test_the_reference_adapter_serves_every_transfer() -> None:
             assert capability_problem(group.spec) is None, (mode, staging)
 
 
-def test_sglang_without_an_adapter_is_a_fatal_problem_that_names_it() -> None:
-    problem = capability_problem(GroupBuilder().adapter("sglang").model().spec)
+def test_sglang_asked_to_stage_is_a_fatal_problem_that_names_it() -> None:
+    # Stock SGLang has no staging area: its adapter syncs live weights only.
+    problem = capability_problem(GroupBuilder().adapter("sglang").set("transfer.targetStaging", "staged").model().spec)
     assert problem is not None and problem.fatal
-    assert problem.reason == "AdapterUnavailable"
-    assert "'sglang'" in problem.message and "reference" in problem.message
+    assert problem.reason == "AdapterLacksCapability"
+    assert "'sglang'" in problem.message and "transfer.targetStaging 'staged'" in problem.message
+    assert capability_problem(GroupBuilder().adapter("sglang").model().spec) is None
 
 
 def test_the_request_is_read_from_spec_transfer() -> None:

@@ -402,18 +402,18 @@ async def test_invalid_layout_is_caught_by_the_cel_rules(cluster: Cluster, opera
 
 
 async def test_an_adapter_that_cannot_serve_the_spec_is_refused(cluster: Cluster, operator: KopfRunner) -> None:
-    # Valid for the API server, but this version has no SGLang adapter: refused, not pods that never get ready.
-    await cluster.create_group(GroupBuilder("g", NS).adapter("sglang").build())
+    # Valid for the API server, but stock SGLang has no staging area: refused, not pods that never get ready.
+    await cluster.create_group(GroupBuilder("g", NS).adapter("sglang").set("transfer.targetStaging", "staged").build())
     await cluster.create_group(GroupBuilder("ok", NS).adapter("reference").build())
     await eventually(lambda: cluster.status("g").get("phase") == "Failed", what="Failed")
     ready = cluster.condition("g", "Ready")
-    assert ready["status"] == "False" and ready["reason"] == "AdapterUnavailable"
-    assert "sglang" in ready["message"]
+    assert ready["status"] == "False" and ready["reason"] == "AdapterLacksCapability"
+    assert "sglang" in ready["message"] and "targetStaging" in ready["message"]
     degraded = cluster.condition("g", "Degraded")
-    assert degraded["status"] == "True" and degraded["reason"] == "AdapterUnavailable"
+    assert degraded["status"] == "True" and degraded["reason"] == "AdapterLacksCapability"
     plan_ready = cluster.condition("g", "PlanReady")
-    assert plan_ready["status"] == "False" and plan_ready["reason"] == "AdapterUnavailable"
-    (warning,) = await eventually(lambda: cluster.events("AdapterUnavailable"), what="Warning event")
+    assert plan_ready["status"] == "False" and plan_ready["reason"] == "AdapterLacksCapability"
+    (warning,) = await eventually(lambda: cluster.events("AdapterLacksCapability"), what="Warning event")
     assert warning["type"] == "Warning" and "sglang" in warning["message"]
     assert warning["involvedObject"]["name"] == "g"
     assert "g-plan" not in cluster.objects("v1/configmaps")

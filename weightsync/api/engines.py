@@ -15,8 +15,8 @@ Adapter = Literal["sglang", "reference"]
 SyncModeName = Literal["p2p", "broadcast"]
 Staging = Literal["live", "staged"]
 #: How targets check what landed: per-bucket xxh3-64 over the engine's own memory (weightsync's
-#: verify routes), or nothing.
-VerifyKind = Literal["bucket-xxh3", "none"]
+#: verify routes), the engine's own per-parameter hash (SGLang's ``/weights_checker``), or nothing.
+VerifyKind = Literal["bucket-xxh3", "tensor-hash", "none"]
 
 ADAPTERS: Final[tuple[Adapter, ...]] = get_args(Adapter)
 SYNC_MODES: Final[tuple[SyncModeName, ...]] = get_args(SyncModeName)
@@ -52,9 +52,14 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
     ),
     "sglang": EngineKind(
         "sglang",
-        None,
-        unavailable="stock SGLang servers lack the verify/commit routes and a shard map from trainer tensors "
-        "to their parameters (docs/agent.md, 'Engines'); use inference.adapter: reference",
+        # Stock SGLang publishes its live weights only (no staging area); broadcast through its
+        # update_weights_from_distributed route is not built yet (docs/engines/sglang.md).
+        Capabilities(
+            modes=frozenset({"p2p"}),
+            staging=frozenset({"live"}),
+            verify="tensor-hash",
+            catch_up=True,
+        ),
     ),
 }
 

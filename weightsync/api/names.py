@@ -54,8 +54,9 @@ ANNOTATION_LAST_ROUND: Final = "weightsync.io/last-round"
 #: Written by an engine's agent (pod 0 of the engine) on its own pod: the engine's HTTP base URL, where
 #: sources fetch manifests and the coordinator pauses, verifies and commits.
 ANNOTATION_ENGINE_URL: Final = "weightsync.io/engine-url"
-#: Written by a trainer pod's agent on its own pod: the agent's HTTP base URL (the coordinator's
-#: way to ask that pod's sources to write).
+#: Written by a trainer pod's agent, and by an engine's first pod's agent, on its own pod: the agent's
+#: HTTP base URL (the coordinator's way to ask that pod's sources to write; where adapters whose
+#: manifests the engine's agent assembles, such as SGLang's, fetch them).
 ANNOTATION_AGENT_URL: Final = "weightsync.io/agent-url"
 MULTUS_NETWORKS: Final = "k8s.v1.cni.cncf.io/networks"
 

@@ -47,6 +47,7 @@ def immutable(path: str, why: str) -> CelRule:
 #: Planner policies (weightsync/plan/policies.py), spelled once.
 Planner = Literal["balanced", "miles"]
 
+
 class ApiModel(BaseModel):
     """Base for every API object: camelCase on the wire, unknown fields rejected."""
 

@@ -14,11 +14,13 @@ pieces (merged or not) does not change it.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Callable, Iterable
 
 import xxhash
 
-from weightsync_agent.layout.buckets import Bucket
+from weightsync_agent.layout.buckets import Bucket, replica_offsets
+from weightsync_agent.layout.manifest import Manifest
 
 _PyBUF_READ = 0x100
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -59,6 +61,33 @@ def target_ranges(bucket: Bucket) -> list[tuple[int, int]]:
 def source_checksum(bucket: Bucket, replica_address: int) -> str:
     """What the source reports for ``bucket``: its replica bytes."""
     return checksum_ranges(source_ranges(bucket, replica_address))
+
+
+def tensor_sha256_8(address: int, nbytes: int) -> str:
+    """SGLang's CPU-tensor hash: the first 8 bytes of sha256 of the bytes, big-endian, as ``%016x``."""
+    return hashlib.sha256(view(address, nbytes) if nbytes else b"").digest()[:8].hex()
+
+
+def tensor_sglang_gpu(address: int, nbytes: int) -> str:
+    """SGLang's ``gpu_tensor_hash`` of the bytes (what a CUDA engine's ``/weights_checker`` reports)."""
+    from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_gpu_hash
+
+    return sglang_gpu_hash(view(address, nbytes) if nbytes else b"")
+
+
+TENSOR_HASHES: dict[str, Callable[[int, int], str]] = {
+    "tensor-sha256-8": tensor_sha256_8,
+    "tensor-sglang-gpu": tensor_sglang_gpu,
+}
+
+
+def tensor_checksums(manifest: Manifest, replica_address: int) -> list[str]:
+    """Per tensor, in manifest order, the hash ``manifest.checksum`` names, over the replica's bytes."""
+    hasher = TENSOR_HASHES.get(manifest.checksum)
+    if hasher is None:
+        raise ValueError(f"{manifest.checksum} is not a per-tensor scheme")
+    offsets = replica_offsets(manifest)
+    return [hasher(replica_address + offsets[t.name], t.nbytes) for t in manifest.tensors]
 
 
 def target_checksum(bucket: Bucket) -> str:

@@ -40,6 +40,13 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
+#: How a target checks what landed (docs/architecture.md): per bucket, xxh3-64 of the bytes (weightsync's
+#: own verify routes); or per tensor, in manifest order, the engine's own hash: ``tensor-sha256-8`` is
+#: the first 8 bytes of sha256 of the tensor's bytes (SGLang's ``/weights_checker`` on CPU tensors),
+#: ``tensor-sglang-gpu`` SGLang's ``gpu_tensor_hash`` (on CUDA tensors).
+ChecksumScheme = Literal["bucket-xxh3", "tensor-sha256-8", "tensor-sglang-gpu"]
+
+
 class ManifestError(ValueError):
     """A manifest that cannot be trusted: refused before anything is written."""
 
@@ -144,6 +151,7 @@ class Manifest(ApiModel):
     tensors: tuple[TensorEntry, ...] = Field(min_length=1)
     regions: tuple[Region, ...] = Field(min_length=1, description="Registered buffers holding the tensors.")
     staging: bool = Field(default=False, description="Addresses point into a staging area copied on commit.")
+    checksum: ChecksumScheme = Field(default="bucket-xxh3", description="What the source reports for verification.")
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -34,8 +34,8 @@ from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.writer import SourceConfigError
-from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
-from weightsync_agent.targets.registry import make_adapter
+from weightsync_agent.targets.adapter import AdapterUnavailableError, EngineAdapter
+from weightsync_agent.targets.registry import make_adapter, settings_for
 from weightsync_agent.transport.base import TransportError
 
 log = logging.getLogger("weightsync.agent.coordinator")
@@ -208,16 +208,7 @@ class Coordinator:
         return self.mode
 
     def _adapter(self, plan: Plan, engine: int) -> EngineAdapter:
-        transfer = plan.transfer
-        settings = AdapterSettings(
-            engine=engine,
-            url=self.directory.engine_url(engine),
-            ranks=plan.layout.ranks_per_engine,
-            bucket_bytes=transfer.bucket_bytes,
-            verify=transfer.verify,
-            staging=transfer.target_staging,
-            call_timeout=self.call_timeout,
-        )
+        settings = settings_for(plan, engine, self.directory, call_timeout=self.call_timeout)
         return make_adapter(plan.layout.adapter, settings)
 
     def _driver(

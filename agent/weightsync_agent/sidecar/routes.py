@@ -13,9 +13,19 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from weightsync_agent.http.server import BadRequestError, error_middleware, int_field, json_object, seconds_field
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.http.server import (
+    BadRequestError,
+    error_middleware,
+    error_response,
+    int_field,
+    json_object,
+    seconds_field,
+)
+from weightsync_agent.layout.manifest import ManifestError
 from weightsync_agent.rounds.wire import round_result_to_json, source_report_to_json
 from weightsync_agent.source.control import RoundScope
+from weightsync_agent.targets.agent import MANIFEST_ROUTE
 
 if TYPE_CHECKING:
     from weightsync_agent.sidecar.runtime import AgentRuntime
@@ -74,6 +84,22 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         runtime.sources_or_fail().committed(rank, version)
         return web.json_response({"ok": True})
 
+    async def engine_manifest(request: web.Request) -> web.Response:
+        engine = runtime.engine
+        if engine is None:
+            raise LookupError("this agent runs no engine")
+        try:
+            rank = int(request.query.get("rank", ""))
+        except ValueError as exc:
+            raise BadRequestError(f"rank must be an integer: {exc}") from exc
+        try:
+            manifest = await asyncio.to_thread(engine.manifest, rank)
+        except HttpCallError as exc:
+            return error_response(503, f"the engine did not answer: {exc}")
+        except ManifestError as exc:
+            return error_response(409, str(exc))
+        return web.json_response(manifest.model_dump(mode="json", by_alias=True))
+
     app = web.Application(middlewares=[error_middleware])
     app.add_routes(
         [
@@ -84,6 +110,7 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             web.get("/v1/rounds/{version}", round_result),
             web.post(r"/v1/sources/{rank:\d+}/publish", source_publish),
             web.post(r"/v1/sources/{rank:\d+}/committed", source_committed),
+            web.get(MANIFEST_ROUTE, engine_manifest),
         ]
     )
     return app

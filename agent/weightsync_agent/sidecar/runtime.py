@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,9 @@ from weightsync_agent.sidecar.report import PodReporter
 from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.replica import ReplicaError
 from weightsync_agent.source.writer import SourceConfigError
-from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError
+from weightsync_agent.targets.adapter import AdapterUnavailableError
 from weightsync_agent.targets.agent import EngineAgent
-from weightsync_agent.targets.registry import make_adapter
+from weightsync_agent.targets.registry import make_adapter, settings_for
 from weightsync_agent.transport.base import Transport, TransportError
 
 log = logging.getLogger("weightsync.agent")
@@ -96,7 +95,9 @@ class AgentRuntime:
             refused = self._refusal()
             adapter = None
             if refused is None:
-                adapter = make_adapter(self.plan.layout.adapter, self._adapter_settings(config, engine_url))
+                settings = settings_for(self.plan, config.engine_index or 0, directory, call_timeout=call_timeout,
+                                        url=engine_url, engine_side=True)  # fmt: skip
+                adapter = make_adapter(self.plan.layout.adapter, settings)
             self.engine = EngineAgent(
                 config.group,
                 engine_url,
@@ -108,25 +109,14 @@ class AgentRuntime:
             )
         metrics.PLAN_REVISION.labels(config.group).set(self.plan.revision)
 
-    def _adapter_settings(self, config: AgentConfig, url: str) -> AdapterSettings:
-        transfer = self.plan.transfer
-        return AdapterSettings(
-            engine=config.engine_index or 0,
-            url=url,
-            ranks=self.plan.layout.ranks_per_engine,
-            bucket_bytes=transfer.bucket_bytes,
-            verify=transfer.verify,
-            staging=transfer.target_staging,
-            call_timeout=self.call_timeout,
-        )
 
     def _refusal(self) -> Refusal | None:
         """Why this group's engines cannot be synced by their adapter, if they cannot (weightsync.api.engines)."""
         return refusal(self.plan.layout.adapter, self.plan.transfer.request)
 
     def _fetch_manifest(self, engine: int, rank: int) -> Manifest:
-        settings = self._adapter_settings(self.config, self.directory.engine_url(engine))
-        return make_adapter(self.plan.layout.adapter, replace(settings, engine=engine)).manifest(rank)
+        settings = settings_for(self.plan, engine, self.directory, call_timeout=self.call_timeout)
+        return make_adapter(self.plan.layout.adapter, settings).manifest(rank)
 
     @property
     def round_timeout(self) -> float:
@@ -135,7 +125,8 @@ class AgentRuntime:
     # --- Background loop ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.reporter is not None and self.agent_url and self.sources is not None:
+        advertises = self.sources is not None or (self.engine is not None and self.engine.advertise)
+        if self.reporter is not None and self.agent_url and advertises:
             self.reporter.annotate({names.ANNOTATION_AGENT_URL: self.agent_url})
         self.tick()
         self._thread = threading.Thread(target=self._loop, name="weightsync-agent-loop", daemon=True)

@@ -100,6 +100,16 @@ class SourceAgent:
         self.transports[rank] = transport
         self.sources[rank] = Source(transport, plan, rank, manifests, replicas=replicas, pin=self.pin)
 
+    def drop_rank(self, rank: int) -> None:
+        """``rank`` writes nothing under the new plan: no Source, no replica files."""
+        source = self.sources.pop(rank, None)
+        if source is not None:
+            source.close()
+        replicas = self.replicas.pop(rank, None)
+        if replicas is not None:
+            replicas.close(unlink=True)
+        self.held[rank] = None
+
     def drop_sources(self) -> None:
         for source in self.sources.values():
             source.close()

@@ -48,6 +48,10 @@ class AdapterSettings:
     staging: Staging = "live"
     #: Bound on one HTTP call to the engine (docs/architecture.md, "Timeouts").
     call_timeout: float = HTTP_CALL_SECONDS
+    #: The agent of the engine's first pod, for kinds whose manifests that agent assembles (SGLang).
+    agent_url: str | None = None
+    #: True in the engine's own pod: the adapter may inspect the engine locally (trace its model).
+    engine_side: bool = False
 
 
 class EngineRound(Protocol):

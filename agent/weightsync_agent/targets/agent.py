@@ -19,9 +19,13 @@ from weightsync.api import names
 from weightsync.api.engines import Refusal
 from weightsync_agent import metrics
 from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.targets.adapter import EngineAdapter, Readiness
 
 log = logging.getLogger("weightsync.agent.engine")
+
+#: The engine pod agent's route serving manifests its adapter assembles (``?rank=r``).
+MANIFEST_ROUTE = "/v1/engine/manifest"
 
 SetReady = Callable[[bool, str, str], None]
 Annotate = Callable[[dict[str, Any]], None]
@@ -92,3 +96,12 @@ class EngineAgent:
             log.info("engine holds weight version %s", version)
         self.state = EngineState(ready, reason, version if version is not None else self.state.version)
         return self.state
+
+    def manifest(self, rank: int) -> Manifest:
+        """Rank ``rank``'s manifest as this pod's adapter assembles it (served to sources by the agent)."""
+        if self.adapter is None:
+            reason = self.refused.message if self.refused is not None else "no adapter for this engine kind"
+            raise LookupError(reason)
+        if not 0 <= rank < self.adapter.settings.ranks:
+            raise ValueError(f"rank must be in [0, {self.adapter.settings.ranks}), got {rank}")
+        return self.adapter.manifest(rank)

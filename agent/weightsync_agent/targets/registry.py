@@ -6,13 +6,17 @@ from collections.abc import Callable
 from typing import Final
 
 from weightsync.api.engines import ENGINE_KINDS, unavailable_message
+from weightsync.plan import Plan
+from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
 from weightsync_agent.targets.reference.adapter import ReferenceAdapter
+from weightsync_agent.targets.sglang.adapter import SglangAdapter
 
 AdapterFactory = Callable[[AdapterSettings], EngineAdapter]
 
 ADAPTERS: Final[dict[str, AdapterFactory]] = {
     ReferenceAdapter.kind: ReferenceAdapter,
+    SglangAdapter.kind: SglangAdapter,
 }
 
 
@@ -25,3 +29,31 @@ def make_adapter(kind: str, settings: AdapterSettings) -> EngineAdapter:
             raise AdapterUnavailableError(unavailable_message(known))
         raise AdapterUnavailableError(f"inference.adapter {kind!r} is not a known engine kind")
     return factory(settings)
+
+
+def settings_for(
+    plan: Plan,
+    engine: int,
+    directory: Directory,
+    *,
+    call_timeout: float,
+    url: str | None = None,
+    engine_side: bool = False,
+) -> AdapterSettings:
+    """Engine ``engine``'s adapter settings under ``plan`` (``url``: the engine's, when known without the directory)."""
+    transfer = plan.transfer
+    try:
+        agent_url: str | None = directory.engine_agent_url(engine)
+    except DirectoryError:
+        agent_url = None  # only kinds whose manifests the engine's agent assembles need it
+    return AdapterSettings(
+        engine=engine,
+        url=url or directory.engine_url(engine),
+        ranks=plan.layout.ranks_per_engine,
+        bucket_bytes=transfer.bucket_bytes,
+        verify=transfer.verify,
+        staging=transfer.target_staging,
+        call_timeout=call_timeout,
+        agent_url=agent_url,
+        engine_side=engine_side,
+    )

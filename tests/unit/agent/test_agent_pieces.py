@@ -35,7 +35,7 @@ from weightsync_agent.source.report import SourceReport
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
 
-def spec(adapter: str = "reference") -> WeightSyncGroupSpec:
+def spec(adapter: str = "reference", staging: str = "live") -> WeightSyncGroupSpec:
     return WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": 2, "template": TEMPLATE},
@@ -46,6 +46,7 @@ def spec(adapter: str = "reference") -> WeightSyncGroupSpec:
                 "adapter": adapter,
                 "template": TEMPLATE,
             },
+            "transfer": {"targetStaging": staging},
         }
     )
 
@@ -115,16 +116,16 @@ def test_the_directory_file_is_reread_when_it_changes(tmp_path: Path) -> None:
     assert directory.engine_url(1) == "http://bb"
 
 
-def _coordinator(adapter: str) -> Coordinator:
+def _coordinator(adapter: str, staging: str = "live") -> Coordinator:
     local = SourceAgent("g", [0], make_transport=lambda: None, replica_root=lambda r: Path("/nonexistent"))  # type: ignore[arg-type,return-value]
-    local.plan = plan_for(spec(adapter), group="g")
+    local.plan = plan_for(spec(adapter, staging), group="g")
     return Coordinator("g", local, StaticDirectory({}, {}))
 
 
-def test_the_coordinator_refuses_engines_without_an_adapter() -> None:
-    result = _coordinator("sglang").run_round(1)
+def test_the_coordinator_refuses_what_the_adapter_cannot_do() -> None:
+    result = _coordinator("sglang", staging="staged").run_round(1)
     assert result.result == "Failed" and result.attempts == 0
-    assert "inference.adapter 'sglang' has no weightsync adapter" in (result.reason or "")
+    assert "inference.adapter 'sglang' cannot do transfer.targetStaging 'staged'" in (result.reason or "")
 
 
 def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:

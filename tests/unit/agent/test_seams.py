@@ -9,7 +9,8 @@ from typing import get_args
 
 import pytest
 
-from weightsync.api.engines import ENGINE_KINDS, Refusal, Request, SyncModeName, refusal
+from weightsync.api import engines
+from weightsync.api.engines import ENGINE_KINDS, EngineKind, Refusal, Request, SyncModeName, refusal
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync_agent.modes.broadcast.mode import BroadcastMode
@@ -57,21 +58,23 @@ def test_an_adapter_has_every_method_of_the_seam() -> None:
         assert not missing, f"{type(adapter).__name__} lacks {missing}"
 
 
-def test_an_engine_kind_without_an_adapter_is_refused_naming_it() -> None:
-    with pytest.raises(AdapterUnavailableError, match=r"inference\.adapter 'sglang' has no weightsync adapter"):
-        make_adapter("sglang", SETTINGS)
+def test_an_engine_kind_without_an_adapter_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = EngineKind("planned", None, unavailable="planned for later")  # type: ignore[arg-type]
+    monkeypatch.setitem(engines.ENGINE_KINDS, "planned", planned)  # type: ignore[misc, arg-type]
+    with pytest.raises(AdapterUnavailableError, match=r"inference\.adapter 'planned' has no weightsync adapter"):
+        make_adapter("planned", SETTINGS)
     with pytest.raises(AdapterUnavailableError, match="'nonesuch' is not a known engine kind"):
         make_adapter("nonesuch", SETTINGS)
 
 
 def test_an_engine_pod_whose_adapter_is_refused_stays_unready_saying_why() -> None:
     said: list[tuple[bool, str, str]] = []
-    why = refusal("sglang", Request("p2p", "live", True))
+    why = refusal("sglang", Request("p2p", "staged", True))
     assert why is not None
     agent = EngineAgent("g", "http://127.0.0.1:9", None, refused=why, advertise=True,
                         set_ready=lambda *a: said.append(a))  # fmt: skip
     state = agent.check()
-    assert not state.ready and said == [(False, "AdapterUnavailable", why.message)]
+    assert not state.ready and said == [(False, "AdapterLacksCapability", why.message)]
     assert "sglang" in why.message
 
 
@@ -193,6 +196,8 @@ def test_nothing_outside_the_seams_branches_on_the_mode_or_the_adapter(
 
 def test_the_refusal_names_adapter_and_capability() -> None:
     assert refusal("reference", Request("broadcast", "staged", True)) is None
-    assert refusal("sglang", Request("p2p", "live", True)) == Refusal(
-        "AdapterUnavailable", refusal("sglang", Request("p2p", "live", False)).message  # type: ignore[union-attr]
+    assert refusal("sglang", Request("p2p", "live", True)) is None
+    assert refusal("sglang", Request("broadcast", "live", True)) == Refusal(
+        "AdapterLacksCapability",
+        "inference.adapter 'sglang' cannot sync in transfer.mode 'broadcast' (it supports p2p)",
     )

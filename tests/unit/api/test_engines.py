@@ -30,10 +30,19 @@ def test_unknown_adapter() -> None:
     assert "'vllm'" in refused.message and "sglang" in refused.message and "reference" in refused.message
 
 
-def test_unavailable_adapter() -> None:
-    refused = refusal("sglang", Request("p2p", "live", verify=True))
+def test_unavailable_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = EngineKind("planned", None, unavailable="planned for a later version")  # type: ignore[arg-type]
+    monkeypatch.setitem(engines.ENGINE_KINDS, "planned", planned)  # type: ignore[misc, arg-type]
+    refused = refusal("planned", Request("p2p", "live", verify=True))
     assert refused is not None and refused.reason == "AdapterUnavailable"
-    assert "'sglang'" in refused.message and ENGINE_KINDS["sglang"].unavailable in refused.message
+    assert "'planned' has no weightsync adapter yet: planned for a later version" in refused.message
+
+
+def test_stock_sglang_syncs_live_p2p_only() -> None:
+    assert refusal("sglang", Request("p2p", "live", verify=True)) is None
+    for request in (Request("broadcast", "live", verify=True), Request("p2p", "staged", verify=True)):
+        refused = refusal("sglang", request)
+        assert refused is not None and refused.reason == "AdapterLacksCapability" and "'sglang'" in refused.message
 
 
 def test_lacking_mode(narrow: str) -> None:

@@ -27,6 +27,9 @@ class P2PMode:
             fetched[rank] = {t: fetch(*t) for t in plan.sources[rank].targets}
         for rank, manifests in fetched.items():
             with agent.rank_lock(rank):
+                if not manifests:  # more trainer ranks than targets: this one has nothing to write
+                    agent.drop_rank(rank)
+                    continue
                 replicas = agent.replica_set(rank, list(manifests.values()))
                 agent.install_source(rank, plan, manifests, replicas)
         agent.adopt(plan, {t: m for manifests in fetched.values() for t, m in manifests.items()})

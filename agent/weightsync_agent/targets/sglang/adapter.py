@@ -1,0 +1,239 @@
+"""The stock-SGLang adapter: SGLang as it ships, driven through its own routes; no engine patches.
+
+SGLang publishes its live weights for one-sided writes when started with
+``--remote-instance-weight-loader-start-seed-via-transfer-engine`` (docs/engines/sglang.md). A round:
+
+| step | SGLang route |
+|---|---|
+| pause | ``POST /pause_generation {"mode": "retract"}``, then ``/flush_cache?timeout=…`` |
+| begin | ``POST /begin_weight_update`` (a session left open by a failed round is closed first) |
+| write | one-sided Mooncake writes into the published live weights |
+| verify | ``POST /weights_checker {"action": "checksum"}``: every written parameter of the rank, matched by TP rank |
+| commit | ``POST /end_weight_update``, then ``POST /update_weight_version`` — only after a verified round |
+| resume | ``POST /continue_generation`` |
+| abort | ``POST /end_weight_update`` to close the session; the version is never relabelled, the engine stays paused |
+
+There is no staging area in stock SGLang: live mode only. Manifests: the engine's own pod traces the
+model with the engine's SGLang code (:mod:`.trace_model`) and joins the trace with the published
+addresses (:mod:`.manifest`); everyone else fetches them from that pod's agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import ValidationError
+
+from weightsync.api.engines import ENGINE_KINDS, Capabilities
+from weightsync_agent.http.client import HttpCallError, JsonHttpClient
+from weightsync_agent.layout.manifest import Manifest, ManifestError
+from weightsync_agent.targets.adapter import AdapterSettings, Readiness, TargetVerdict
+from weightsync_agent.targets.agent import MANIFEST_ROUTE
+from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_agent.targets.sglang.manifest import assemble
+
+#: The engine's Python (its image's, in a pod; the pinned SGLang virtualenv in tests).
+ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
+TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
+TRACE_TIMEOUT_SECONDS = 300.0
+NOT_PUBLISHING = (
+    "SGLang does not publish its weights for one-sided writes: start it with "
+    "--remote-instance-weight-loader-start-seed-via-transfer-engine and a per-instance "
+    "--engine-info-bootstrap-port (SGLang turns the flag off with only a warning when the mooncake package "
+    "is not importable in the engine image, or with --enable-memory-saver)"
+)
+
+
+class SglangAdapter:
+    kind: ClassVar[str] = "sglang"
+    capabilities: ClassVar[Capabilities] = ENGINE_KINDS["sglang"].capabilities  # type: ignore[assignment]
+
+    def __init__(self, settings: AdapterSettings) -> None:
+        self.settings = settings
+        self.client = EngineClient(settings.url, timeout=settings.call_timeout)
+        self.name = f"engine {settings.engine} (SGLang at {self.client.base_url})"
+        self._manifests: dict[int, Manifest] = {}
+        self._checksums: tuple[int, dict[int, dict[str, str]]] | None = None  # (version, tp rank -> name -> hash)
+        self._traces: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._checking = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"SglangAdapter({self.name})"
+
+    # --- Discovery and readiness -------------------------------------------------------------------
+
+    def manifest(self, rank: int) -> Manifest:
+        manifest = self._assemble(rank) if self.settings.engine_side else self._fetch(rank)
+        self._manifests[rank] = manifest
+        return manifest
+
+    def held_version(self, timeout: float | None = None) -> str | None:
+        return self.client.weight_version(timeout=timeout)
+
+    def healthy(self, timeout: float) -> bool:
+        return self.client.health(timeout)
+
+    def readiness(self) -> Readiness:
+        try:
+            for rank in range(self.settings.ranks):
+                self.manifest(rank)
+        except HttpCallError as exc:
+            if exc.status == 400 and "transfer_engine_info" in exc.route:
+                return Readiness(False, "EngineNotPublishing", f"{NOT_PUBLISHING} ({exc})")
+            return Readiness(False, "EngineUnavailable", str(exc))
+        except ManifestError as exc:
+            return Readiness(False, "ManifestRefused", str(exc))
+        traced = f"SGLang at {self.client.base_url}: {self.settings.ranks} rank(s) traced"
+        return Readiness(True, "EngineServing", traced)
+
+    # --- The round ---------------------------------------------------------------------------------
+
+    def pause(self, timeout: float) -> None:
+        # retract: running requests go back to the queue and are recomputed after resume (abort would lose
+        # them, in_place would keep KV that the flush below must drop).
+        self.client.pause_generation("retract", timeout=timeout)
+        self.client.request("POST", "/flush_cache", query={"timeout": max(1.0, timeout / 2)}, body={}, timeout=timeout)
+
+    def begin(self, version: int, timeout: float) -> None:
+        self._checksums = None
+        try:
+            self._post("/begin_weight_update", {}, timeout)
+        except HttpCallError as exc:
+            if exc.status != 400 or "already open" not in str(exc):
+                raise
+            # A failed round left its session open (it stays paused on mixed weights): close and reopen.
+            self._post("/end_weight_update", {}, timeout)
+            self._post("/begin_weight_update", {}, timeout)
+
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+        manifest = self._manifests.get(rank) or self.manifest(rank)
+        if len(checksums) != len(manifest.tensors):
+            return TargetVerdict(
+                ok=False, error=f"{len(checksums)} checksums for {len(manifest.tensors)} parameters of rank {rank}"
+            )
+        held = self._engine_checksums(version, timeout).get(rank)
+        if held is None:
+            return TargetVerdict(ok=False, error=f"/weights_checker answered no checksums for TP rank {rank}")
+        mismatched = [i for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
+                      if held.get(t.name) != want]  # fmt: skip
+        if mismatched:
+            names = [manifest.tensors[i].name for i in mismatched[:5]]
+            return TargetVerdict(ok=False, mismatched=mismatched, error=f"parameters {names} differ")
+        return TargetVerdict(ok=True)
+
+    def commit(self, version: int, timeout: float) -> None:
+        # The version moves only here, after every rank verified; end first, so post-processing has run.
+        self._post("/end_weight_update", {}, timeout)
+        self.client.update_weight_version(str(version), abort_all_requests=False, timeout=timeout)
+
+    def resume(self, timeout: float) -> None:
+        self.client.continue_generation(timeout=timeout)
+
+    def abort(self, version: int, timeout: float) -> None:
+        # Close the weight-update session only: never relabel; the engine stays paused until a round lands.
+        try:
+            self._post("/end_weight_update", {}, timeout)
+        except HttpCallError as exc:
+            if exc.status != 400:
+                raise
+
+    # --- Broadcast reception (not in this version's capabilities) -----------------------------------
+
+    def join_broadcast(
+        self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str, timeout: float
+    ) -> None:
+        raise HttpCallError("/init_weights_update_group", None, "broadcast mode into SGLang is not supported yet")
+
+    def arm_broadcast(self, version: int, timeout: float) -> None:
+        raise HttpCallError("/update_weights_from_distributed", None, "broadcast mode into SGLang is not supported yet")
+
+    # --- Pieces ------------------------------------------------------------------------------------
+
+    def _post(self, route: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        _, answer = self.client.request("POST", route, body=body, timeout=timeout)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise HttpCallError(route, 400, str(answer.get("message")), answer)
+        return answer if isinstance(answer, dict) else {}
+
+    def _engine_checksums(self, version: int, timeout: float) -> dict[int, dict[str, str]]:
+        """Every rank's ``{name: hash}``, asked once per round (the route gathers all TP ranks)."""
+        with self._checking:
+            if self._checksums is not None and self._checksums[0] == version:
+                return self._checksums[1]
+            answer = self._post("/weights_checker", {"action": "checksum"}, timeout)
+            by_rank: dict[int, dict[str, str]] = {}
+            for entry in answer.get("ranks") or []:
+                infos = entry.get("parallelism_info") or []
+                tp_rank = next((int(i["tp_rank"]) for i in infos if i.get("role", "target") == "target"), None)
+                if tp_rank is not None:
+                    by_rank[tp_rank] = {str(k): str(v) for k, v in (entry.get("checksums") or {}).items()}
+            self._checksums = (version, by_rank)
+            return by_rank
+
+    def _fetch(self, rank: int) -> Manifest:
+        if not self.settings.agent_url:
+            raise ManifestError(f"{self.name}: no agent URL to fetch rank {rank}'s manifest from")
+        agent = JsonHttpClient(self.settings.agent_url, timeout=self.settings.call_timeout)
+        _, answer = agent.request("GET", MANIFEST_ROUTE, query={"rank": rank})
+        try:
+            manifest = Manifest.model_validate(answer)
+        except (ValidationError, ManifestError) as exc:
+            raise ManifestError(f"{self.name}: rank {rank}'s manifest from its agent is not usable: {exc}") from exc
+        if manifest.rank != rank or manifest.engine != self.settings.engine:
+            got = f"engine {manifest.engine} rank {manifest.rank}"
+            raise ManifestError(f"{self.name}: asked for rank {rank}, got {got}")
+        return manifest
+
+    def _assemble(self, rank: int) -> Manifest:
+        info = self.client.server_info()
+        info_pair = self.client.transfer_engine_info(rank)
+        if not isinstance(info_pair.weights_info, dict):
+            raise ManifestError(f"{self.name}: rank {rank}'s weights info is not a {{name: [ptr, numel, size]}} map")
+        trace = self._trace(rank, info)
+        return assemble(
+            self.settings.engine,
+            rank,
+            trace,
+            info_pair.session_id,
+            info_pair.weights_info,
+            device=str(info.get("device") or "cuda"),
+        )
+
+    def _trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
+        """The shard map of TP rank ``rank``, traced once with the engine's own SGLang code."""
+        with self._lock:  # one trace at a time: readiness and every source ask at start-up
+            if rank not in self._traces:
+                self._traces[rank] = self._run_trace(rank, server_info)
+            return self._traces[rank]
+
+    def _run_trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
+        python = os.environ.get(ENV_ENGINE_PYTHON) or sys.executable
+        command = [
+            python,
+            str(TRACE_SCRIPT),
+            "--model",
+            str(server_info["model_path"]),
+            "--tp",
+            str(int(server_info.get("tp_size") or 1)),
+            "--rank",
+            str(rank),
+            "--dtype",
+            str(server_info.get("dtype") or "auto"),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TRACE_TIMEOUT_SECONDS, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise ManifestError(f"{self.name}: tracing rank {rank}'s model failed: {' | '.join(tail)}")
+        try:
+            trace: dict[str, Any] = json.loads(done.stdout)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{self.name}: the trace of rank {rank} is not JSON: {exc}") from exc
+        return trace

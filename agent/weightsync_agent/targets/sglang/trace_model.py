@@ -1,0 +1,728 @@
+#!/usr/bin/env python3
+"""Trace how stock SGLang cuts one TP rank's parameters from the full Hugging Face tensors. Standalone.
+
+Run with the ENGINE's Python (the one SGLang is installed in); it imports only the standard library,
+``torch`` and ``sglang`` (which brings ``transformers``), never weightsync code::
+
+    python trace_model.py --model DIR --tp T --rank R --dtype DTYPE
+
+prints one JSON object on stdout (``tensors``: per SGLang parameter, in ``named_parameters()`` order,
+the parts it concatenates along ``cat_dim``, each a slice of one HF tensor; ``refused``: every
+parameter or buffer that is not such a block copy, with the reason). The consumer is
+``weightsync_agent.targets.sglang.manifest.assemble``. On a real error (bad model directory, SGLang not
+importable, a checkpoint tensor SGLang cannot load) it exits 1 with one line on stderr.
+
+Method (docs/engines/sglang-trace.md): build SGLang's own model class for (T, R) on CPU in float32, so
+small integer codes are exact; then for each HF tensor of the checkpoint (names and shapes from the
+safetensors headers; no values are read) and each of its dims, fill every parameter with NaN, feed a
+tensor whose value is ``index along that dim + 1`` through the model's own ``load_weights``, and record
+for every element written which source coordinate it came from. A (parameter, HF tensor) pair is
+accepted only as a pure rectangular translation; a parameter is emitted only when such blocks tile it
+completely along one dim. A last pass per HF tensor loads seeded random values and checks that the
+accepted blocks reproduce them bit for bit (so no load-time transform — scaling, ``+1``, a cast — hides
+behind a translation). Anything else is refused, never guessed.
+
+Engine dtype and per-parameter dtypes come from a second build of the model class in the engine's dtype
+(``--dtype auto`` resolves as SGLang's ``ModelConfig`` does: a float32 checkpoint becomes float16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: The SGLang release this trace (and its workarounds) was written and checked against.
+VALIDATED_SGLANG = "0.5.23"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+PROG = "trace_model"
+
+
+class TraceError(Exception):
+    """A real error: the trace cannot run. ``str()`` is the one stderr line."""
+
+
+# ---------------------------------------------------------------- the checkpoint (stdlib only)
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """``{HF tensor name: shape}`` from the safetensors headers of ``model_dir``, in SGLang's file order.
+
+    Files as SGLang's loader picks them: every ``*.safetensors`` in the directory, restricted to those the
+    index names when there is an index. Only headers are read (8-byte length, then JSON)."""
+    if not model_dir.is_dir():
+        raise TraceError(f"model directory {model_dir} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise TraceError(f"{model_dir} has no config.json (not a Hugging Face model directory)")
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            listed = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise TraceError(f"{index} is not a safetensors index: {exc}") from exc
+        missing = sorted(f for f in listed if not (model_dir / f).is_file())
+        if missing:
+            raise TraceError(f"{index} names files that are missing: {missing[:3]}")
+        files = sorted(model_dir / f for f in listed)
+    if not files:
+        raise TraceError(f"{model_dir} has no *.safetensors files (only safetensors checkpoints are traced)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with open(path, "rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                if size > MAX_HEADER_BYTES:
+                    raise ValueError(f"header of {size} bytes")
+                header = json.loads(handle.read(size))
+        except (OSError, ValueError, struct.error) as exc:
+            raise TraceError(f"{path} is not a readable safetensors file: {exc}") from exc
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            shapes[name] = tuple(int(d) for d in meta["shape"])
+    if not shapes:
+        raise TraceError(f"{model_dir}: the safetensors files hold no tensors")
+    return shapes
+
+
+# ---------------------------------------------------------------- importing SGLang
+
+
+def import_sglang() -> types.SimpleNamespace:
+    """The SGLang (and torch) names the trace uses; a missing package is a one-line TraceError."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never reach for the Hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        torch = importlib.import_module("torch")
+        sglang = importlib.import_module("sglang")
+        runtime_context = importlib.import_module("sglang.srt.runtime_context")
+        server_args = importlib.import_module("sglang.srt.server_args")
+        dp_attention = importlib.import_module("sglang.srt.layers.dp_attention")
+        model_config = importlib.import_module("sglang.srt.configs.model_config")
+        load_config = importlib.import_module("sglang.srt.configs.load_config")
+        loader = importlib.import_module("sglang.srt.model_loader.loader")
+        loader_utils = importlib.import_module("sglang.srt.model_loader.utils")
+        arg_utils = importlib.import_module("sglang.srt.arg_groups.arg_utils")
+        parallel_fields = importlib.import_module("sglang.srt.arg_groups.fields.parallel")
+    except ImportError as exc:
+        package = (exc.name or "sglang").split(".")[0]
+        raise TraceError(
+            f"cannot import {package} ({exc}): run this script with the Python that SGLang is installed in"
+        ) from exc
+    version = getattr(sglang, "__version__", None)
+    if version is None:
+        version = importlib.import_module("importlib.metadata").version("sglang")
+    return types.SimpleNamespace(
+        torch=torch,
+        version=str(version),
+        reset_context=runtime_context.reset_context,
+        publish=runtime_context.publish,
+        get_parallel=runtime_context.get_parallel,
+        SpawnRanks=runtime_context.SpawnRanks,
+        ServerArgs=server_args.ServerArgs,
+        initialize_dp_attention_flags=dp_attention.initialize_dp_attention_flags,
+        ModelConfig=model_config.ModelConfig,
+        LoadConfig=load_config.LoadConfig,
+        initialize_model=loader._initialize_model,
+        set_default_torch_dtype=loader_utils.set_default_torch_dtype,
+        Derived=arg_utils.Derived,
+        Parallel=parallel_fields.Parallel,
+    )
+
+
+# ---------------------------------------------------------------- workarounds (gated, each recorded)
+
+
+class Workarounds:
+    """What the trace changed in SGLang's process state to build a model without a GPU or process groups.
+
+    Each entry is reported in the output (``workarounds``): ``applied`` when its gate opened, ``used``
+    when SGLang actually read what it installed, and ``why``."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, Any]] = {}
+
+    def note(self, name: str, why: str, **detail: Any) -> dict[str, Any]:
+        entry = self.entries.setdefault(name, {"name": name, "applied": False, "used": False, "why": why})
+        entry.update(detail)
+        return entry
+
+    def report(self) -> list[dict[str, Any]]:
+        return list(self.entries.values())
+
+
+FAKE_GROUPS_WHY = (
+    "SGLang's model constructors read process-group handles from get_parallel() (pp_group, moe_tp_group, "
+    "tp_group.cpu_group, ...) that only torch.distributed initialisation writes; the trace builds one rank "
+    "alone, so each unwritten *_group gets a placeholder carrying only rank_in_group/world_size (from the "
+    "published topology) and cpu_group=device_group=None. No collective runs: load_weights of these "
+    "layers only slices."
+)
+VLLM_WHY = (
+    "RotaryEmbedding.__init__ imports vllm._custom_ops.rotary_embedding as its fallback kernel when the "
+    "platform is neither CUDA/HIP nor SGLang's CPU engine (a CPU-only host); vLLM is absent, so a "
+    "placeholder module is in sys.modules only while the model is constructed. Its rotary_embedding "
+    "raises if called; the trace never runs forward."
+)
+
+
+def fake_parallel_groups(sg: types.SimpleNamespace, tp: int, rank: int, workarounds: Workarounds) -> None:
+    """Workaround 1: placeholder handles for every process group that has not been written."""
+    parallel = sg.get_parallel()
+    names = [n for n, d in vars(sg.Parallel).items() if isinstance(d, sg.Derived) and n.endswith("_group")]
+    faked: dict[str, Any] = {}
+    placement: dict[str, list[int]] = {}
+    for name in names:
+        try:
+            handle = getattr(parallel, name)
+        except RuntimeError:  # "parallel name ... has not been written in this process"
+            handle = None
+        if handle is not None:
+            for attr in ("cpu_group", "device_group"):
+                if not hasattr(handle, attr):
+                    setattr(handle, attr, None)
+            continue
+        group = name.removesuffix("_group")
+        size, index = _readable(parallel, f"{group}_size"), _readable(parallel, f"{group}_rank")
+        if group == "world":
+            size, index = tp, rank
+        if not isinstance(size, int) or not isinstance(index, int):
+            size, index = 1, 0
+        faked[name] = _GroupHandle(name, index, size)
+        placement[name] = [index, size]
+    entry = workarounds.note("fake_parallel_groups", FAKE_GROUPS_WHY, applied=bool(faked))
+    entry["groups"] = placement
+    if faked:
+        parallel.override_permanently(**faked)
+    # Assert the topology the layers will read is the one asked for.
+    got = (parallel.tp_rank, parallel.tp_size)
+    if got != (rank, tp):
+        raise TraceError(f"SGLang's published topology says TP rank {got[0]} of {got[1]}, asked for {rank} of {tp}")
+
+
+class _GroupHandle:
+    """A placeholder process-group handle: placement only, and a record of which groups SGLang read."""
+
+    read: set[str] = set()  # group names read, over the process (one trace per process)
+
+    def __init__(self, name: str, rank_in_group: int, world_size: int) -> None:
+        self.name, self.rank_in_group, self.world_size = name, rank_in_group, world_size
+        self.is_first_rank, self.is_last_rank = rank_in_group == 0, rank_in_group == world_size - 1
+        self.cpu_group = self.device_group = None
+
+    def __getattribute__(self, attr: str) -> Any:
+        if attr not in ("name", "__class__", "__dict__"):
+            _GroupHandle.read.add(object.__getattribute__(self, "name"))
+        return object.__getattribute__(self, attr)
+
+    def __repr__(self) -> str:
+        return f"<weightsync trace placeholder {self.name} {self.rank_in_group}/{self.world_size}>"
+
+
+def _finish_groups_note(workarounds: Workarounds) -> None:
+    entry = workarounds.entries.get("fake_parallel_groups")
+    if entry is not None:
+        entry["read"] = sorted(set(entry.get("read", [])) | _GroupHandle.read)
+        entry["used"] = bool(entry["read"])
+
+
+def _readable(parallel: Any, name: str) -> Any:
+    try:
+        return getattr(parallel, name)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def vllm_placeholder(workarounds: Workarounds) -> Iterator[None]:
+    """Workaround 2: a placeholder ``vllm._custom_ops`` during construction, only where SGLang would import it."""
+    entry = workarounds.note("vllm_custom_ops_placeholder", VLLM_WHY)
+    rotary = importlib.import_module("sglang.srt.layers.rotary_embedding.base")
+    takes_vllm_path = not any(
+        getattr(rotary, flag, False) for flag in ("_is_cuda", "_is_hip", "_is_cpu", "_is_xpu", "_is_npu", "_is_musa")
+    )
+    if not takes_vllm_path or "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+        yield
+        return
+
+    def rotary_embedding(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("weightsync trace placeholder vllm._custom_ops.rotary_embedding was called")
+
+    package = types.ModuleType("vllm")
+    package.__path__ = []
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = rotary_embedding  # type: ignore[attr-defined]
+    package._custom_ops = ops  # type: ignore[attr-defined]
+    sys.modules["vllm"], sys.modules["vllm._custom_ops"] = package, ops
+    entry["applied"] = True
+    try:
+        yield
+    finally:
+        sys.modules.pop("vllm._custom_ops", None)
+        sys.modules.pop("vllm", None)
+    entry["placeholder"] = rotary_embedding
+
+
+def _finish_vllm_note(model: Any, workarounds: Workarounds) -> None:
+    entry = workarounds.entries.get("vllm_custom_ops_placeholder")
+    placeholder = entry.pop("placeholder", None) if entry else None
+    if entry is None or placeholder is None:
+        return
+    layers = [m for m in model.modules() if getattr(m, "fallback_rotary_embedding", None) is placeholder]
+    entry["used"] = bool(layers)
+    entry["layers"] = len(layers)
+
+
+# ---------------------------------------------------------------- building the model
+
+
+def build_model(
+    sg: types.SimpleNamespace, model_dir: Path, tp: int, rank: int, dtype: str, workarounds: Workarounds
+) -> tuple[Any, Any]:
+    """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig)."""
+    torch = sg.torch
+    sg.reset_context()
+    args = sg.ServerArgs(model_path=str(model_dir), device="cpu", tp_size=tp, load_format="dummy", dtype=dtype)
+    sg.publish(args, role="scheduler", ranks=sg.SpawnRanks(world_rank=rank))
+    sg.initialize_dp_attention_flags(args)
+    fake_parallel_groups(sg, tp, rank, workarounds)
+    config = sg.ModelConfig.from_server_args(args)
+    if config.quantization:
+        raise TraceError(f"quantized checkpoints ({config.quantization}) are not traced yet")
+    load_config = sg.LoadConfig(load_format="dummy")
+    with vllm_placeholder(workarounds), sg.set_default_torch_dtype(config.dtype), torch.device("cpu"):
+        model = sg.initialize_model(config, load_config, None)
+    _finish_vllm_note(model, workarounds)
+    _finish_groups_note(workarounds)
+    if getattr(model, "secondary_weights", ()):
+        raise TraceError("the model loads weights from secondary sources, which the trace does not follow")
+    return model.eval(), config
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------- tracing
+
+
+class Tracer:
+    """Per HF tensor and dim: NaN-fill the replica, load an index code, read back where it landed."""
+
+    def __init__(self, sg: types.SimpleNamespace, model: Any, sources: dict[str, tuple[int, ...]]) -> None:
+        self.torch = sg.torch
+        self.model = model
+        self.sources = sources
+        self.params = dict(model.named_parameters())
+        self.storage = {n: (id(p), p.data_ptr(), tuple(p.shape)) for n, p in self.params.items()}
+        self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        self.refused: dict[str, str] = {}
+        # writes[param][source] = (mask of elements changed, per source dim: values read back)
+        self.writes: dict[str, dict[str, tuple[Any, list[Any]]]] = {}
+        self.buffer_writes: dict[str, list[str]] = {}
+        self.unused: list[str] = []
+        for name, param in self.params.items():
+            if not param.dtype.is_floating_point:
+                self.refused[name] = f"{dtype_name(param.dtype)} parameter: only floating-point weights are traced"
+
+    def _load(self, source: str, tensor: Any) -> dict[str, Any]:
+        """Load ``tensor`` as ``source``; ``{param: its value}`` for every parameter it changed."""
+        torch = self.torch
+        with torch.no_grad():
+            for param in self.params.values():
+                if param.dtype.is_floating_point:
+                    param.data.fill_(math.nan)
+            try:
+                self.model.load_weights([(source, tensor)])
+            except Exception as exc:  # SGLang could not load the checkpoint's own tensor: a real error
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise TraceError(
+                    f"SGLang's load_weights failed on {source}{list(tensor.shape)}: {type(exc).__name__}: {detail}"
+                ) from exc
+            now = dict(self.model.named_parameters())
+            for name, (ident, pointer, shape) in self.storage.items():
+                param = now.get(name)
+                if param is None or id(param) != ident or param.data_ptr() != pointer or tuple(param.shape) != shape:
+                    self.refused.setdefault(
+                        name, f"load_weights({source}) replaced or re-allocated it: its address would go stale"
+                    )
+            changed = {}
+            for name, param in self.params.items():
+                if not param.dtype.is_floating_point:
+                    continue
+                written = ~torch.isnan(param.data)
+                if bool(written.any()):
+                    changed[name] = param.data.clone()
+            for name, buffer in self.model.named_buffers():
+                before = self.buffers.get(name)
+                if before is None or not _same(torch, buffer, before):
+                    writers = self.buffer_writes.setdefault(name, [])
+                    if source not in writers:
+                        writers.append(source)
+                    if before is not None and before.shape == buffer.shape:
+                        buffer.copy_(before)
+        return changed
+
+    def trace(self) -> None:
+        torch = self.torch
+        for source, shape in self.sources.items():
+            per_dim: list[dict[str, Any]] = []
+            for dim in range(max(len(shape), 1)):
+                if shape:
+                    code = torch.arange(1, shape[dim] + 1, dtype=torch.float32)
+                    view = [1] * len(shape)
+                    view[dim] = shape[dim]
+                    code = code.reshape(view).expand(shape).contiguous()
+                else:
+                    code = torch.ones((), dtype=torch.float32)
+                per_dim.append(self._load(source, code))
+            if not any(per_dim):
+                self.unused.append(source)
+                continue
+            for name in dict.fromkeys(n for d in per_dim for n in d):
+                if any(name not in d for d in per_dim):
+                    self.refused.setdefault(name, f"load_weights({source}) writes it on some loads only")
+                    continue
+                masks = [~torch.isnan(d[name]) for d in per_dim]
+                if any(not torch.equal(masks[0], m) for m in masks[1:]):
+                    self.refused.setdefault(name, f"load_weights({source}) writes different elements on each load")
+                    continue
+                values = [d[name][masks[0]] for d in per_dim]
+                self.writes.setdefault(name, {})[source] = (masks[0], values)
+
+    def verify(self, tensors: list[dict[str, Any]]) -> None:
+        """Load seeded random values per HF tensor; each accepted part must hold exactly its slice."""
+        torch = self.torch
+        by_source: dict[str, list[tuple[dict[str, Any], int, dict[str, Any]]]] = {}
+        for entry in tensors:
+            offset = 0
+            for part in entry["parts"]:
+                by_source.setdefault(part["source"], []).append((entry, offset, part))
+                offset += part["length"] if part["dim"] == entry["cat_dim"] else part["full_shape"][entry["cat_dim"]]
+        generator = torch.Generator().manual_seed(20240917)
+        for source, uses in by_source.items():
+            values = torch.randn(self.sources[source], generator=generator, dtype=torch.float32)
+            changed = self._load(source, values.clone())  # loaders may change their input in place (gemma.py)
+            for entry, offset, part in uses:
+                name = entry["name"]
+                got = changed.get(name)
+                want = values.narrow(part["dim"], part["start"], part["length"])
+                if got is not None:
+                    got = got.narrow(entry["cat_dim"], offset, want.shape[entry["cat_dim"]])
+                if got is None or not torch.equal(got, want):
+                    self.refused.setdefault(
+                        name,
+                        f"{source}'s values change on the way in (load_weights is not a plain copy: a scale, "
+                        "offset or cast)",
+                    )
+
+
+def _same(torch: Any, a: Any, b: Any) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(torch.equal(torch.isnan(a), torch.isnan(b))) and bool(torch.equal(a.nan_to_num(0), b.nan_to_num(0)))
+    return bool(torch.equal(a, b))
+
+
+# ---------------------------------------------------------------- from writes to parts
+
+
+class Block:
+    """One (parameter, HF tensor) pair that is a pure rectangular translation."""
+
+    def __init__(self, source: str, full: tuple[int, ...], src0: list[int], dst0: list[int], extent: list[int]):
+        self.source, self.full, self.src0, self.dst0, self.extent = source, full, src0, dst0, extent
+
+
+def analyse(
+    torch: Any,
+    name: str,
+    param: Any,
+    writes: dict[str, tuple[Any, list[Any]]],
+    sources: dict[str, tuple[int, ...]],
+) -> Any:
+    """The parameter's parts (``(cat_dim, parts)``) or a refusal reason (``str``)."""
+    shape = tuple(param.shape)
+    covered = torch.zeros(shape, dtype=torch.int32)
+    zero_filled = torch.zeros(shape, dtype=torch.bool)
+    blocks: list[Block] = []
+    for source, (mask, values) in writes.items():
+        full = sources[source]
+        zero = values[0] == 0  # codes are >= 1: a zero is the loader's own fill (e.g. vocab padding)
+        if any(not torch.equal(v == 0, zero) for v in values[1:]):
+            return f"from {source}: not a block copy (values read back are inconsistent)"
+        copied = mask.clone()
+        copied[mask] = ~zero
+        filled = mask.clone()
+        filled[mask] = zero
+        zero_filled |= filled
+        covered += copied.to(torch.int32)
+        if not bool(copied.any()):
+            continue
+        result = _translation(torch, source, full, copied, [v[~zero] for v in values], shape)
+        if isinstance(result, str):
+            return result
+        blocks.append(result)
+    overlap = covered > 1
+    if bool(overlap.any()):
+        return f"{int(overlap.sum())} element(s) written by more than one HF tensor ({', '.join(writes)})"
+    uncovered = covered == 0
+    if bool(uncovered.any()):
+        return _uncovered(torch, uncovered, zero_filled, shape)
+    if not shape:
+        return "0-d parameter: a shard part needs at least one dim"
+    return _parts(name, shape, blocks)
+
+
+def _translation(
+    torch: Any, source: str, full: tuple[int, ...], copied: Any, values: list[Any], shape: tuple[int, ...]
+) -> Any:
+    if not full:
+        return f"written from the 0-d tensor {source}: a shard part needs at least one dim"
+    src = torch.stack([v.to(torch.float64) - 1 for v in values], dim=1)
+    limits = torch.tensor(full, dtype=torch.float64)
+    if not bool(((src == src.floor()) & (src >= 0) & (src < limits)).all()):
+        return f"from {source}: the values that land are not copies of source elements (transformed by load_weights)"
+    src = src.to(torch.int64)
+    dst = copied.nonzero()
+    count = dst.shape[0]
+    src0, dst0 = src.min(0).values, dst.min(0).values
+    extent = src.max(0).values - src0 + 1
+    box = math.prod(int(e) for e in extent)
+    if dst.shape[1] != src.shape[1]:
+        lead = dst.shape[1] - src.shape[1]
+        placed = lead > 0 and box == count and bool((dst[:, :lead] == dst0[:lead]).all())
+        if placed and bool(((dst[:, lead:] - dst0[lead:]) == (src - src0)).all()):
+            return (
+                f"{source}{list(full)} lands as a block at destination offset {dst0.tolist()} of a "
+                f"{len(shape)}-D parameter{list(shape)} (fused experts; source offset {src0.tolist()}, extent "
+                f"{extent.tolist()}): a part with a destination offset is not expressible yet"
+            )
+        return f"from {source}{list(full)}: not a block copy into a {len(shape)}-D parameter"
+    if box == count and bool(((dst - dst0) == (src - src0)).all()):
+        return Block(source, full, src0.tolist(), dst0.tolist(), extent.tolist())
+    if box == count and src.shape[1] >= 2:
+        for perm in _permutations(src.shape[1]):
+            if bool(((dst - dst0) == (src - src0)[:, perm]).all()):
+                return f"from {source}: a transposed copy (source dims {perm} land as dims 0..{len(perm) - 1})"
+    return f"from {source}: not a rectangular block copy (interleaved, strided or reordered)"
+
+
+def _permutations(n: int) -> list[list[int]]:
+    return [list(p) for p in itertools.permutations(range(n)) if list(p) != list(range(n))]
+
+
+def _uncovered(torch: Any, uncovered: Any, zero_filled: Any, shape: tuple[int, ...]) -> str:
+    total, missing = math.prod(shape), int(uncovered.sum())
+    filled = " (load_weights zero-fills them)" if bool((zero_filled & uncovered).any()) else ""
+    for dim in range(len(shape)):
+        others = [d for d in range(len(shape)) if d != dim]
+        rows = uncovered.all(dim=others) if others else uncovered
+        any_rows = uncovered.any(dim=others) if others else uncovered
+        if not torch.equal(rows, any_rows):
+            continue
+        index = rows.nonzero().flatten().tolist()
+        if index and index == list(range(index[0], index[-1] + 1)):
+            what = "rows" if dim == 0 else f"slices along dim {dim}"
+            return (
+                f"uncovered {what} [{index[0]}, {index[-1] + 1}) of {shape[dim]} along dim {dim} (padding): "
+                f"no HF tensor writes them{filled}; the manifest cannot express padding yet"
+            )
+    return f"{missing} of {total} element(s) are written by no HF tensor{filled}"
+
+
+def _parts(name: str, shape: tuple[int, ...], blocks: list[Block]) -> Any:
+    parts: list[tuple[Block, int | None]] = []
+    for block in blocks:
+        dims = [d for d, n in enumerate(block.full) if not (block.src0[d] == 0 and block.extent[d] == n)]
+        if len(dims) > 1:
+            return f"from {block.source}: slices the source along dims {dims}; a part may slice one dim only"
+        parts.append((block, dims[0] if dims else None))
+    candidates = [d for _, d in parts if d is not None] if len(parts) == 1 else []
+    candidates += [d for d in range(len(shape)) if d not in candidates]
+    for cat_dim in candidates:
+        fits = all(
+            block.dst0[d] == 0 and block.extent[d] == shape[d]
+            for block, _ in parts
+            for d in range(len(shape))
+            if d != cat_dim
+        )
+        if not fits:
+            continue
+        ordered = sorted(parts, key=lambda p: p[0].dst0[cat_dim])
+        out = []
+        for block, sliced in ordered:
+            dim = cat_dim if sliced is None else sliced
+            out.append(
+                {
+                    "source": block.source,
+                    "full_shape": list(block.full),
+                    "dim": dim,
+                    "start": block.src0[dim],
+                    "length": block.extent[dim],
+                }
+            )
+        return cat_dim, out
+    return f"its {len(parts)} blocks do not tile it along one dim ({name})"
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+def trace_replica(
+    torch: Any,
+    model: Any,
+    sources: dict[str, tuple[int, ...]],
+    layout: dict[str, tuple[str, list[int], bool]],
+    engine_dtype: str = "float32",
+) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
+    """Trace a float32 replica (anything with ``named_parameters``/``named_buffers``/``load_weights``).
+
+    ``layout``: per parameter, as the engine holds it: (dtype name, shape, contiguous). Returns
+    (tensors, refused, HF tensors that write nothing)."""
+    tracer = Tracer(types.SimpleNamespace(torch=torch), model, sources)
+    if list(tracer.params) != list(layout) or any(list(p.shape) != layout[n][1] for n, p in tracer.params.items()):
+        raise TraceError(f"the model built in float32 differs from the one built in {engine_dtype} (names or shapes)")
+    for name, (_, _, contiguous) in layout.items():
+        if not contiguous:
+            tracer.refused.setdefault(name, "not contiguous in the engine: a block write would scatter")
+    tracer.trace()
+    tensors: list[dict[str, Any]] = []
+    reasons: dict[str, str] = {}
+    for name, param in tracer.params.items():
+        if name in tracer.refused:
+            continue
+        writes = tracer.writes.get(name)
+        if not writes:
+            reasons[name] = "no HF tensor in the checkpoint writes it"
+            continue
+        result = analyse(torch, name, param, writes, sources)
+        if isinstance(result, str):
+            reasons[name] = result
+            continue
+        cat_dim, parts = result
+        param_dtype, shape, _ = layout[name]
+        tensors.append({"name": name, "dtype": param_dtype, "shape": shape, "cat_dim": cat_dim, "parts": parts})
+    tracer.verify(tensors)
+    refused = [{"name": n, "reason": r} for n, r in {**reasons, **tracer.refused}.items()]
+    for name, by in tracer.buffer_writes.items():
+        refused.append(
+            {
+                "name": name,
+                "reason": f"buffer changed by load_weights({', '.join(by[:3])}): a one-sided write of the "
+                "parameters would leave it stale",
+            }
+        )
+    order = {n: i for i, n in enumerate(tracer.params)}
+    refused.sort(key=lambda r: order.get(r["name"], len(order)))
+    refused_names = {r["name"] for r in refused}
+    return [t for t in tensors if t["name"] not in refused_names], refused, tracer.unused
+
+
+def run(model_dir: Path, tp: int, rank: int, dtype: str) -> dict[str, Any]:
+    started = time.monotonic()
+    sources = read_checkpoint(model_dir)
+    sg = import_sglang()
+    torch = sg.torch
+    imported = time.monotonic()
+    workarounds = Workarounds()
+    # 1. The engine's dtypes: the model class built as the engine builds it (dtype as SGLang resolves it).
+    engine_model, engine_config = build_model(sg, model_dir, tp, rank, dtype, workarounds)
+    engine_dtype = dtype_name(engine_config.dtype)
+    layout = {n: (dtype_name(p.dtype), list(p.shape), p.is_contiguous()) for n, p in engine_model.named_parameters()}
+    del engine_model
+    # 2. The float32 replica that is traced.
+    model, _ = build_model(sg, model_dir, tp, rank, "float32", workarounds)
+    built = time.monotonic()
+    tensors, refused, unused = trace_replica(torch, model, sources, layout, engine_dtype)
+    done = time.monotonic()
+    return {
+        "sglang_version": sg.version,
+        "tp_size": tp,
+        "tp_rank": rank,
+        "dtype": engine_dtype,
+        "tensors": tensors,
+        "refused": refused,
+        "unused_sources": unused,
+        "workarounds": workarounds.report(),
+        "seconds": {
+            "import": round(imported - started, 2),
+            "build": round(built - imported, 2),
+            "trace": round(done - built, 2),
+            "total": round(done - started, 2),
+        },
+    }
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one stderr line, like every other failure
+        print(f"{PROG}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model directory")
+    parser.add_argument("--tp", type=int, required=True, help="SGLang's --tp-size")
+    parser.add_argument("--rank", type=int, required=True, help="the TP rank to trace")
+    parser.add_argument("--dtype", default="auto", help="SGLang's --dtype (auto, bfloat16, float16, float32)")
+    parser.add_argument("--verbose", action="store_true", help="let SGLang's own output through to stderr")
+    args = parser.parse_args(argv)
+    if args.tp < 1 or not 0 <= args.rank < args.tp:
+        parser.error(f"--rank {args.rank} is not a rank of --tp {args.tp}")
+    # SGLang logs to stdout and stderr: keep stdout for the JSON, and stderr for one line on failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    real_out, real_err = os.dup(1), os.dup(2)
+    log = tempfile.NamedTemporaryFile(prefix="weightsync-sglang-trace-", suffix=".log", delete=False)  # noqa: SIM115
+    os.dup2(real_err if args.verbose else log.fileno(), 1)
+    if not args.verbose:
+        os.dup2(log.fileno(), 2)
+    error = None
+    try:
+        result = run(args.model.resolve(), args.tp, args.rank, args.dtype)
+    except TraceError as exc:
+        error = str(exc)
+    except Exception as exc:  # anything else is still one line, with the log for the traceback
+        error = f"{type(exc).__name__}: {exc}"
+        importlib.import_module("traceback").print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(real_out, 1)
+        os.dup2(real_err, 2)
+        log.close()
+    if error is not None:
+        line = " ".join(error.split())
+        keep = "" if args.verbose else f" (SGLang's output: {log.name})"
+        print(f"{PROG}: {line}{keep}", file=sys.stderr)
+        if args.verbose:
+            os.unlink(log.name)
+        return 1
+    os.unlink(log.name)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as a file, this directory is sys.path[0]; its weightsync modules (manifest.py, adapter.py, ...) must not
+    # shadow anything SGLang or transformers imports.
+    if sys.path and Path(sys.path[0] or os.curdir).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""How the loopback group starts an engine of each kind: the reference engine, or a stock SGLang server.
+
+A harness starts engine ``e`` as local processes and says whether the engine needs its own agent (kinds
+whose manifests the engine pod's agent assembles, as SGLang's: the agent traces the model with the
+engine's SGLang code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_testing.reference_engine.launch import launch_engine
+
+
+@dataclass
+class StartedEngine:
+    url: str
+    stop: Callable[[], None]
+    #: Extra environment for this engine's agent (e.g. which Python runs the engine's own code).
+    agent_env: dict[str, str]
+
+    def client(self, timeout: float = 15.0) -> EngineClient:
+        return EngineClient(self.url, timeout=timeout)
+
+
+class EngineHarness(Protocol):
+    needs_engine_agent: bool
+
+    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine: ...
+
+
+class ReferenceEngines:
+    needs_engine_agent = False
+
+    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+        process = launch_engine(
+            engine,
+            spec.inference.ranks_per_engine,
+            seed=seed,
+            staged=spec.transfer.target_staging == "staged",
+            extra=("--transfer-timeout", str(spec.transfer.timeout_seconds)),
+        )
+        return StartedEngine(process.url, process.stop, {})
+
+
+class SglangEngines:
+    """Stock SGLang servers on a model directory (CPU, the pinned venv; weightsync_testing.sglang_server)."""
+
+    needs_engine_agent = True
+
+    def __init__(self, model_dir: Path, *, python: str, dtype: str = "float32", log_dir: Path | None = None) -> None:
+        self.model_dir = model_dir
+        self.python = python
+        self.dtype = dtype
+        self.log_dir = log_dir
+        self.servers: dict[int, object] = {}
+
+    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+        from weightsync_testing.sglang_server import launch_sglang
+
+        server = launch_sglang(
+            self.model_dir,
+            tp=spec.inference.ranks_per_engine,
+            python=self.python,
+            dtype=self.dtype,
+            log_dir=self.log_dir,
+        )
+        self.servers[engine] = server
+        return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python})

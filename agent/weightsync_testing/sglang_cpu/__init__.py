@@ -1,0 +1,30 @@
+"""Gated workarounds for the stock SGLang server on a CPU-only machine (docs/engines/sglang-testing.md).
+
+This directory itself goes on the SGLang server's ``PYTHONPATH`` (only for ``--device cpu``): its
+``sitecustomize.py`` installs the post-import hooks named in ``WEIGHTSYNC_SGLANG_CPU_WORKAROUNDS`` and
+``_weightsync_vllm_custom_ops.py`` is the placeholder module one of them serves. The project side only needs
+:data:`DIRECTORY` and the names below; it never imports the hooks (they run inside the SGLang venv).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DIRECTORY = Path(__file__).resolve().parent
+ENV_ENABLE = "WEIGHTSYNC_SGLANG_CPU_WORKAROUNDS"
+ENV_LOG = "WEIGHTSYNC_SGLANG_WORKAROUND_LOG"
+MARKER = "weightsync-sglang-cpu-workaround:"
+
+ROTARY_VLLM_PLACEHOLDER = "rotary_vllm_placeholder"  # always, on CPU
+REGISTER_PER_PARAMETER = "register_per_parameter"  # with the transfer-engine flag (Mooncake writes)
+NO_PYNCCL = "no_pynccl"  # TP >= 2
+
+
+def workarounds_for(tp: int, *, transfer_engine: bool = True) -> list[str]:
+    """The workarounds a CPU server with this TP size needs."""
+    names = [ROTARY_VLLM_PLACEHOLDER]
+    if transfer_engine:
+        names.append(REGISTER_PER_PARAMETER)
+    if tp >= 2:
+        names.append(NO_PYNCCL)
+    return names

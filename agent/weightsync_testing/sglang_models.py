@@ -1,0 +1,245 @@
+"""Tiny local Hugging Face models for the stock-SGLang test tier, and an HF reference forward.
+
+Two sides in one file:
+
+* **project side** (this venv, stdlib only): :func:`ensure_tiny_model` returns a cached model directory,
+  making it once by running this file with the SGLang venv's python; :func:`hf_greedy` runs the HF
+  reference forward the same way. The project venv has no ``transformers``; the SGLang venv has the
+  exact version SGLang pins.
+* **engine-venv side** (``python sglang_models.py make|greedy ...``): builds the model with
+  ``transformers`` from a config, seeded random weights, and a byte-level BPE tokenizer trained locally with
+  ``tokenizers`` on a built-in corpus (no download; the CI machine cannot reach Hugging Face).
+
+A model directory is deterministic for (architecture, seed, dtype, :data:`MAKER_VERSION`, the engine venv's
+torch/transformers/tokenizers versions); its name carries the first four, and a ``weightsync-tiny.json``
+written last marks it complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+MAKER_VERSION = 1
+ARCHS = ("llama", "qwen3")
+DTYPES = ("float32", "bfloat16")
+VOCAB = 512
+STAMP = "weightsync-tiny.json"
+
+# vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads, head_dim 16, MLP 256 (stock-engines note §4, §5b).
+SHAPE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 (the config's pad/bos/eos)
+# Random weights drawn with this std (HF's default 0.02 gives near-uniform logits, so greedy argmax would
+# hinge on rounding noise; 0.25 keeps the top logit well separated while staying far from overflow).
+INIT_STD = 0.25
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("WEIGHTSYNC_CACHE") or Path.home() / ".cache" / "weightsync")
+
+
+# ---------------------------------------------------------------- project side
+
+
+def ensure_tiny_model(
+    python: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    cache: Path | None = None,
+    timeout: float = 300.0,
+) -> Path:
+    """The directory of a tiny ``arch`` model (config, safetensors, tokenizer), made once with ``python``
+    (the SGLang venv's interpreter) and cached under ``<cache>/models/``."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny model architecture {arch!r} (known: {', '.join(ARCHS)})")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    root = (cache or default_cache()) / "models"
+    out = root / f"tiny-{arch}-s{seed}-{dtype}-v{MAKER_VERSION}"
+    if (out / STAMP).is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
+    try:
+        args = ["make", "--arch", arch, "--seed", str(seed), "--dtype", dtype, "--out", str(work)]
+        _run_engine_side(python, args, timeout)
+        shutil.rmtree(out, ignore_errors=True)
+        work.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def hf_greedy(
+    python: str | Path, model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[dict[str, Any]]:
+    """Greedy decoding of each prompt (token ids) with HF ``transformers`` (eager attention, the checkpoint's
+    dtype) in the engine venv, one process for all prompts: per prompt ``{"output_ids": [...], "margins":
+    [...]}``, where a margin is the gap between the chosen token's logit and the runner-up's (a small margin
+    is a near-tie that rounding could flip)."""
+    args = ["greedy", "--model", str(model_dir), "--max-new-tokens", str(max_new_tokens)]
+    args += ["--input-ids", ";".join(",".join(str(i) for i in ids) for ids in prompts)]
+    answer: list[dict[str, Any]] = json.loads(_run_engine_side(python, args, 300.0).strip().splitlines()[-1])
+    return answer
+
+
+def _run_engine_side(python: str | Path, args: list[str], timeout: float) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(
+        [str(python), "-I", __file__, *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"sglang_models.py {args[0]} failed (exit {done.returncode}):\n{tail}")
+    return done.stdout
+
+
+# ---------------------------------------------------------------- engine-venv side
+
+
+def _corpus(seed: int) -> list[str]:
+    """A deterministic pseudo-text corpus: enough distinct byte pairs to learn ~250 merges."""
+    words = [
+        "weight", "sync", "engine", "trainer", "rank", "tensor", "shard", "bucket", "verify", "commit",
+        "pause", "resume", "version", "layer", "token", "model", "write", "read", "graph", "round",
+        "the", "a", "of", "to", "and", "in", "is", "on", "with", "for", "from", "every", "one", "two",
+    ]  # fmt: skip
+    state = hashlib.sha256(f"weightsync-tiny-corpus-{seed}".encode()).digest()
+    lines = []
+    for i in range(600):
+        state = hashlib.sha256(state).digest()
+        picks = [words[b % len(words)] for b in state[:12]]
+        lines.append(" ".join(picks) + f" {i} {state.hex()[:6]}.")
+    return lines
+
+
+def _tokenizer(seed: int, out: Path) -> None:
+    tk: Any = importlib.import_module("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    # Fill up to exactly VOCAB so that every id the model can emit decodes.
+    missing = VOCAB - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_special_tokens([f"<extra_{i}>" for i in range(missing)])
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB}")
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "model_max_length": SHAPE["max_position_embeddings"],
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def _make(arch: str, seed: int, dtype: str, out: Path) -> None:
+    torch: Any = importlib.import_module("torch")
+    transformers: Any = importlib.import_module("transformers")
+    config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
+    extra: dict[str, Any] = {"attention_bias": False}
+    if arch == "qwen3":
+        extra["sliding_window"] = None
+    config = config_class(**SHAPE, **extra, initializer_range=INIT_STD, torch_dtype=dtype)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(INIT_STD * torch.randn(param.shape, generator=generator))
+    model = model.to(getattr(torch, dtype))
+    model.config.torch_dtype = dtype
+    model.save_pretrained(str(out), safe_serialization=True)
+    _tokenizer(seed, out)
+    versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "tokenizers")}
+    stamp = {"arch": arch, "seed": seed, "dtype": dtype, "maker_version": MAKER_VERSION, "versions": versions}
+    (out / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+
+
+def _greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    torch: Any = importlib.import_module("torch")
+    transformers: Any = importlib.import_module("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager")
+    model.eval()
+    results = []
+    for prompt in prompts:
+        ids = list(prompt)
+        margins = []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                top = torch.topk(logits, 2)
+                ids.append(int(top.indices[0]))
+                margins.append(float(top.values[0] - top.values[1]))
+        results.append({"output_ids": ids[len(prompt) :], "margins": margins})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make", help="write a tiny model directory")
+    make.add_argument("--arch", choices=ARCHS, default="llama")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", choices=DTYPES, default="float32")
+    make.add_argument("--out", type=Path, required=True)
+    greedy = sub.add_parser("greedy", help="HF greedy decoding; prints one JSON line")
+    greedy.add_argument("--model", type=Path, required=True)
+    greedy.add_argument("--input-ids", required=True, help="prompts separated by ';', token ids by ','")
+    greedy.add_argument("--max-new-tokens", type=int, default=8)
+    args = parser.parse_args(argv)
+    if args.command == "make":
+        args.out.mkdir(parents=True, exist_ok=True)
+        _make(args.arch, args.seed, args.dtype, args.out)
+        print(args.out)
+    else:
+        prompts = [[int(i) for i in p.split(",") if i] for p in args.input_ids.split(";")]
+        print(json.dumps(_greedy(args.model, prompts, args.max_new_tokens)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

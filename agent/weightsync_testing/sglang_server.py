@@ -1,0 +1,294 @@
+"""Start the stock SGLang server (as PyPI ships it) from its own venv, and wait until it serves.
+
+Runs in the project's venv and never imports ``sglang``: it spawns ``python -m sglang.launch_server`` with the
+SGLang venv's interpreter (``weightsync_testing.sglang_env``). On ``--device cpu`` it adds the flags of the
+stock-engines note (§5b) and puts ``weightsync_testing/sglang_cpu`` on the server's ``PYTHONPATH``, enabling
+only the workarounds that TP size needs; their evidence lands in :attr:`SglangProcess.workaround_log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weightsync_testing import sglang_cpu
+
+
+class SglangStartError(RuntimeError):
+    """The server exited or did not become ready in time; the message names its log file."""
+
+
+@dataclass
+class SglangProcess:
+    process: subprocess.Popen[bytes]
+    host: str
+    port: int
+    bootstrap_port: int
+    tp: int
+    log_path: Path
+    workaround_log: Path
+    workarounds: list[str]
+    command: list[str]
+    admin_api_key: str | None = None
+    started_s: float = 0.0
+    _log: Any = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def workaround_events(self) -> list[dict[str, Any]]:
+        """The JSON lines the CPU workarounds wrote (``sglang_cpu/sitecustomize.py``)."""
+        try:
+            text = self.workaround_log.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float = 30.0,
+        admin: bool = True,
+    ) -> tuple[int, Any]:
+        """One HTTP call: ``(status, parsed JSON or text)``; HTTP errors return their status, not raise."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if admin and self.admin_api_key:
+            req.add_header("Authorization", f"Bearer {self.admin_api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as answer:
+                status, raw = answer.status, answer.read()
+        except urllib.error.HTTPError as error:
+            status, raw = error.code, error.read()
+        text = raw.decode(errors="replace")
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the server (it stops its schedulers and detokenizer), then SIGKILL its whole process group.
+
+        Only the leader gets SIGTERM: signalling the children too makes SGLang treat their exit as a crash
+        and sleep 5 s for diagnostics. Whatever is left after ``grace`` seconds is killed."""
+        try:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=grace)
+            # Children outlive a parent killed first; the group id is the leader's pid (start_new_session).
+            _signal_group(self.process.pid, signal.SIGKILL)
+            if self.process.poll() is None:
+                self.process.wait(timeout=grace)
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    def __enter__(self) -> SglangProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def omp_bind(tp: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND``: this process's CPUs split into ``tp`` contiguous groups, ``a-b|c-d``.
+
+    Without it SGLang's ``numa_utils.py`` asserts that TP ranks <= NUMA nodes."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        cpus = [cpus[i % len(cpus)] for i in range(tp)]
+    per = len(cpus) // tp
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
+
+
+def server_command(
+    python: str | Path,
+    model_dir: Path,
+    *,
+    host: str,
+    port: int,
+    bootstrap_port: int,
+    tp: int = 1,
+    device: str = "cpu",
+    admin_api_key: str | None = None,
+    transfer_engine: bool = True,
+    dtype: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    command = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", device]
+    command += ["--host", host, "--port", str(port), "--tp-size", str(tp)]
+    if device == "cpu":
+        command += ["--attention-backend", "torch_native", "--disable-cuda-graph", "--sleep-on-idle"]
+        command += ["--mem-fraction-static", "0.05", "--max-total-tokens", "2048"]
+        if tp >= 2:
+            command += ["--disable-custom-all-reduce"]
+    if transfer_engine:
+        command += ["--remote-instance-weight-loader-start-seed-via-transfer-engine"]
+        command += ["--engine-info-bootstrap-port", str(bootstrap_port)]
+    if dtype:
+        command += ["--dtype", dtype]
+    if admin_api_key:
+        command += ["--admin-api-key", admin_api_key]
+    return command + list(extra_args)
+
+
+def launch_sglang(
+    model_dir: Path | str,
+    *,
+    tp: int = 1,
+    port: int = 0,
+    bootstrap_port: int = 0,
+    admin_api_key: str | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    python: str | Path | None = None,
+    device: str = "cpu",
+    host: str = "127.0.0.1",
+    transfer_engine: bool = True,
+    dtype: str | None = None,
+    log_dir: Path | None = None,
+    timeout: float = 180.0,
+) -> SglangProcess:
+    """Start ``sglang.launch_server`` on ``model_dir`` and return once ``/health`` and ``/model_info`` answer.
+
+    ``python``: the SGLang venv's interpreter (default: ``$WEIGHTSYNC_SGLANG_PYTHON``, else the cached venv,
+    created if missing). ``port``/``bootstrap_port`` 0 pick free ports. ``dtype``: ``--dtype`` (SGLang's
+    ``auto`` serves a float32 checkpoint in bfloat16). Raises :class:`SglangStartError` naming
+    the log file if the server exits or is not ready within ``timeout`` seconds (then it is stopped)."""
+    if python is None:
+        from weightsync_testing.sglang_env import sglang_python
+
+        python = sglang_python()
+    port = port or free_port(host)
+    bootstrap_port = bootstrap_port or free_port(host)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="weightsync-sglang-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"sglang-{port}.log"
+    workaround_log = log_dir / f"sglang-{port}-workarounds.jsonl"
+    workaround_log.unlink(missing_ok=True)
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(MOONCAKE_PROTOCOL="tcp")
+    workarounds: list[str] = []
+    if device == "cpu":
+        workarounds = sglang_cpu.workarounds_for(tp, transfer_engine=transfer_engine)
+        env["PYTHONPATH"] = str(sglang_cpu.DIRECTORY)
+        env[sglang_cpu.ENV_ENABLE] = ",".join(workarounds)
+        env[sglang_cpu.ENV_LOG] = str(workaround_log)
+        if tp >= 2:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
+    env.update(extra_env or {})
+
+    command = server_command(
+        python,
+        Path(model_dir),
+        host=host,
+        port=port,
+        bootstrap_port=bootstrap_port,
+        tp=tp,
+        device=device,
+        admin_api_key=admin_api_key,
+        transfer_engine=transfer_engine,
+        dtype=dtype,
+        extra_args=extra_args,
+    )
+    log = open(log_path, "wb")  # noqa: SIM115 (closed by SglangProcess.stop)
+    log.write(("$ " + " ".join(command) + "\n").encode())
+    log.flush()
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    server = SglangProcess(
+        process=process,
+        host=host,
+        port=port,
+        bootstrap_port=bootstrap_port,
+        tp=tp,
+        log_path=log_path,
+        workaround_log=workaround_log,
+        workarounds=workarounds,
+        command=command,
+        admin_api_key=admin_api_key,
+        _log=log,
+    )
+    try:
+        _wait_ready(server, timeout)
+    except BaseException:
+        server.stop(grace=5.0)
+        raise
+    server.started_s = time.monotonic() - started
+    return server
+
+
+def _wait_ready(server: SglangProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        code = server.process.poll()
+        if code is not None:
+            raise SglangStartError(
+                f"SGLang server exited with code {code} before it was ready (log: {server.log_path})\n"
+                + server.log_tail(25)
+            )
+        try:
+            status, body = server.request("GET", "/health", timeout=5.0)
+            if status == 200:
+                status, body = server.request("GET", "/model_info", timeout=5.0)
+                if status == 200 and isinstance(body, dict):
+                    return
+            last = f"HTTP {status}: {str(body)[:200]}"
+        except (OSError, urllib.error.URLError) as error:
+            last = str(error)
+        time.sleep(0.5)
+    raise SglangStartError(
+        f"SGLang server not ready after {timeout:.0f} s ({last}; log: {server.log_path})\n" + server.log_tail(25)
+    )

@@ -1,0 +1,92 @@
+"""Shared checks for the stock-SGLang tier: expected per-rank parameter sizes, safetensors bytes, hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+from weightsync_testing.sglang_server import SglangProcess, launch_sglang
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+ADMIN_KEY = "weightsync-test-admin"
+
+
+def start(python: Path, model: Path, log_dir: Path, *, tp: int) -> SglangProcess:
+    """A stock SGLang server as the tier runs it: CPU, float32 (as the checkpoint), an admin key."""
+    server = launch_sglang(model, tp=tp, python=python, dtype="float32", admin_api_key=ADMIN_KEY, log_dir=log_dir)
+    print(f"\nSGLang TP={tp} ready in {server.started_s:.1f} s ({server.log_path})", file=sys.stderr)
+    return server
+
+
+def config(model: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((model / "config.json").read_text())
+    return loaded
+
+
+def expected_numels(model: Path, tp: int) -> dict[str, int]:
+    """SGLang's fused parameter names and their per-rank element counts for the tiny Llama/Qwen3 at ``tp``."""
+    c = config(model)
+    hidden, inter, heads, kv, head_dim = (
+        c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+    )  # fmt: skip
+    vocab = c["vocab_size"]
+    numels = {"model.embed_tokens.weight": vocab // tp * hidden, "model.norm.weight": hidden}
+    numels["lm_head.weight"] = vocab // tp * hidden
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        numels[p + "self_attn.qkv_proj.weight"] = (heads + 2 * kv) * head_dim // tp * hidden
+        numels[p + "self_attn.o_proj.weight"] = hidden * heads * head_dim // tp
+        numels[p + "mlp.gate_up_proj.weight"] = 2 * inter // tp * hidden
+        numels[p + "mlp.down_proj.weight"] = hidden * inter // tp
+        numels[p + "input_layernorm.weight"] = hidden
+        numels[p + "post_attention_layernorm.weight"] = hidden
+        if c["model_type"] == "qwen3":
+            numels[p + "self_attn.q_norm.weight"] = head_dim
+            numels[p + "self_attn.k_norm.weight"] = head_dim
+    return numels
+
+
+def safetensors_bytes(model: Path) -> dict[str, bytes]:
+    """Raw bytes of every tensor in ``model.safetensors`` (the format: u64 header size, JSON header, data)."""
+    data = (model / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    base = 8 + size
+    return {
+        name: data[base + meta["data_offsets"][0] : base + meta["data_offsets"][1]]
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
+def cpu_tensor_hash(raw: bytes) -> str:
+    """SGLang's ``tensor_hash`` for a CPU tensor, as ``/weights_checker`` reports it: sha256, first 8 bytes."""
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def per_gpu_checksum(checksums: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(checksums):
+        digest.update(name.encode())
+        digest.update(checksums[name].encode())
+    return digest.hexdigest()
+
+
+def transfer_info(server: SglangProcess, rank: int) -> tuple[str, dict[str, list[int]]]:
+    status, body = server.request("GET", f"/remote_instance_transfer_engine_info?rank={rank}")
+    assert status == 200, body
+    assert body["rank"] == rank
+    session, weights = body["remote_instance_transfer_engine_info"]
+    return session, weights
+
+
+def generate(server: SglangProcess, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    body = {"input_ids": prompts, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}}
+    status, answer = server.request("POST", "/generate", body, admin=False)
+    assert status == 200, answer
+    assert isinstance(answer, list) and len(answer) == len(prompts)
+    return answer
