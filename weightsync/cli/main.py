@@ -100,7 +100,9 @@ def _load_one(filename: Path) -> object:
 
 @app.command()
 def validate(filename: GroupFile) -> None:
-    """Check a WeightSyncGroup the way the API server will (schema and CEL rules), without a cluster."""
+    """Check a WeightSyncGroup the way the API server (schema and CEL rules) and the operator (what its
+    engine adapter can do) will, without a cluster."""
+    from weightsync.api.engines import refusal
     from weightsync.api.load import SpecError, load_groups
 
     try:
@@ -108,8 +110,17 @@ def validate(filename: GroupFile) -> None:
     except SpecError as exc:
         err.print(f"[red]invalid:[/] {escape(str(exc))}")
         raise typer.Exit(2) from exc
+    refused = False
     for group in groups:
-        typer.echo(f"{group.metadata.name or '<unnamed>'}: valid")
+        name = group.metadata.name or "<unnamed>"
+        why = refusal(group.spec.inference.adapter, group.spec.transfer.request)
+        if why is None:
+            typer.echo(f"{name}: valid")
+        else:
+            refused = True
+            err.print(f"[red]{escape(name)}: the operator will refuse it ({why.reason}):[/] {escape(why.message)}")
+    if refused:
+        raise typer.Exit(2)
 
 
 @app.command()

@@ -80,3 +80,15 @@ def test_unplannable_cap_is_refused(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", "-f", str(path)])
     assert result.exit_code == 2
     assert "cannot plan" in result.output and "at least 4" in result.output
+
+
+def test_validate_accepts_the_examples_and_names_what_the_operator_would_refuse(tmp_path: Path) -> None:
+    for example in ("tcp-group.yaml", "rdma-group.yaml", "sglang-group.yaml"):
+        result = runner.invoke(app, ["validate", "-f", str(TCP.parent / example)])
+        assert result.exit_code == 0 and ": valid" in result.output, (example, result.output)
+    staged = tmp_path / "staged.yaml"
+    example = (TCP.parent / "sglang-group.yaml").read_text()
+    staged.write_text(example.replace("targetStaging: live", "targetStaging: staged"))
+    result = runner.invoke(app, ["validate", "-f", str(staged)])
+    assert result.exit_code == 2
+    assert "AdapterLacksCapability" in result.output and "transfer.targetStaging 'staged'" in result.output
