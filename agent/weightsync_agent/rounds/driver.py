@@ -220,7 +220,7 @@ class RoundDriver:
         for target, future in sorted(jobs.items()):
             result = self._result_by(future, deadline, f"engine {target[0]} rank {target[1]} verify")
             if not result.ok:
-                detail = f"buckets {list(result.mismatched)[:8]} differ" if result.mismatched else result.error
+                detail = result.error or f"buckets {list(result.mismatched)[:8]} differ"
                 raise RoundError(
                     f"engine {target[0]} rank {target[1]} failed verification of version {version}: {detail}",
                     peer=f"engine {target[0]}",

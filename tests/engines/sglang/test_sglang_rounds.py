@@ -46,10 +46,10 @@ def model_dir(tiny_llama: Path) -> Path:
     return tiny_llama
 
 
-def spec(tp: int, engines: int = 1) -> WeightSyncGroupSpec:
+def spec(tp: int, engines: int = 1, trainers: int = 2) -> WeightSyncGroupSpec:
     return WeightSyncGroupSpec.model_validate(
         {
-            "trainer": {"replicas": 2, "template": TEMPLATE},
+            "trainer": {"replicas": trainers, "template": TEMPLATE},
             "inference": {
                 "engines": engines,
                 "ranksPerEngine": tp,

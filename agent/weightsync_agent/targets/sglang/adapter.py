@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,6 +44,7 @@ from weightsync_agent.targets.sglang.manifest import assemble
 ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
 TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
 TRACE_TIMEOUT_SECONDS = 300.0
+FLUSH_RETRY_SECONDS = 0.2
 NOT_PUBLISHING = (
     "SGLang does not publish its weights for one-sided writes: start it with "
     "--remote-instance-weight-loader-start-seed-via-transfer-engine and a per-instance "
@@ -100,7 +102,18 @@ class SglangAdapter:
         # retract: running requests go back to the queue and are recomputed after resume (abort would lose
         # them, in_place would keep KV that the flush below must drop).
         self.client.pause_generation("retract", timeout=timeout)
-        self.client.request("POST", "/flush_cache", query={"timeout": max(1.0, timeout / 2)}, body={}, timeout=timeout)
+        # The prefix cache holds KV computed with the old weights: drop it. Without a timeout SGLang flushes at
+        # once and, while paused, does not count the retracted (waiting) requests; with one it would wait for
+        # a fully idle engine, which never comes under load. Retried briefly while a batch is still finishing.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.request("POST", "/flush_cache", body={}, timeout=timeout)
+                return
+            except HttpCallError as exc:
+                if exc.status != 400 or time.monotonic() + FLUSH_RETRY_SECONDS > deadline:
+                    raise
+            time.sleep(FLUSH_RETRY_SECONDS)
 
     def begin(self, version: int, timeout: float) -> None:
         self._checksums = None
