@@ -52,6 +52,8 @@ class AdapterSettings:
     agent_url: str | None = None
     #: True in the engine's own pod: the adapter may inspect the engine locally (trace its model).
     engine_side: bool = False
+    #: The engine's admin API key (SGLang's ``--admin-api-key``), sent as a bearer token on every call.
+    api_key: str | None = None
 
 
 class EngineRound(Protocol):

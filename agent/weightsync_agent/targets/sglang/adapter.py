@@ -59,7 +59,7 @@ class SglangAdapter:
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings
-        self.client = EngineClient(settings.url, timeout=settings.call_timeout)
+        self.client = EngineClient(settings.url, timeout=settings.call_timeout, api_key=settings.api_key)
         self.name = f"engine {settings.engine} (SGLang at {self.client.base_url})"
         self._manifests: dict[int, Manifest] = {}
         self._checksums: tuple[int, dict[int, dict[str, str]]] | None = None  # (version, tp rank -> name -> hash)
@@ -90,6 +90,8 @@ class SglangAdapter:
         except HttpCallError as exc:
             if exc.status == 400 and "transfer_engine_info" in exc.route:
                 return Readiness(False, "EngineNotPublishing", f"{NOT_PUBLISHING} ({exc})")
+            if exc.status in (401, 403):
+                return Readiness(False, "EngineUnauthorized", f"SGLang refused this agent's admin key ({exc})")
             return Readiness(False, "EngineUnavailable", str(exc))
         except ManifestError as exc:
             return Readiness(False, "ManifestRefused", str(exc))
