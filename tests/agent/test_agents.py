@@ -19,10 +19,10 @@ import torch
 from sync_helpers import TOKENS, expected_checksums, group_spec, training_step
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.reference_engine.model import forward_full, full_state
+from weightsync_testing.trainer_ranks import publish_all
 
 
 def spec(staging: str = "live", mode: str = "p2p", verify: bool = True) -> WeightSyncGroupSpec:
@@ -35,25 +35,6 @@ def spec(staging: str = "live", mode: str = "p2p", verify: bool = True) -> Weigh
 def group(request: pytest.FixtureRequest) -> Iterator[LoopbackGroup]:
     with LoopbackGroup(spec(request.param), group=f"t-{request.param}").start() as running:
         yield running
-
-
-def publish_all(clients: list[WeightSyncClient], full: dict[str, torch.Tensor], version: int) -> list[object]:
-    """Every rank stages and publishes, concurrently, as a trainer's ranks do."""
-    outcomes: list[object] = [None] * len(clients)
-
-    def rank(index: int) -> None:
-        clients[index].stage_many(full)
-        try:
-            outcomes[index] = clients[index].publish(version, check=False)
-        except Exception as exc:  # recorded: the test asserts on it
-            outcomes[index] = exc
-
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return outcomes
 
 
 def assert_engines_hold(group: LoopbackGroup, full: dict[str, torch.Tensor], version: int) -> None:

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, publish_all, save_checkpoint, spec, trained
+from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, save_checkpoint, spec, trained
 
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.trainer_ranks import publish_all
 
 TARGET = "model.norm.weight"
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,10 @@ import pytest
 import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.trainer_ranks import publish_all
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -77,24 +76,6 @@ def save_checkpoint(model_dir: Path, state: dict[str, torch.Tensor], out: Path) 
     shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
     safetensors_torch.save_file(state, str(out / "model.safetensors"))
     return out
-
-
-def publish_all(clients: list[WeightSyncClient], full: dict[str, torch.Tensor], version: int) -> list[object]:
-    outcomes: list[object] = [None] * len(clients)
-
-    def rank(index: int) -> None:
-        clients[index].stage_many(full)
-        try:
-            outcomes[index] = clients[index].publish(version, check=False)
-        except Exception as exc:  # recorded: the test asserts on it
-            outcomes[index] = exc
-
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    return outcomes
 
 
 def generate(client: EngineClient, prompt: list[int]) -> tuple[list[int], str]:

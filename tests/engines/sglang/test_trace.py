@@ -27,11 +27,9 @@ import pytest
 
 from weightsync_agent.targets.sglang import manifest as sglang_manifest
 from weightsync_agent.targets.sglang.manifest import TraceRefusedError, assemble
-from weightsync_testing.sglang_env import SglangEnvError, SglangEnvUnavailable, sglang_python
 from weightsync_testing.sglang_models import ensure_tiny_model
 
 TRACE_SCRIPT = Path(sglang_manifest.__file__).with_name("trace_model.py")
-REQUIRE = os.environ.get("WEIGHTSYNC_REQUIRE_SGLANG") == "1"
 # The tiny models (weightsync_testing.sglang_models.SHAPE): vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads,
 # head_dim 16, MLP 256.
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 512, 128, 2, 8, 4, 16, 256
@@ -44,15 +42,9 @@ Traces = dict[tuple[str, int, int], dict[str, Any]]
 
 
 @pytest.fixture(scope="session")
-def engine_python() -> Path:
-    try:
-        return sglang_python()
-    except SglangEnvUnavailable as error:
-        if REQUIRE:
-            pytest.fail(f"WEIGHTSYNC_REQUIRE_SGLANG=1 and the SGLang venv cannot be built: {error}")
-        pytest.skip(f"stock SGLang venv cannot be built here ({error}); WEIGHTSYNC_REQUIRE_SGLANG=1 fails instead")
-    except SglangEnvError as error:
-        pytest.fail(str(error))
+def engine_python(sglang_py: Path) -> Path:
+    """The SGLang venv's python (conftest's ``sglang_py``: skips or fails as the tier does)."""
+    return sglang_py
 
 
 @pytest.fixture(scope="session")
