@@ -14,7 +14,7 @@ from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Fiel
 from pydantic.alias_generators import to_camel
 
 from weightsync.api.cel import CelRule
-from weightsync.api.engines import Adapter, Request
+from weightsync.api.engines import Adapter, Request, Staging, SyncModeName
 from weightsync.api.timeouts import Timeouts
 
 GROUP = "weightsync.io"
@@ -184,7 +184,7 @@ class InferenceSpec(SpecModel):
 class TransferSpec(SpecModel):
     """How weights move."""
 
-    mode: Literal["p2p", "broadcast"] = Field(
+    mode: SyncModeName = Field(
         default="p2p",
         description="p2p: every trainer rank writes its planned targets (one-sided RDMA/TCP writes). "
         "broadcast: trainer rank 0 broadcasts to every inference rank (torch.distributed).",
@@ -214,7 +214,7 @@ class TransferSpec(SpecModel):
         default=300, ge=1, le=86400, description="A sync round that takes longer than this is aborted."
     )
     verify: bool = Field(default=True, description="Targets verify per-bucket checksums before a version commits.")
-    target_staging: Literal["live", "staged"] = Field(
+    target_staging: Staging = Field(
         default="live",
         description="live: write into the engine's weights while it is paused. "
         "staged: write into a staging area, copy on commit; the engine keeps serving meanwhile.",

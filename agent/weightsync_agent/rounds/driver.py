@@ -27,13 +27,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from weightsync.api.engines import Staging
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.targets.adapter import EngineRound, TargetVerdict
 
-Staging = Literal["live", "staged"]
 T = TypeVar("T")
 
 
