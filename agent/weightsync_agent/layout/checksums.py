@@ -14,13 +14,13 @@ pieces (merged or not) does not change it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from collections.abc import Callable, Iterable
 
 import xxhash
 
 from weightsync_agent.layout.buckets import Bucket, replica_offsets
 from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_cpu_hash, sglang_gpu_hash
 
 _PyBUF_READ = 0x100
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -63,31 +63,30 @@ def source_checksum(bucket: Bucket, replica_address: int) -> str:
     return checksum_ranges(source_ranges(bucket, replica_address))
 
 
-def tensor_sha256_8(address: int, nbytes: int) -> str:
-    """SGLang's CPU-tensor hash: the first 8 bytes of sha256 of the bytes, big-endian, as ``%016x``."""
-    return hashlib.sha256(view(address, nbytes) if nbytes else b"").digest()[:8].hex()
-
-
-def tensor_sglang_gpu(address: int, nbytes: int) -> str:
-    """SGLang's ``gpu_tensor_hash`` of the bytes (what a CUDA engine's ``/weights_checker`` reports)."""
-    from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_gpu_hash
-
-    return sglang_gpu_hash(view(address, nbytes) if nbytes else b"")
-
-
-TENSOR_HASHES: dict[str, Callable[[int, int], str]] = {
-    "tensor-sha256-8": tensor_sha256_8,
-    "tensor-sglang-gpu": tensor_sglang_gpu,
+#: Per-tensor schemes (``Manifest.checksum``): the engine's own hash of one tensor's bytes.
+TENSOR_HASHES: dict[str, Callable[[memoryview | bytes], str]] = {
+    "tensor-sha256-8": sglang_cpu_hash,
+    "tensor-sglang-gpu": sglang_gpu_hash,
 }
+
+
+def tensor_ranges(manifest: Manifest, replica_address: int) -> list[tuple[int, int]]:
+    """Each tensor's ``(address, nbytes)`` in the replica, in manifest order."""
+    offsets = replica_offsets(manifest)
+    return [(replica_address + offsets[t.name], t.nbytes) for t in manifest.tensors]
+
+
+def tensor_checksum(scheme: str, address: int, nbytes: int) -> str:
+    """The per-tensor hash ``scheme`` names, over ``nbytes`` at ``address`` (read in place)."""
+    hasher = TENSOR_HASHES.get(scheme)
+    if hasher is None:
+        raise ValueError(f"{scheme} is not a per-tensor scheme")
+    return hasher(view(address, nbytes) if nbytes else b"")
 
 
 def tensor_checksums(manifest: Manifest, replica_address: int) -> list[str]:
     """Per tensor, in manifest order, the hash ``manifest.checksum`` names, over the replica's bytes."""
-    hasher = TENSOR_HASHES.get(manifest.checksum)
-    if hasher is None:
-        raise ValueError(f"{manifest.checksum} is not a per-tensor scheme")
-    offsets = replica_offsets(manifest)
-    return [hasher(replica_address + offsets[t.name], t.nbytes) for t in manifest.tensors]
+    return [tensor_checksum(manifest.checksum, a, n) for a, n in tensor_ranges(manifest, replica_address)]
 
 
 def target_checksum(bucket: Bucket) -> str:

@@ -42,7 +42,7 @@ from typing import Literal, Protocol
 
 from weightsync.plan import Plan, Target
 from weightsync_agent.layout.buckets import Bucket, plan_buckets
-from weightsync_agent.layout.checksums import source_checksum, tensor_checksums
+from weightsync_agent.layout.checksums import source_checksum, tensor_checksum, tensor_ranges
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.replica import IncompleteReplicaError, Replica, ReplicaBusyError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
@@ -412,7 +412,7 @@ class _Run:
             },
         )
         self._hashing: dict[tuple[str, int], Future[str]] = {}
-        self._tensor_hashing: dict[tuple[str, int], Future[list[str]]] = {}
+        self._tensor_hashing: dict[tuple[str, str], list[Future[str]]] = {}  # (layout, scheme) -> per tensor
         self._queues: dict[Target, deque[_Send]] = {t: deque() for t in self.targets}
         self._next: dict[Target, int] = dict.fromkeys(self.targets, 0)
         self.started = time.monotonic()
@@ -444,10 +444,11 @@ class _Run:
             fingerprint = self.result.targets[target].fingerprint
             address = self.source.replica_for(target).address
             manifest = self.source.manifests[target]
-            if manifest.checksum != "bucket-xxh3":  # the engine's own per-tensor hash, all tensors in one job
-                key = (f"{fingerprint}/{manifest.checksum}", -1)
-                if key not in self._tensor_hashing:
-                    self._tensor_hashing[key] = pool.submit(tensor_checksums, manifest, address)
+            if manifest.checksum != "bucket-xxh3":  # the engine's own hash, one job per tensor
+                layout = (fingerprint, manifest.checksum)
+                if layout not in self._tensor_hashing:
+                    ranges = tensor_ranges(manifest, address)
+                    self._tensor_hashing[layout] = [pool.submit(tensor_checksum, layout[1], a, n) for a, n in ranges]
                 continue
             for bucket in self.source.buckets[target]:
                 key = (fingerprint, bucket.index)
@@ -462,7 +463,7 @@ class _Run:
             report = self.result.targets[target]
             scheme = self.source.manifests[target].checksum
             if scheme != "bucket-xxh3":
-                report.checksums = list(self._tensor_hashing[(f"{report.fingerprint}/{scheme}", -1)].result())
+                report.checksums = [f.result() for f in self._tensor_hashing[(report.fingerprint, scheme)]]
                 continue
             sent = self._next[target]  # buckets submitted; a failed target's list stops where it stopped
             report.checksums = [
