@@ -1,8 +1,7 @@
 """How the loopback group starts an engine of each kind: the reference engine, or a stock SGLang server.
 
-A harness starts engine ``e`` as local processes and says whether the engine needs its own agent (kinds
-whose manifests the engine pod's agent assembles, as SGLang's: the agent traces the model with the
-engine's SGLang code).
+A harness starts engine ``e`` as local processes. Whether the engine also needs its own agent is the
+adapter's to say (``manifests_from_engine_agent``), not the harness's.
 """
 
 from __future__ import annotations
@@ -29,14 +28,10 @@ class StartedEngine:
 
 
 class EngineHarness(Protocol):
-    needs_engine_agent: bool
-
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine: ...
 
 
 class ReferenceEngines:
-    needs_engine_agent = False
-
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
         process = launch_engine(
             engine,
@@ -50,8 +45,6 @@ class ReferenceEngines:
 
 class SglangEngines:
     """Stock SGLang servers on a model directory (CPU, the pinned venv; weightsync_testing.sglang_server)."""
-
-    needs_engine_agent = True
 
     def __init__(self, model_dir: Path, *, python: str, dtype: str = "float32", log_dir: Path | None = None) -> None:
         self.model_dir = model_dir

@@ -29,6 +29,7 @@ from weightsync.ports import free_port
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.directory import StaticDirectory
 from weightsync_agent.rounds.remote import AgentClient, AgentError
+from weightsync_agent.targets.registry import ADAPTERS
 from weightsync_testing.engine_harness import EngineHarness, ReferenceEngines, StartedEngine
 from weightsync_testing.reference_engine.launch import stop_process
 
@@ -120,7 +121,7 @@ class LoopbackGroup:
         started = self.harness.start(engine, self.spec, seed + engine)
         self.engines[engine] = started
         self.directory.engines[engine] = started.url
-        if self.harness.needs_engine_agent:
+        if ADAPTERS[self.spec.inference.adapter].manifests_from_engine_agent:
             port = free_port()
             self.directory.engine_agents[engine] = f"http://127.0.0.1:{port}"
             self._publish_files()

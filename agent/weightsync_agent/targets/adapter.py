@@ -81,7 +81,11 @@ class EngineAdapter(EngineRound, Protocol):
 
     kind: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    #: Whether the engine pod's agent assembles the manifests (then sources fetch them from that agent).
+    manifests_from_engine_agent: ClassVar[bool]
     settings: AdapterSettings
+
+    def __init__(self, settings: AdapterSettings) -> None: ...
 
     def manifest(self, rank: int) -> Manifest:
         """Rank ``rank``'s target manifest (names, dtypes, shapes, shard map, addresses, transfer session)."""

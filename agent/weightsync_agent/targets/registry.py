@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
 from typing import Final
 
 from weightsync.api.engines import ENGINE_KINDS, unavailable_message
@@ -12,9 +12,7 @@ from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailable
 from weightsync_agent.targets.reference.adapter import ReferenceAdapter
 from weightsync_agent.targets.sglang.adapter import SglangAdapter
 
-AdapterFactory = Callable[[AdapterSettings], EngineAdapter]
-
-ADAPTERS: Final[dict[str, AdapterFactory]] = {
+ADAPTERS: Final[dict[str, type[EngineAdapter]]] = {
     ReferenceAdapter.kind: ReferenceAdapter,
     SglangAdapter.kind: SglangAdapter,
 }
@@ -42,10 +40,12 @@ def settings_for(
 ) -> AdapterSettings:
     """Engine ``engine``'s adapter settings under ``plan`` (``url``: the engine's, when known without the directory)."""
     transfer = plan.transfer
-    try:
-        agent_url: str | None = directory.engine_agent_url(engine)
-    except DirectoryError:
-        agent_url = None  # only kinds whose manifests the engine's agent assembles need it
+    agent_url: str | None = None
+    adapter = ADAPTERS.get(plan.layout.adapter)
+    if adapter is not None and adapter.manifests_from_engine_agent and not engine_side:
+        # Only such kinds pay for the lookup (a pod read under the operator); a missing agent is the fetch's error.
+        with contextlib.suppress(DirectoryError):
+            agent_url = directory.engine_agent_url(engine)
     return AdapterSettings(
         engine=engine,
         url=url or directory.engine_url(engine),

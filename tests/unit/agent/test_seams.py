@@ -22,7 +22,7 @@ from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.writer import SourceConfigError
 from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
 from weightsync_agent.targets.agent import EngineAgent
-from weightsync_agent.targets.registry import ADAPTERS, make_adapter
+from weightsync_agent.targets.registry import ADAPTERS, make_adapter, settings_for
 
 AGENT = Path(__file__).resolve().parents[3] / "agent" / "weightsync_agent"
 SETTINGS = AdapterSettings(engine=0, url="http://127.0.0.1:9", ranks=2, bucket_bytes=1 << 20)
@@ -201,3 +201,32 @@ def test_the_refusal_names_adapter_and_capability() -> None:
         "AdapterLacksCapability",
         "inference.adapter 'sglang' cannot sync in transfer.mode 'broadcast' (it supports p2p)",
     )
+
+
+class CountingDirectory:
+    def __init__(self) -> None:
+        self.agent_lookups = 0
+
+    def engine_url(self, engine: int) -> str:
+        return f"http://engine-{engine}"
+
+    def trainer_url(self, pod: int) -> str:
+        return f"http://trainer-{pod}"
+
+    def engine_agent_url(self, engine: int) -> str:
+        self.agent_lookups += 1
+        return f"http://engine-agent-{engine}"
+
+
+@pytest.mark.parametrize(("adapter", "lookups"), [("reference", 0), ("sglang", 1)])
+def test_only_kinds_whose_agent_assembles_manifests_look_that_agent_up(adapter: str, lookups: int) -> None:
+    plan = plan_for(WeightSyncGroupSpec.model_validate({
+        "trainer": {"replicas": 1, "template": TEMPLATE},
+        "inference": {"engines": 1, "adapter": adapter, "template": TEMPLATE},
+    }), group="g")  # fmt: skip
+    directory = CountingDirectory()
+    settings = settings_for(plan, 0, directory, call_timeout=1.0)
+    assert directory.agent_lookups == lookups
+    assert settings.agent_url == ("http://engine-agent-0" if lookups else None)
+    assert settings_for(plan, 0, directory, call_timeout=1.0, engine_side=True).agent_url is None
+    assert directory.agent_lookups == lookups  # the engine's own pod never looks itself up

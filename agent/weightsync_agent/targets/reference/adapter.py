@@ -24,6 +24,7 @@ ARM_BROADCAST_ROUTE = "/weightsync/broadcast/receive"
 class ReferenceAdapter:
     kind: ClassVar[str] = "reference"
     capabilities: ClassVar[Capabilities] = ENGINE_KINDS["reference"].capabilities  # type: ignore[assignment]
+    manifests_from_engine_agent: ClassVar[bool] = False  # the engine serves full manifests itself
 
     def __init__(self, settings: AdapterSettings, *, pause_mode: PauseMode = "abort") -> None:
         self.settings = settings

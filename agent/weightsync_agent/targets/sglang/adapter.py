@@ -56,6 +56,7 @@ NOT_PUBLISHING = (
 class SglangAdapter:
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = ENGINE_KINDS["sglang"].capabilities  # type: ignore[assignment]
+    manifests_from_engine_agent: ClassVar[bool] = True  # SGLang publishes addresses only: its pod's agent traces
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings
