@@ -37,7 +37,7 @@ from weightsync_agent.sidecar.report import PodReporter
 from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.replica import ReplicaError
 from weightsync_agent.source.writer import SourceConfigError
-from weightsync_agent.targets.adapter import AdapterUnavailableError
+from weightsync_agent.targets.adapter import AdapterUnavailableError, EngineAdapter
 from weightsync_agent.targets.agent import EngineAgent
 from weightsync_agent.targets.registry import make_adapter, settings_for
 from weightsync_agent.transport.base import Transport, TransportError
@@ -92,9 +92,8 @@ class AgentRuntime:
         else:
             if engine_url is None:
                 raise ValueError("an engine agent needs the engine's URL")
-            refused = self._refusal()
-            adapter = None
-            if refused is None:
+            adapter: EngineAdapter | Refusal | None = self._refusal()
+            if adapter is None:
                 settings = settings_for(self.plan, config.engine_index or 0, directory, call_timeout=call_timeout,
                                         url=engine_url, engine_side=True)  # fmt: skip
                 adapter = make_adapter(self.plan.layout.adapter, settings)
@@ -102,7 +101,6 @@ class AgentRuntime:
                 config.group,
                 engine_url,
                 adapter,
-                refused=refused,
                 advertise=config.pod_index == 0,
                 set_ready=self._set_ready if reporter else None,
                 annotate=reporter.annotate if reporter else None,

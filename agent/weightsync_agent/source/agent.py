@@ -210,9 +210,7 @@ class SourceAgent:
         }
 
     def close(self) -> None:
-        for source in self.sources.values():
-            source.close()
-        self.sources.clear()
+        self.drop_sources()
         for transport in self.transports.values():
             transport.close()
         self.transports.clear()

@@ -39,16 +39,16 @@ class EngineState:
 
 
 class EngineAgent:
-    """``refused``: the group asks what this engine kind's adapter cannot do; the pod stays unready, saying why."""
+    """``adapter`` a :class:`Refusal`: the group asks what this engine kind's adapter cannot do; the pod stays
+    unready, saying why."""
 
     def __init__(
         self,
         group: str,
         engine_url: str,
-        adapter: EngineAdapter | None,
+        adapter: EngineAdapter | Refusal,
         *,
         advertise: bool,
-        refused: Refusal | None = None,
         set_ready: SetReady | None = None,
         annotate: Annotate | None = None,
         timeout: float = 5.0,
@@ -56,7 +56,6 @@ class EngineAgent:
         self.group = group
         self.engine_url = engine_url
         self.adapter = adapter
-        self.refused = refused
         self.advertise = advertise  # only the engine's first pod hosts its HTTP server
         self.set_ready = set_ready
         self.annotate = annotate
@@ -70,9 +69,8 @@ class EngineAgent:
             self.annotate({names.ANNOTATION_ENGINE_URL: self.engine_url})
             self._advertised = True
         version = self.state.version
-        if self.refused is not None or self.adapter is None:
-            refused = self.refused or Refusal("AdapterUnavailable", "no adapter for this engine kind")
-            ready, reason, message = False, refused.reason, refused.message
+        if isinstance(self.adapter, Refusal):
+            ready, reason, message = False, self.adapter.reason, self.adapter.message
         else:
             try:
                 if self.advertise and not self.state.ready:
@@ -99,9 +97,8 @@ class EngineAgent:
 
     def manifest(self, rank: int) -> Manifest:
         """Rank ``rank``'s manifest as this pod's adapter assembles it (served to sources by the agent)."""
-        if self.adapter is None:
-            reason = self.refused.message if self.refused is not None else "no adapter for this engine kind"
-            raise LookupError(reason)
+        if isinstance(self.adapter, Refusal):
+            raise LookupError(self.adapter.message)
         if not 0 <= rank < self.adapter.settings.ranks:
             raise ValueError(f"rank must be in [0, {self.adapter.settings.ranks}), got {rank}")
         return self.adapter.manifest(rank)

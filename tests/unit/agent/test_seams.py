@@ -71,7 +71,7 @@ def test_an_engine_pod_whose_adapter_is_refused_stays_unready_saying_why() -> No
     said: list[tuple[bool, str, str]] = []
     why = refusal("sglang", Request("p2p", "staged", True))
     assert why is not None
-    agent = EngineAgent("g", "http://127.0.0.1:9", None, refused=why, advertise=True,
+    agent = EngineAgent("g", "http://127.0.0.1:9", why, advertise=True,
                         set_ready=lambda *a: said.append(a))  # fmt: skip
     state = agent.check()
     assert not state.ready and said == [(False, "AdapterLacksCapability", why.message)]
