@@ -16,7 +16,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client import WeightSyncClient
 from weightsync_testing.engine_harness import EngineHarness, ReferenceEngines, SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.trainer_ranks import publish_all
 
 TEMPLATE: dict[str, Any] = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
 
@@ -43,21 +43,10 @@ def spec(adapter: str, tp: int) -> WeightSyncGroupSpec:
 
 
 def publish(clients: list[WeightSyncClient], state: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-    outcomes: list[Any] = [None] * len(clients)
-
-    def rank(i: int) -> None:
-        clients[i].stage_many(state)
-        outcomes[i] = clients[i].publish(version, check=False)
-
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    round_ = outcomes[0].round
-    if round_.result != "Succeeded":
-        raise RuntimeError(outcomes[0].summary())
-    return {"seconds": round_.duration_seconds, "bytes": round_.bytes}
+    outcome: Any = publish_all(clients, state, version, timeout=300)[0]
+    if isinstance(outcome, Exception) or not outcome.ok:
+        raise RuntimeError(str(outcome) if isinstance(outcome, Exception) else outcome.summary())
+    return {"seconds": outcome.round.duration_seconds, "bytes": outcome.round.bytes}
 
 
 def measure(name: str, group: LoopbackGroup, state: dict[str, torch.Tensor], rounds: int) -> dict[str, Any]:
