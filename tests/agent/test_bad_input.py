@@ -133,6 +133,22 @@ CASES: dict[str, tuple[Tamper, str]] = {
     ),
     "parts do not tile": (_parts_do_not_tile, r"qkv_proj\.weight: part from .*q_proj\.weight has shape|add up to"),
     "slice past the full tensor": (_slice_past_full, r"q_proj\.weight: slice \[\d+, \d+\) exceeds dim 0"),
+    "padding that does not add up": (
+        lambda m: QKV(m).update(padding=1),
+        r"qkv_proj\.weight: parts add up to \d+ plus 1 padding along dim 0, tensor has \d+",
+    ),
+    "negative padding": (
+        lambda m: QKV(m).update(padding=-2),
+        r"tensors\.\d+\.padding\s+Input should be greater than or equal to 0",
+    ),
+    "an expert index on one part only": (
+        lambda m: QKV(m)["parts"][1].update(at=[0]),
+        r"qkv_proj\.weight: parts index 0 and 1 leading dims; one count only",
+    ),
+    "an expert index off the tensor": (
+        lambda m: (QKV(m).update(catDim=1), [p.update(at=[99999]) for p in QKV(m)["parts"]]),
+        r"qkv_proj\.weight: part from .*q_proj\.weight lands at \[99999\], off the tensor",
+    ),
     "tensors overlap": (
         lambda m: NORM(m).update(address=QKV(m)["address"]),
         r"tensors .* and .* overlap in the engine's memory",

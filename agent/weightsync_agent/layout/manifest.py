@@ -4,7 +4,11 @@ Served by the engine (as the ``weights_info`` of ``/remote_instance_transfer_eng
 SGLang uses) together with the transfer session id. One entry per local weight tensor: where it lives
 (absolute address in the engine process), its dtype and shape, and how it is cut from the trainer's full
 tensors — a concatenation along ``cat_dim`` of slices of one or more full tensors (one part for a plain
-TP shard; three for a fused qkv; one whole-tensor part for a replicated norm).
+TP shard; three for a fused qkv; one whole-tensor part for a replicated norm). Two extensions cover what
+stock engines hold beyond that: a part may land in a sub-tensor picked by leading indices (``at``: expert
+``e``'s 2-D projections in a fused ``[experts, rows, cols]`` parameter), and an entry may end, along
+``cat_dim``, in ``padding`` slices no full tensor writes and the engine holds as zeros (vocab padding on
+the last TP rank).
 
 Sources read this once per target, check it, and build a CPU replica with the identical byte layout, so
 every bucket is a run of plain memory copies into remote addresses. Checks here are strict on purpose:
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
 from typing import Final, Literal, Self
@@ -52,7 +57,10 @@ class ManifestError(ValueError):
 
 
 class ShardPart(ApiModel):
-    """``full[source]`` sliced to ``[start, start + length)`` along ``dim`` (the rest whole)."""
+    """``full[source]`` sliced to ``[start, start + length)`` along ``dim`` (the rest whole).
+
+    It lands in ``tensor[at]``: the tensor itself when ``at`` is empty, else the sub-tensor those leading
+    indices select (so the part has ``len(at)`` fewer dims than the tensor)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -61,6 +69,9 @@ class ShardPart(ApiModel):
     dim: int = Field(ge=0)
     start: int = Field(ge=0)
     length: int = Field(ge=1)
+    at: tuple[int, ...] = Field(
+        default=(), description="Leading indices of the destination sub-tensor (fused experts: (expert,))."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -80,6 +91,16 @@ class ShardPart(ApiModel):
         return tuple(shape)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a part lands: ``tensor[part.at]``, from ``start`` along the entry's ``cat_dim`` (``length`` long)."""
+
+    index: int  # the part's position in the entry
+    part: ShardPart
+    start: int
+    length: int
+
+
 class TensorEntry(ApiModel):
     """One local weight tensor of the target rank."""
 
@@ -92,6 +113,11 @@ class TensorEntry(ApiModel):
     nbytes: int = Field(ge=0)
     cat_dim: int = Field(default=0, ge=0, description="Parts are concatenated along this dimension.")
     parts: tuple[ShardPart, ...] = Field(min_length=1)
+    padding: int = Field(
+        default=0,
+        ge=0,
+        description="Trailing slices along cat_dim that no full tensor writes and the engine holds as zeros.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -104,26 +130,67 @@ class TensorEntry(ApiModel):
         rank = len(self.shape)
         if self.cat_dim >= max(rank, 1):
             raise ManifestError(f"{self.name}: cat_dim {self.cat_dim} outside shape {list(self.shape)}")
-        along = 0
+        lead = len(self.parts[0].at)
+        if lead and self.cat_dim < lead:
+            raise ManifestError(
+                f"{self.name}: cat_dim {self.cat_dim} is one of the {lead} leading dim(s) that parts' 'at' index"
+            )
+        if self.padding and not rank:
+            raise ManifestError(f"{self.name}: a 0-d tensor has no room for padding")
+        sub = self.shape[lead:]
+        along: dict[tuple[int, ...], int] = {}
         for part in self.parts:
-            if len(part.shape) != rank:
-                raise ManifestError(f"{self.name}: part from {part.source} has rank {len(part.shape)}, not {rank}")
-            for axis, (have, want) in enumerate(zip(part.shape, self.shape, strict=True)):
-                if axis != self.cat_dim and have != want:
+            if len(part.at) != lead:
+                raise ManifestError(f"{self.name}: parts index {lead} and {len(part.at)} leading dims; one count only")
+            if any(not 0 <= i < n for i, n in zip(part.at, self.shape, strict=False)):
+                raise ManifestError(f"{self.name}: part from {part.source} lands at {list(part.at)}, off the tensor")
+            if len(part.shape) != len(sub):
+                raise ManifestError(
+                    f"{self.name}: part from {part.source} has rank {len(part.shape)}, not {len(sub)}"
+                    + (f" (the tensor's rank {rank} less {lead} indexed dim(s))" if lead else "")
+                )
+            for axis, (have, want) in enumerate(zip(part.shape, sub, strict=True)):
+                if axis + lead != self.cat_dim and have != want:
                     raise ManifestError(
                         f"{self.name}: part from {part.source} has shape {list(part.shape)}, "
-                        f"which does not fit {list(self.shape)}"
+                        f"which does not fit {list(sub)}"
                     )
-            along += part.shape[self.cat_dim] if rank else 1
-        if rank and along != self.shape[self.cat_dim]:
+            along[part.at] = along.get(part.at, 0) + (part.shape[self.cat_dim - lead] if rank else 1)
+        for at, total in along.items():
+            if rank and total + self.padding != self.shape[self.cat_dim]:
+                where = f" at {list(at)}" if lead else ""
+                padded = f" plus {self.padding} padding" if self.padding else ""
+                raise ManifestError(
+                    f"{self.name}: parts{where} add up to {total}{padded} along dim {self.cat_dim}, "
+                    f"tensor has {self.shape[self.cat_dim]}"
+                )
+        if lead and len(along) != math.prod(self.shape[:lead]):
             raise ManifestError(
-                f"{self.name}: parts add up to {along} along dim {self.cat_dim}, tensor has {self.shape[self.cat_dim]}"
+                f"{self.name}: parts fill {len(along)} of the {math.prod(self.shape[:lead])} sub-tensors "
+                f"{list(self.shape[:lead])} indexes"
             )
         return self
 
     @property
     def end(self) -> int:
         return self.address + self.nbytes
+
+    @property
+    def lead(self) -> int:
+        """How many leading dims the parts index (``at``) rather than fill: 0 unless experts are fused."""
+        return len(self.parts[0].at)
+
+    @cached_property
+    def placements(self) -> tuple[Placement, ...]:
+        """Each part's place: parts with the same ``at`` follow each other along ``cat_dim``, in order."""
+        lead, along = self.lead, dict[tuple[int, ...], int]()
+        out = []
+        for index, part in enumerate(self.parts):
+            start = along.get(part.at, 0)
+            length = part.shape[self.cat_dim - lead] if self.shape else 1
+            out.append(Placement(index, part, start, length))
+            along[part.at] = start + length
+        return tuple(out)
 
 
 class Region(ApiModel):

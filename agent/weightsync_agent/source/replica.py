@@ -4,8 +4,10 @@ A :class:`Replica` holds every local tensor of one *shape* (one target layout, i
 manifest's ``layout_fingerprint``) packed back to back in manifest order, exactly as
 :func:`weightsync_agent.layout.buckets.replica_offsets` says, so each bucket is a run of plain memory copies
 into the target's registered memory. The trainer *stages* full (unsharded) tensors into it; the replica
-cuts them the way the target holds them (slice along ``part.dim``, place along ``cat_dim``), which
-covers TP row/column shards, fused qkv / gate_up and replicated tensors.
+cuts them the way the target holds them (slice along ``part.dim``, place along ``cat_dim``, in the
+sub-tensor ``part.at`` picks), which covers TP row/column shards, fused qkv / gate_up, replicated
+tensors and fused MoE experts. Padding (``TensorEntry.padding``) is never written: the buffer starts as
+zeros, which is what the engine holds there.
 
 Staging is all-or-nothing per call: dtype and shape are checked for every part the full tensor feeds
 before any byte is written. The replica records which parts are staged; publishing refuses an
@@ -49,6 +51,7 @@ import xxhash
 
 from weightsync_agent.layout.buckets import replica_offsets
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
+from weightsync_agent.layout.placement import part_view
 
 log = logging.getLogger("weightsync.agent.replica")
 
@@ -108,7 +111,7 @@ class LocalTensor:
 
 @dataclass(frozen=True)
 class PartSlot:
-    """Where one shard part goes: the tensor, and the offset along its ``cat_dim``."""
+    """Where one shard part goes: the tensor, and the offset along its ``cat_dim`` (in ``tensor[part.at]``)."""
 
     index: int  # position in the staged bitmap
     tensor: LocalTensor
@@ -117,7 +120,7 @@ class PartSlot:
 
     @property
     def cat_length(self) -> int:
-        return self.part.shape[self.tensor.cat_dim] if self.tensor.shape else 1
+        return self.part.shape[self.tensor.cat_dim - len(self.part.at)] if self.tensor.shape else 1
 
 
 @dataclass(frozen=True)
@@ -169,11 +172,11 @@ class ReplicaLayout:
         self.nbytes = cursor
         slots: list[PartSlot] = []
         for tensor in self.tensors:
-            along = 0
+            along: dict[tuple[int, ...], int] = {}  # per destination sub-tensor (fused experts: per expert)
             for part in tensor.parts:
-                slot = PartSlot(len(slots), tensor, part, along)
+                slot = PartSlot(len(slots), tensor, part, along.get(part.at, 0))
                 slots.append(slot)
-                along += slot.cat_length
+                along[part.at] = slot.cat_start + slot.cat_length
         self.slots: tuple[PartSlot, ...] = tuple(slots)
         by_source: dict[str, list[PartSlot]] = {}
         for slot in self.slots:
@@ -423,9 +426,7 @@ class Replica:
 
     @staticmethod
     def _place(local: torch.Tensor, slot: PartSlot) -> torch.Tensor:
-        if not slot.tensor.shape:
-            return local
-        return local.narrow(slot.tensor.cat_dim, slot.cat_start, slot.cat_length)
+        return part_view(local, slot.tensor.cat_dim, slot.part.at, slot.cat_start, slot.cat_length)
 
     def _typed(self, tensor: LocalTensor) -> torch.Tensor | None:
         itemsize = ITEMSIZE[tensor.dtype]

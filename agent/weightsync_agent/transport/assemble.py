@@ -12,16 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync_agent.layout.manifest import ShardPart, TensorEntry
+from weightsync_agent.layout.manifest import Placement, ShardPart, TensorEntry
+from weightsync_agent.layout.placement import part_view
 from weightsync_agent.transport.base import TransportError
 
 
 @dataclass(frozen=True)
 class _Target:
     entry: TensorEntry
-    part: ShardPart
-    index: int
-    at: int  # where the part starts along the entry's cat_dim
+    placement: Placement
+
+    @property
+    def part(self) -> ShardPart:
+        return self.placement.part
 
 
 class ShardAssembler:
@@ -37,11 +40,10 @@ class ShardAssembler:
                     f"{entry.name}: destination has shape {list(destinations[entry.name].shape)}, "
                     f"the manifest says {list(entry.shape)}"
                 )
-            at = 0
-            for index, part in enumerate(entry.parts):
-                self._by_source.setdefault(part.source, []).append(_Target(entry, part, index, at))
-                self._missing[(entry.name, index)] = part.source
-                at += part.shape[entry.cat_dim]
+            for placement in entry.placements:
+                part = placement.part
+                self._by_source.setdefault(part.source, []).append(_Target(entry, placement))
+                self._missing[(entry.name, placement.index)] = part.source
 
     def __call__(self, names_and_views: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, full in names_and_views:
@@ -55,9 +57,10 @@ class ShardAssembler:
                 dest = self._destinations[entry.name]
                 if full.dtype != dest.dtype:
                     raise TransportError(f"{entry.name}: {name} arrived as {full.dtype}, destination is {dest.dtype}")
-                length = part.shape[entry.cat_dim]
-                dest.narrow(entry.cat_dim, target.at, length).copy_(full.narrow(part.dim, part.start, part.length))
-                self._missing.pop((entry.name, target.index), None)
+                at = target.placement
+                view = part_view(dest, entry.cat_dim, part.at, at.start, at.length)
+                view.copy_(full.narrow(part.dim, part.start, part.length))
+                self._missing.pop((entry.name, at.index), None)
 
     def missing(self) -> list[str]:
         """``"local name <- full name"`` for every part not yet received."""

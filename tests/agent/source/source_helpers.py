@@ -28,26 +28,35 @@ from weightsync_agent.transport.base import TransferState, TransportError
 
 @dataclass(frozen=True)
 class Local:
-    """A target tensor: its parts, concatenated along ``cat_dim``."""
+    """A target tensor: its parts, concatenated along ``cat_dim`` (in the sub-tensor each part's ``at`` picks),
+    then ``padding`` zero slices."""
 
     name: str
     dtype: str
     parts: tuple[ShardPart, ...]
     cat_dim: int = 0
+    padding: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = list(self.parts[0].shape)
-        shape[self.cat_dim] = sum(p.shape[self.cat_dim] for p in self.parts)
-        return tuple(shape)
+        lead = len(self.parts[0].at)
+        along: dict[tuple[int, ...], int] = {}
+        for p in self.parts:
+            along[p.at] = along.get(p.at, 0) + p.shape[self.cat_dim - lead]
+        sub = list(self.parts[0].shape)
+        sub[self.cat_dim - lead] = max(along.values()) + self.padding
+        indexed = [max(p.at[i] for p in self.parts) + 1 for i in range(lead)]
+        return tuple(indexed + sub)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
-def part(source: str, full_shape: Sequence[int], dim: int, start: int, length: int) -> ShardPart:
-    return ShardPart(source=source, full_shape=tuple(full_shape), dim=dim, start=start, length=length)
+def part(
+    source: str, full_shape: Sequence[int], dim: int, start: int, length: int, at: tuple[int, ...] = ()
+) -> ShardPart:
+    return ShardPart(source=source, full_shape=tuple(full_shape), dim=dim, start=start, length=length, at=at)
 
 
 def whole(source: str, full_shape: Sequence[int]) -> ShardPart:
@@ -67,7 +76,10 @@ def tp_layout(model: Sequence[tuple[str, Sequence[Full]]], tp: int, rank: int) -
     ``model`` lists ``(kind, fulls)``: ``column`` (one full, rows split), ``row`` (one full, columns
     split), ``replicated`` (one full, whole), ``fused`` (several fulls, each rows split, concatenated
     along dim 0, like qkv / gate_up), ``fused_cols`` (columns split, concatenated along dim 1), ``expert``
-    (a 3-D full split along dim 0).
+    (a 3-D full split along dim 0), ``padded`` (rows split in ceil(rows / tp) per rank, the last rank
+    zero-padded, like SGLang's vocab), ``experts_w13`` (per expert a gate and an up full, rows split, in
+    ``[experts, rows, cols]`` at ``(e,)``, like SGLang's FusedMoE) and ``experts_w2`` (per expert one
+    full, columns split, along dim 2 of ``[experts, rows, cols]``).
     """
     out: list[Local] = []
     for index, (kind, fulls) in enumerate(model):
@@ -89,6 +101,20 @@ def tp_layout(model: Sequence[tuple[str, Sequence[Full]]], tp: int, rank: int) -
         elif kind == "fused_cols":
             parts = tuple(part(f.name, f.shape, 1, rank * (f.shape[1] // tp), f.shape[1] // tp) for f in fulls)
             out.append(Local(f"t{index}.fused_cols", dtype, parts, cat_dim=1))
+        elif kind == "padded":
+            f = fulls[0]
+            n = -(-f.shape[0] // tp)
+            held = min(f.shape[0] - rank * n, n)
+            parts = (part(f.name, f.shape, 0, rank * n, held),)
+            out.append(Local(f"t{index}.{f.name}", dtype, parts, padding=n - held))
+        elif kind == "experts_w13":  # fulls: gate0, up0, gate1, up1, ...
+            n = fulls[0].shape[0] // tp
+            parts = tuple(part(f.name, f.shape, 0, rank * n, n, at=(i // 2,)) for i, f in enumerate(fulls))
+            out.append(Local(f"t{index}.w13", dtype, parts, cat_dim=1))
+        elif kind == "experts_w2":
+            n = fulls[0].shape[1] // tp
+            parts = tuple(part(f.name, f.shape, 1, rank * n, n, at=(e,)) for e, f in enumerate(fulls))
+            out.append(Local(f"t{index}.w2", dtype, parts, cat_dim=2))
         else:
             raise ValueError(kind)
     return out
@@ -102,8 +128,25 @@ def random_full(full: Full, generator: torch.Generator) -> torch.Tensor:
 
 
 def expected_local(local: Local | TensorEntry, fulls: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    pieces = [fulls[p.source].narrow(p.dim, p.start, p.length) for p in local.parts]
-    return torch.cat(pieces, dim=local.cat_dim)
+    """Per sub-tensor (``at``) the parts cut and concatenated, then zeros: with ``torch.cat``/``stack``/``pad``,
+    which is not how the replica or the receiver place parts."""
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for p in local.parts:
+        groups.setdefault(p.at, []).append(fulls[p.source].narrow(p.dim, p.start, p.length))
+    lead = len(local.parts[0].at)
+    dim = local.cat_dim - lead
+    blocks = {}
+    for at, pieces in groups.items():
+        block = torch.cat(pieces, dim=dim)
+        if local.padding:
+            pad = list(block.shape)
+            pad[dim] = local.padding
+            block = torch.cat([block, torch.zeros(pad, dtype=block.dtype)], dim=dim)
+        blocks[at] = block
+    if not lead:
+        return blocks[()]
+    assert lead == 1, "the toy models index one leading dim"
+    return torch.stack([blocks[(e,)] for e in range(len(blocks))])
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -147,6 +190,7 @@ class TargetMemory:
                 nbytes=lc.nbytes,
                 cat_dim=lc.cat_dim,
                 parts=lc.parts,
+                padding=lc.padding,
             )
             for lc, off in zip(self.locals, offsets, strict=True)
         )

@@ -49,7 +49,11 @@ def toy_models(draw: st.DrawFn) -> tuple[list[tuple[str, list[Full]]], int]:
     tp = draw(st.sampled_from([1, 2, 3, 4]))
     kinds = draw(
         st.lists(
-            st.sampled_from(["column", "row", "replicated", "fused", "fused_cols", "expert"]), min_size=1, max_size=6
+            st.sampled_from(
+                ["column", "row", "replicated", "fused", "fused_cols", "expert", "padded", "experts_w13", "experts_w2"]
+            ),
+            min_size=1,
+            max_size=6,
         )
     )
     model: list[tuple[str, list[Full]]] = []
@@ -67,6 +71,16 @@ def toy_models(draw: st.DrawFn) -> tuple[list[tuple[str, list[Full]]], int]:
             fulls = [Full(f"f{index}", (draw(st.integers(1, 5)), dim()), dtype)]
         elif kind == "expert":
             fulls = [Full(f"f{index}", (dim(), draw(st.integers(1, 3)), draw(st.integers(1, 3))), dtype)]
+        elif kind == "padded":  # every rank holds at least one row; the last one may hold fewer than the others
+            per_rank = draw(st.integers(1, 4))
+            rows = (tp - 1) * per_rank + draw(st.integers(1, per_rank))
+            fulls = [Full(f"f{index}", (rows, draw(st.integers(1, 3))), dtype)]
+        elif kind == "experts_w13":  # gate and up of each expert: same shape
+            shape = (dim(), draw(st.integers(1, 3)))
+            fulls = [Full(f"f{index}.{e}.{w}", shape, dtype) for e in range(draw(st.integers(1, 3))) for w in "gu"]
+        elif kind == "experts_w2":
+            shape = (draw(st.integers(1, 3)), dim())
+            fulls = [Full(f"f{index}.{e}.down", shape, dtype) for e in range(draw(st.integers(1, 3)))]
         elif kind == "fused":  # q, k, v: different row counts, same columns
             cols = draw(st.integers(1, 4))
             fulls = [Full(f"f{index}.{w}", (dim(), cols), dtype) for w in "qkv"]

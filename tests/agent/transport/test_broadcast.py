@@ -24,7 +24,7 @@ from weightsync.ports import free_port
 from weightsync_agent.layout.buckets import plan_buckets
 from weightsync_agent.layout.checksums import target_checksum
 from weightsync_agent.layout.manifest import ShardPart, TensorEntry
-from weightsync_agent.modes.broadcast.checksums import layout_checksums
+from weightsync_agent.modes.broadcast.checksums import layout_checksums, local_bytes
 from weightsync_agent.modes.broadcast.layout import BroadcastLayout, Member, broadcast_round_plan
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
@@ -290,3 +290,45 @@ def test_sender_checksums_equal_those_of_the_model_own_resharding(bucket_bytes: 
         assert layout_checksums(manifest, full, bucket_bytes) == expected
     other = dict(full, **{"lm_head.weight": full["lm_head.weight"] + 1})
     assert layout_checksums(manifest, other, 1 << 20) != expected
+
+
+def test_fused_experts_and_padding_are_placed_alike_by_receiver_and_sender_checksums() -> None:
+    """``at`` (expert e's gate/up rows in ``w13[e]``) and ``padding`` (trailing zero rows): the receiver's assembler
+    and the sender's cut (its checksums) agree with a hand-built tensor."""
+    gen = torch.Generator().manual_seed(3)
+    full = {f"{e}.{w}": torch.randn(4, 3, generator=gen) for e in range(2) for w in ("gate", "up")}
+    full["vocab"] = torch.randn(5, 3, generator=gen)
+    w13 = TensorEntry(
+        name="w13",
+        dtype="float32",
+        shape=(2, 4, 3),
+        address=4096,
+        nbytes=4 * 24,
+        cat_dim=1,
+        parts=tuple(
+            ShardPart(source=f"{e}.{w}", full_shape=(4, 3), dim=0, start=2, length=2, at=(e,))
+            for e in range(2)
+            for w in ("gate", "up")
+        ),
+    )
+    vocab = TensorEntry(
+        name="vocab",
+        dtype="float32",
+        shape=(3, 3),
+        address=8192,
+        nbytes=4 * 9,
+        padding=2,
+        parts=(ShardPart(source="vocab", full_shape=(5, 3), dim=0, start=4, length=1),),
+    )
+    want = {
+        "w13": torch.stack([torch.cat([full[f"{e}.gate"][2:], full[f"{e}.up"][2:]]) for e in range(2)]),
+        "vocab": torch.cat([full["vocab"][4:], torch.zeros(2, 3)]),
+    }
+    dest = {"w13": torch.full((2, 4, 3), float("nan")), "vocab": torch.zeros(3, 3)}
+    assembler = ShardAssembler([w13, vocab], dest)
+    assembler(list(full.items()))
+    assert assembler.missing() == []
+    for name, tensor in want.items():
+        assert torch.equal(dest[name], tensor), name
+    for entry_, tensor in ((w13, want["w13"]), (vocab, want["vocab"])):
+        assert bytes(local_bytes(entry_, full)) == tensor.numpy().tobytes()

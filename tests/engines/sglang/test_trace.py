@@ -5,7 +5,9 @@ TP 1, 2 and 4, and checks it three ways: every parameter of the rank is traced a
 hand-written layout of the tiny models (qkv = q rows, k rows, v rows of this rank; gate ‖ up; o/down column shards;
 norms whole; embed/lm_head vocab rows); and a differential check inside the SGLang venv: a bf16 replica loaded by
 SGLang's own loader from random HF tensors is bit-identical to plain ``narrow``/``cat`` assembly from the parts.
-Refusals: vocab padding on the last rank, a parameter no HF tensor writes, 3-D fused MoE experts. The trace's output
+The two manifest extensions are traced and checked the same way: vocab padding on the last rank (trailing rows the
+loader zero-fills) and Qwen3-MoE's fused 3-D experts (parts placed at a leading index ``at``). Refusals: a parameter
+no HF tensor writes, and on a synthetic replica every kind of load that is not a block copy. The trace's output
 also goes through ``manifest.assemble``, its consumer.
 
 The SGLang venv is built once (cached); these tests skip only when it cannot be built because the package index is
@@ -26,7 +28,7 @@ from typing import Any
 import pytest
 
 from weightsync_agent.targets.sglang import manifest as sglang_manifest
-from weightsync_agent.targets.sglang.manifest import TraceRefusedError, assemble
+from weightsync_agent.targets.sglang.manifest import assemble
 from weightsync_testing.sglang_models import ensure_tiny_model
 
 TRACE_SCRIPT = Path(sglang_manifest.__file__).with_name("trace_model.py")
@@ -124,8 +126,8 @@ def engine(python: Path, helper: Path, *args: str) -> Any:
 # ---------------------------------------------------------------- the hand-written layout
 
 
-def part(source: str, full: list[int], dim: int, start: int, length: int) -> dict[str, Any]:
-    return {"source": source, "full_shape": full, "dim": dim, "start": start, "length": length}
+def part(source: str, full: list[int], dim: int, start: int, length: int, at: tuple[int, ...] = ()) -> dict[str, Any]:
+    return {"source": source, "full_shape": full, "dim": dim, "start": start, "length": length, "at": list(at)}
 
 
 def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
@@ -192,29 +194,36 @@ def test_trace_matches_the_hand_written_layout(traces: Traces, arch: str, tp: in
     assert list(got) == list(expected)  # every parameter, in named_parameters() order
     for name, want in expected.items():
         assert got[name] == want, name
+    assert {t["padding"] for t in result["tensors"]} == {0}
     assert {t["dtype"] for t in result["tensors"]} == {"bfloat16"}
+
+
+def differential(
+    engine_python: Path, engine_side: Path, model: Path, traced: dict[tuple[int, int], dict[str, Any]], tmp_path: Path
+) -> None:
+    """Inside the SGLang venv: a bf16 replica per (tp, rank), loaded by SGLang's own loader from seeded random HF
+    tensors, equals assembly from the traced parts (narrow, place, zero padding), bit for bit, for every parameter."""
+    jobs = []
+    for (tp, rank), result in traced.items():
+        path = tmp_path / f"trace-{model.name}-{tp}-{rank}.json"
+        path.write_text(json.dumps(result))
+        jobs.append({"tp": tp, "rank": rank, "trace": str(path)})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    results = engine(engine_python, engine_side, "diff", str(model), str(tmp_path / "jobs.json"))
+    assert len(results) == len(traced)
+    for result in results:
+        where = f"{model.name} TP{result['tp']} r{result['rank']}"
+        assert result["untraced"] == [], where
+        assert result["mismatched"] == [], where
+        assert result["checked"] == len(traced[result["tp"], result["rank"]]["tensors"]) > 0, where
+        assert result["loader"] == "DefaultModelLoader.load_weights_and_postprocess", where
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_differential_sglang_load_equals_assembly_from_parts(
     engine_python: Path, engine_side: Path, tiny: dict[str, Path], traces: Traces, tmp_path: Path, arch: str
 ) -> None:
-    """Inside the SGLang venv: a bf16 replica per (tp, rank), loaded by SGLang's own loader from seeded random HF
-    tensors, equals narrow/cat assembly from the traced parts, bit for bit, for every parameter."""
-    jobs = []
-    for tp, rank in CASES:
-        path = tmp_path / f"trace-{tp}-{rank}.json"
-        path.write_text(json.dumps(traces[arch, tp, rank]))
-        jobs.append({"tp": tp, "rank": rank, "trace": str(path)})
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    results = engine(engine_python, engine_side, "diff", str(tiny[arch]), str(tmp_path / "jobs.json"))
-    assert len(results) == len(CASES)
-    for result in results:
-        where = f"{arch} TP{result['tp']} r{result['rank']}"
-        assert result["untraced"] == [], where
-        assert result["mismatched"] == [], where
-        assert result["checked"] == len(traces[arch, result["tp"], result["rank"]]["tensors"]) > 0, where
-        assert result["loader"] == "DefaultModelLoader.load_weights_and_postprocess", where
+    differential(engine_python, engine_side, tiny[arch], {c: traces[(arch, *c)] for c in CASES}, tmp_path)
 
 
 def test_auto_dtype_resolves_as_sglang_does(engine_python: Path, tiny: dict[str, Path]) -> None:
@@ -240,14 +249,7 @@ def test_workarounds_are_reported_and_used(traces: Traces) -> None:
 
 def test_the_consumer_assembles_a_manifest_from_the_trace(traces: Traces) -> None:
     result = traces["qwen3", 2, 1]
-    weights_info, address = {}, 1 << 20
-    for entry in result["tensors"]:
-        numel = 1
-        for n in entry["shape"]:
-            numel *= n
-        weights_info[entry["name"]] = [address, numel, 2]
-        address += numel * 2 + 64
-    manifest = assemble(0, 1, result, "127.0.0.1:1234", weights_info, device="cpu")
+    manifest = assemble(0, 1, result, "127.0.0.1:1234", fake_weights_info(result), device="cpu")
     qkv = manifest.by_name()["model.layers.0.self_attn.qkv_proj.weight"]
     assert [(p.source.split(".")[-2], p.start, p.length) for p in qkv.parts] == [
         ("q_proj", 64, 64),
@@ -257,22 +259,30 @@ def test_the_consumer_assembles_a_manifest_from_the_trace(traces: Traces) -> Non
     assert manifest.checksum == "tensor-sha256-8"
 
 
-def test_vocab_padding_on_the_last_rank_is_refused(engine_python: Path, derived: dict[str, Path]) -> None:
+def test_vocab_padding_on_the_last_rank_is_traced(
+    engine_python: Path, engine_side: Path, derived: dict[str, Path], tmp_path: Path
+) -> None:
     """Vocab 500 at TP 2: SGLang pads to 512, 256 rows a rank; rank 1 holds 244 real rows and 12 that load_weights
-    zero-fills. The manifest cannot express padding, so the trace refuses both vocab-sharded parameters there."""
+    zero-fills. Those are the entry's ``padding``: the replica holds zeros there, as the engine does."""
     first = trace(engine_python, derived["vocab500"], 2, 0, "bfloat16")
-    assert first["refused"] == []
-    embed = {t["name"]: t for t in first["tensors"]}["model.embed_tokens.weight"]
-    assert embed["parts"] == [part("model.embed_tokens.weight", [500, HIDDEN], 0, 0, 256)]
     last = trace(engine_python, derived["vocab500"], 2, 1, "bfloat16")
-    refused = {r["name"]: r["reason"] for r in last["refused"]}
-    assert set(refused) == {"model.embed_tokens.weight", "lm_head.weight"}
-    for reason in refused.values():
-        assert reason.startswith("uncovered rows [244, 256) of 256 along dim 0 (padding)"), reason
-        assert "zero-fills" in reason
-    assert {t["name"] for t in last["tensors"]}.isdisjoint(refused)
-    with pytest.raises(TraceRefusedError, match=r"rank 1: 2 parameter\(s\) cannot be synced: model.embed_tokens"):
-        assemble(0, 1, last, "127.0.0.1:1234", {}, device="cpu")
+    assert first["refused"] == last["refused"] == []
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        head = {t["name"]: t for t in first["tensors"]}[name]
+        assert (head["shape"], head["parts"], head["padding"]) == (
+            [256, HIDDEN],
+            [part(name, [500, HIDDEN], 0, 0, 256)],
+            0,
+        )
+        tail = {t["name"]: t for t in last["tensors"]}[name]
+        assert (tail["shape"], tail["parts"], tail["padding"]) == (
+            [256, HIDDEN],
+            [part(name, [500, HIDDEN], 0, 256, 244)],
+            12,
+        )
+    differential(engine_python, engine_side, derived["vocab500"], {(2, 0): first, (2, 1): last}, tmp_path)
+    manifest = assemble(0, 1, last, "127.0.0.1:1234", fake_weights_info(last), device="cpu")
+    assert manifest.by_name()["lm_head.weight"].padding == 12
 
 
 def test_a_parameter_no_hf_tensor_writes_is_refused(engine_python: Path, derived: dict[str, Path]) -> None:
@@ -283,16 +293,51 @@ def test_a_parameter_no_hf_tensor_writes_is_refused(engine_python: Path, derived
     assert len(result["tensors"]) == len(expected_layout("llama", 1, 0)) - 1
 
 
-def test_fused_moe_experts_are_refused(engine_python: Path, derived: dict[str, Path]) -> None:
-    """Qwen3-MoE: 2-D per-expert HF tensors land as blocks in 3-D ``[E, rows, cols]`` parameters: a destination
-    offset that a part cannot express yet. Everything else of the model is traced."""
-    result = trace(engine_python, derived["moe"], 2, 1, "bfloat16")
-    refused = {r["name"]: r["reason"] for r in result["refused"]}
-    assert set(refused) == {"model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight"}
-    for reason in refused.values():
-        assert "destination offset" in reason and "3-D parameter" in reason, reason
-    names = {t["name"] for t in result["tensors"]}
-    assert "model.layers.0.mlp.gate.weight" in names and "model.layers.0.self_attn.qkv_proj.weight" in names
+MOE_EXPERTS, MOE_MLP = 4, 64
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_moe_experts_are_traced(
+    engine_python: Path, engine_side: Path, derived: dict[str, Path], tmp_path: Path, tp: int
+) -> None:
+    """Qwen3-MoE: expert e's 2-D gate/up/down HF tensors land in ``param[e]`` of 3-D ``[E, rows, cols]`` parameters
+    (SGLang's FusedMoE): parts with ``at = (e,)``, gate ‖ up along dim 1 of w13, down's column shard along dim 2 of
+    w2. Every parameter is traced, and SGLang's own load equals the assembly on every rank."""
+    traced = {(tp, rank): trace(engine_python, derived["moe"], tp, rank, "bfloat16") for rank in range(tp)}
+    mlp, layer = MOE_MLP // tp, "model.layers.0.mlp."
+    for (_, rank), result in traced.items():
+        assert result["refused"] == [], result["refused"]
+        got = {t["name"]: t for t in result["tensors"]}
+        w13, w2 = got[layer + "experts.w13_weight"], got[layer + "experts.w2_weight"]
+        assert (w13["shape"], w13["cat_dim"]) == ([MOE_EXPERTS, 2 * mlp, HIDDEN], 1)
+        assert w13["parts"] == [
+            part(f"{layer}experts.{e}.{proj}.weight", [MOE_MLP, HIDDEN], 0, rank * mlp, mlp, at=(e,))
+            for e in range(MOE_EXPERTS)
+            for proj in ("gate_proj", "up_proj")
+        ]
+        down = [f"{layer}experts.{e}.down_proj.weight" for e in range(MOE_EXPERTS)]
+        if tp == 1:  # whole tensors: nothing sliced, so the trace concatenates along the first dim it can
+            assert (w2["shape"], w2["cat_dim"]) == ([MOE_EXPERTS, HIDDEN, MOE_MLP], 1)
+            assert w2["parts"] == [part(d, [HIDDEN, MOE_MLP], 0, 0, HIDDEN, at=(e,)) for e, d in enumerate(down)]
+        else:
+            assert (w2["shape"], w2["cat_dim"]) == ([MOE_EXPERTS, HIDDEN, mlp], 2)
+            assert w2["parts"] == [part(d, [HIDDEN, MOE_MLP], 1, rank * mlp, mlp, at=(e,)) for e, d in enumerate(down)]
+        assert got[layer + "gate.weight"]["parts"] == [part(layer + "gate.weight", [MOE_EXPERTS, HIDDEN], 0, 0, 4)]
+        manifest = assemble(0, rank, result, "127.0.0.1:1234", fake_weights_info(result), device="cpu")
+        assert manifest.by_name()[layer + "experts.w13_weight"].lead == 1
+    differential(engine_python, engine_side, derived["moe"], traced, tmp_path)
+
+
+def fake_weights_info(result: dict[str, Any]) -> dict[str, list[int]]:
+    """What SGLang would publish for the traced rank, at made-up addresses (``[data_ptr, numel, element_size]``)."""
+    weights_info, address = {}, 1 << 20
+    for entry in result["tensors"]:
+        numel = 1
+        for n in entry["shape"]:
+            numel *= n
+        weights_info[entry["name"]] = [address, numel, 2]
+        address += numel * 2 + 64
+    return weights_info
 
 
 def test_bad_model_dir_is_one_stderr_line(engine_python: Path, tmp_path: Path) -> None:
@@ -338,11 +383,11 @@ def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
     sources = {
         "a": (4, 6), "b": (4, 2), "c": (8, 3), "t": (4, 6), "i": (8, 4), "n": (4,), "g": (4,), "r": (4,),
         "p": (3, 4), "o1": (2, 2), "o2": (2, 2), "e0": (2, 3), "e1": (2, 3), "skip": (2,), "tied": (2, 2),
-        "rep": (2,),
+        "rep": (2,), "h": (3, 4), "k": (3, 4),
     }  # fmt: skip
     params = {
         "ab": (4, 8), "c": (4, 3), "t": (6, 4), "i": (8, 4), "n": (4,), "g": (4,), "r": (4,), "p": (4, 4),
-        "o": (2, 2), "e": (2, 2, 3), "u": (3,), "t1": (2, 2), "t2": (2, 2), "rep": (2,),
+        "o": (2, 2), "e": (2, 2, 3), "u": (3,), "t1": (2, 2), "t2": (2, 2), "rep": (2,), "h": (4, 4), "k": (4, 4),
     }  # fmt: skip
 
     def copy(name: str, index: Any = slice(None)) -> Any:
@@ -358,6 +403,8 @@ def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
         "g": lambda m, x: m.g.data.copy_(x + 1),  # a load-time offset (Gemma-style)
         "r": lambda m, x: m.r.data.copy_(x.round_()),  # in place; exact on integer codes, not on real values
         "p": lambda m, x: (m.p.data[:3].copy_(x), m.p.data[3:].fill_(0)),  # padding rows, zero-filled
+        "h": lambda m, x: (m.h.data[1:].copy_(x), m.h.data[:1].fill_(0)),  # zero-filled rows first: not padding
+        "k": lambda m, x: m.k.data[:3].copy_(x),  # trailing rows left as they were: unknown values
         "o1": copy("o"),  # two HF tensors onto the same elements
         "o2": copy("o"),
         "e0": copy("e", 0),  # 2-D blocks into a 3-D parameter
@@ -388,13 +435,16 @@ def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
 def test_synthetic_replica_accepts_block_copies_only() -> None:
     tensors, refused, unused = synthetic_trace()
     got = {t["name"]: t for t in tensors}
-    assert list(got) == ["ab", "c", "n", "t1", "t2"]
+    assert list(got) == ["ab", "c", "n", "p", "e", "t1", "t2"]
     assert got["ab"]["cat_dim"] == 1
     assert got["ab"]["parts"] == [part("a", [4, 6], 1, 0, 6), part("b", [4, 2], 1, 0, 2)]
     assert got["c"]["parts"] == [part("c", [8, 3], 0, 4, 4)] and got["c"]["dtype"] == "bfloat16"
+    assert (got["p"]["parts"], got["p"]["padding"]) == ([part("p", [3, 4], 0, 0, 3)], 1)
+    assert got["e"]["parts"] == [part("e0", [2, 3], 0, 0, 2, at=(0,)), part("e1", [2, 3], 0, 0, 2, at=(1,))]
+    assert got["e"]["cat_dim"] == 1
     assert got["t1"]["parts"] == got["t2"]["parts"] == [part("tied", [2, 2], 0, 0, 2)]
     assert unused == ["skip"]
-    assert set(refused) == {"t", "i", "g", "r", "p", "o", "e", "u", "rep", "nb"}
+    assert set(refused) == {"t", "i", "g", "r", "h", "k", "o", "u", "rep", "nb"}
 
 
 @pytest.mark.parametrize(
@@ -404,9 +454,9 @@ def test_synthetic_replica_accepts_block_copies_only() -> None:
         ("i", "from i: not a rectangular block copy (interleaved, strided or reordered)"),
         ("g", "from g: the values that land are not copies of source elements"),
         ("r", "r's values change on the way in"),
-        ("p", "uncovered rows [3, 4) of 4 along dim 0 (padding): no HF tensor writes them (load_weights zero-fills"),
+        ("h", "uncovered rows [0, 1) of 4 along dim 0: no HF tensor writes them (load_weights zero-fills them), and"),
+        ("k", "uncovered rows [3, 4) of 4 along dim 0 (padding): no HF tensor writes them and load_weights leaves"),
         ("o", "4 element(s) written by more than one HF tensor (o1, o2)"),
-        ("e", "e0[2, 3] lands as a block at destination offset [0, 0, 0] of a 3-D parameter[2, 2, 3]"),
         ("u", "no HF tensor in the checkpoint writes it"),
         ("rep", "load_weights(rep) replaced or re-allocated it"),
         ("nb", "buffer changed by load_weights(n)"),
@@ -483,10 +533,17 @@ def diff(model_dir, jobs_file):
             if entry is None:
                 untraced.append(name)
                 continue
-            built = torch.cat(
-                [sources[p["source"]].narrow(p["dim"], p["start"], p["length"]) for p in entry["parts"]],
-                dim=entry["cat_dim"],
-            )
+            # Assembled here, independently of weightsync's own code: per destination sub-tensor (``at``),
+            # the parts concatenated along cat_dim, then zero padding.
+            groups = {}
+            for p in entry["parts"]:
+                piece = sources[p["source"]].narrow(p["dim"], p["start"], p["length"])
+                groups.setdefault(tuple(p["at"]), []).append(piece)
+            built = torch.zeros(entry["shape"], dtype=torch.bfloat16)
+            for at, pieces in groups.items():
+                dim = entry["cat_dim"] - len(at)
+                block = torch.cat(pieces, dim=dim)
+                (built[at] if at else built).narrow(dim, 0, block.shape[dim]).copy_(block)
             same = (
                 list(param.shape) == entry["shape"] == list(built.shape)
                 and str(param.dtype).removeprefix("torch.") == entry["dtype"]

@@ -18,13 +18,12 @@ import xxhash
 
 from weightsync_agent.layout.buckets import plan_buckets
 from weightsync_agent.layout.manifest import Manifest, TensorEntry
+from weightsync_agent.layout.placement import cut
 
 
 def local_bytes(entry: TensorEntry, full: Mapping[str, torch.Tensor]) -> memoryview:
     """The bytes of one local tensor, cut from ``full`` as its manifest entry says (on the CPU)."""
-    pieces = [full[p.source].narrow(p.dim, p.start, p.length) for p in entry.parts]
-    tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.cat_dim)
-    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    flat = cut(entry, full).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return flat.numpy().data.cast("B")
 
 

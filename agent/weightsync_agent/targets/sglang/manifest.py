@@ -84,6 +84,7 @@ def assemble(
                         "nbytes": nbytes,
                         "catDim": int(entry.get("cat_dim", 0)),
                         "parts": [_part(p) for p in entry["parts"]],
+                        "padding": int(entry.get("padding", 0)),
                     }
                 )
             )
@@ -113,4 +114,5 @@ def _part(part: Mapping[str, Any]) -> dict[str, Any]:
         "dim": int(part["dim"]),
         "start": int(part["start"]),
         "length": int(part["length"]),
+        "at": [int(i) for i in part.get("at", ())],
     }

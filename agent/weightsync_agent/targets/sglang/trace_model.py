@@ -410,10 +410,13 @@ class Tracer:
         torch = self.torch
         by_source: dict[str, list[tuple[dict[str, Any], int, dict[str, Any]]]] = {}
         for entry in tensors:
-            offset = 0
+            along: dict[tuple[int, ...], int] = {}  # per destination sub-tensor
+            sub_dim = entry["cat_dim"] - len(entry["parts"][0]["at"])
             for part in entry["parts"]:
-                by_source.setdefault(part["source"], []).append((entry, offset, part))
-                offset += part["length"] if part["dim"] == entry["cat_dim"] else part["full_shape"][entry["cat_dim"]]
+                at = tuple(part["at"])
+                by_source.setdefault(part["source"], []).append((entry, along.get(at, 0), part))
+                size = part["length"] if part["dim"] == sub_dim else part["full_shape"][sub_dim]
+                along[at] = along.get(at, 0) + size
         generator = torch.Generator().manual_seed(20240917)
         for source, uses in by_source.items():
             values = torch.randn(self.sources[source], generator=generator, dtype=torch.float32)
@@ -422,8 +425,10 @@ class Tracer:
                 name = entry["name"]
                 got = changed.get(name)
                 want = values.narrow(part["dim"], part["start"], part["length"])
+                sub_dim = entry["cat_dim"] - len(part["at"])
                 if got is not None:
-                    got = got.narrow(entry["cat_dim"], offset, want.shape[entry["cat_dim"]])
+                    got = got[tuple(part["at"])] if part["at"] else got
+                    got = got.narrow(sub_dim, offset, want.shape[sub_dim])
                 if got is None or not torch.equal(got, want):
                     self.refused.setdefault(
                         name,
@@ -444,10 +449,22 @@ def _same(torch: Any, a: Any, b: Any) -> bool:
 
 
 class Block:
-    """One (parameter, HF tensor) pair that is a pure rectangular translation."""
+    """One (parameter, HF tensor) pair that is a pure rectangular translation.
 
-    def __init__(self, source: str, full: tuple[int, ...], src0: list[int], dst0: list[int], extent: list[int]):
-        self.source, self.full, self.src0, self.dst0, self.extent = source, full, src0, dst0, extent
+    ``at``: the leading destination indices when the HF tensor has fewer dims than the parameter (expert
+    ``e``'s projection lands in ``param[e]`` of a fused ``[experts, rows, cols]`` parameter); ``dst0`` is
+    then relative to ``param[at]``."""
+
+    def __init__(
+        self,
+        source: str,
+        full: tuple[int, ...],
+        src0: list[int],
+        dst0: list[int],
+        extent: list[int],
+        at: tuple[int, ...] = (),
+    ):
+        self.source, self.full, self.src0, self.dst0, self.extent, self.at = source, full, src0, dst0, extent, at
 
 
 def analyse(
@@ -482,12 +499,17 @@ def analyse(
     overlap = covered > 1
     if bool(overlap.any()):
         return f"{int(overlap.sum())} element(s) written by more than one HF tensor ({', '.join(writes)})"
-    uncovered = covered == 0
-    if bool(uncovered.any()):
-        return _uncovered(torch, uncovered, zero_filled, shape)
+    if not blocks:
+        return "load_weights only zero-fills it: no HF tensor's values land in it"
     if not shape:
         return "0-d parameter: a shard part needs at least one dim"
-    return _parts(name, shape, blocks)
+    padding = None
+    uncovered = covered == 0
+    if bool(uncovered.any()):
+        padding = _padding(torch, uncovered, zero_filled, shape)
+        if isinstance(padding, str):
+            return padding
+    return _parts(name, shape, blocks, padding)
 
 
 def _translation(
@@ -509,11 +531,8 @@ def _translation(
         lead = dst.shape[1] - src.shape[1]
         placed = lead > 0 and box == count and bool((dst[:, :lead] == dst0[:lead]).all())
         if placed and bool(((dst[:, lead:] - dst0[lead:]) == (src - src0)).all()):
-            return (
-                f"{source}{list(full)} lands as a block at destination offset {dst0.tolist()} of a "
-                f"{len(shape)}-D parameter{list(shape)} (fused experts; source offset {src0.tolist()}, extent "
-                f"{extent.tolist()}): a part with a destination offset is not expressible yet"
-            )
+            at = tuple(int(i) for i in dst0[:lead].tolist())
+            return Block(source, full, src0.tolist(), dst0[lead:].tolist(), extent.tolist(), at)
         return f"from {source}{list(full)}: not a block copy into a {len(shape)}-D parameter"
     if box == count and bool(((dst - dst0) == (src - src0)).all()):
         return Block(source, full, src0.tolist(), dst0.tolist(), extent.tolist())
@@ -528,8 +547,11 @@ def _permutations(n: int) -> list[list[int]]:
     return [list(p) for p in itertools.permutations(range(n)) if list(p) != list(range(n))]
 
 
-def _uncovered(torch: Any, uncovered: Any, zero_filled: Any, shape: tuple[int, ...]) -> str:
+def _padding(torch: Any, uncovered: Any, zero_filled: Any, shape: tuple[int, ...]) -> Any:
+    """``(dim, count)`` when the unwritten elements are the last ``count`` slices along ``dim`` and
+    load_weights zero-fills all of them (vocab padding: the engine holds zeros there); else the refusal."""
     total, missing = math.prod(shape), int(uncovered.sum())
+    all_filled = bool(torch.equal(zero_filled & uncovered, uncovered))
     filled = " (load_weights zero-fills them)" if bool((zero_filled & uncovered).any()) else ""
     for dim in range(len(shape)):
         others = [d for d in range(len(shape)) if d != dim]
@@ -538,47 +560,60 @@ def _uncovered(torch: Any, uncovered: Any, zero_filled: Any, shape: tuple[int, .
         if not torch.equal(rows, any_rows):
             continue
         index = rows.nonzero().flatten().tolist()
-        if index and index == list(range(index[0], index[-1] + 1)):
-            what = "rows" if dim == 0 else f"slices along dim {dim}"
-            return (
-                f"uncovered {what} [{index[0]}, {index[-1] + 1}) of {shape[dim]} along dim {dim} (padding): "
-                f"no HF tensor writes them{filled}; the manifest cannot express padding yet"
-            )
+        if not index or index != list(range(index[0], index[-1] + 1)):
+            continue
+        what = "rows" if dim == 0 else f"slices along dim {dim}"
+        where = f"uncovered {what} [{index[0]}, {index[-1] + 1}) of {shape[dim]} along dim {dim}"
+        if index[-1] + 1 != shape[dim]:
+            return f"{where}: no HF tensor writes them{filled}, and they are not trailing padding"
+        if not all_filled:
+            return f"{where} (padding): no HF tensor writes them and load_weights leaves them as they were"
+        return dim, len(index)
     return f"{missing} of {total} element(s) are written by no HF tensor{filled}"
 
 
-def _parts(name: str, shape: tuple[int, ...], blocks: list[Block]) -> Any:
+def _parts(name: str, shape: tuple[int, ...], blocks: list[Block], padding: tuple[int, int] | None) -> Any:
+    """``(cat_dim, parts, padding count)``: per destination sub-tensor (``at``), blocks in order along one dim."""
+    lead = len(blocks[0].at)
+    if any(len(block.at) != lead for block in blocks):
+        return f"its blocks index different numbers of leading dims ({name})"
+    sub = shape[lead:]
     parts: list[tuple[Block, int | None]] = []
+    groups: dict[tuple[int, ...], list[tuple[Block, int | None]]] = {}
     for block in blocks:
         dims = [d for d, n in enumerate(block.full) if not (block.src0[d] == 0 and block.extent[d] == n)]
         if len(dims) > 1:
             return f"from {block.source}: slices the source along dims {dims}; a part may slice one dim only"
         parts.append((block, dims[0] if dims else None))
-    candidates = [d for _, d in parts if d is not None] if len(parts) == 1 else []
-    candidates += [d for d in range(len(shape)) if d not in candidates]
+        groups.setdefault(block.at, []).append(parts[-1])
+    if padding is not None:  # padding trails along the concatenation dim, so that dim is fixed
+        if padding[0] < lead:
+            return f"padding along dim {padding[0]}, which indexes sub-tensors ({name})"
+        candidates = [padding[0] - lead]
+    else:
+        singles = all(len(group) == 1 for group in groups.values())
+        candidates = list(dict.fromkeys(d for _, d in parts if d is not None)) if singles else []
+        candidates += [d for d in range(len(sub)) if d not in candidates]
     for cat_dim in candidates:
-        fits = all(
-            block.dst0[d] == 0 and block.extent[d] == shape[d]
-            for block, _ in parts
-            for d in range(len(shape))
-            if d != cat_dim
-        )
+        others = [d for d in range(len(sub)) if d != cat_dim]
+        fits = all(block.dst0[d] == 0 and block.extent[d] == sub[d] for block, _ in parts for d in others)
         if not fits:
             continue
-        ordered = sorted(parts, key=lambda p: p[0].dst0[cat_dim])
         out = []
-        for block, sliced in ordered:
-            dim = cat_dim if sliced is None else sliced
-            out.append(
-                {
-                    "source": block.source,
-                    "full_shape": list(block.full),
-                    "dim": dim,
-                    "start": block.src0[dim],
-                    "length": block.extent[dim],
-                }
-            )
-        return cat_dim, out
+        for at in sorted(groups):
+            for block, sliced in sorted(groups[at], key=lambda p: p[0].dst0[cat_dim]):
+                dim = cat_dim if sliced is None else sliced
+                out.append(
+                    {
+                        "source": block.source,
+                        "full_shape": list(block.full),
+                        "dim": dim,
+                        "start": block.src0[dim],
+                        "length": block.extent[dim],
+                        "at": list(at),
+                    }
+                )
+        return cat_dim + lead, out, padding[1] if padding else 0
     return f"its {len(parts)} blocks do not tile it along one dim ({name})"
 
 
@@ -616,9 +651,18 @@ def trace_replica(
         if isinstance(result, str):
             reasons[name] = result
             continue
-        cat_dim, parts = result
+        cat_dim, parts, padding = result
         param_dtype, shape, _ = layout[name]
-        tensors.append({"name": name, "dtype": param_dtype, "shape": shape, "cat_dim": cat_dim, "parts": parts})
+        tensors.append(
+            {
+                "name": name,
+                "dtype": param_dtype,
+                "shape": shape,
+                "cat_dim": cat_dim,
+                "parts": parts,
+                "padding": padding,
+            }
+        )
     tracer.verify(tensors)
     refused = [{"name": n, "reason": r} for n, r in {**reasons, **tracer.refused}.items()]
     for name, by in tracer.buffer_writes.items():
