@@ -383,11 +383,12 @@ def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
     sources = {
         "a": (4, 6), "b": (4, 2), "c": (8, 3), "t": (4, 6), "i": (8, 4), "n": (4,), "g": (4,), "r": (4,),
         "p": (3, 4), "o1": (2, 2), "o2": (2, 2), "e0": (2, 3), "e1": (2, 3), "skip": (2,), "tied": (2, 2),
-        "rep": (2,), "h": (3, 4), "k": (3, 4),
+        "rep": (2,), "h": (3, 4), "k": (3, 4), "kv": (4, 2),
     }  # fmt: skip
     params = {
         "ab": (4, 8), "c": (4, 3), "t": (6, 4), "i": (8, 4), "n": (4,), "g": (4,), "r": (4,), "p": (4, 4),
         "o": (2, 2), "e": (2, 2, 3), "u": (3,), "t1": (2, 2), "t2": (2, 2), "rep": (2,), "h": (4, 4), "k": (4, 4),
+        "kv": (4, 2),
     }  # fmt: skip
 
     def copy(name: str, index: Any = slice(None)) -> Any:
@@ -405,6 +406,8 @@ def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
         "p": lambda m, x: (m.p.data[:3].copy_(x), m.p.data[3:].fill_(0)),  # padding rows, zero-filled
         "h": lambda m, x: (m.h.data[1:].copy_(x), m.h.data[:1].fill_(0)),  # zero-filled rows first: not padding
         "k": lambda m, x: m.k.data[:3].copy_(x),  # trailing rows left as they were: unknown values
+        # MLA-style: a plain tensor attribute derived from a parameter at load time (DeepSeek's w_kc)
+        "kv": lambda m, x: (m.kv.data.copy_(x), setattr(m, "w_kc", m.kv.data.t().contiguous())),
         "o1": copy("o"),  # two HF tensors onto the same elements
         "o2": copy("o"),
         "e0": copy("e", 0),  # 2-D blocks into a 3-D parameter
@@ -435,7 +438,7 @@ def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
 def test_synthetic_replica_accepts_block_copies_only() -> None:
     tensors, refused, unused = synthetic_trace()
     got = {t["name"]: t for t in tensors}
-    assert list(got) == ["ab", "c", "n", "p", "e", "t1", "t2"]
+    assert list(got) == ["ab", "c", "n", "p", "e", "t1", "t2", "kv"]
     assert got["ab"]["cat_dim"] == 1
     assert got["ab"]["parts"] == [part("a", [4, 6], 1, 0, 6), part("b", [4, 2], 1, 0, 2)]
     assert got["c"]["parts"] == [part("c", [8, 3], 0, 4, 4)] and got["c"]["dtype"] == "bfloat16"
@@ -444,7 +447,8 @@ def test_synthetic_replica_accepts_block_copies_only() -> None:
     assert got["e"]["cat_dim"] == 1
     assert got["t1"]["parts"] == got["t2"]["parts"] == [part("tied", [2, 2], 0, 0, 2)]
     assert unused == ["skip"]
-    assert set(refused) == {"t", "i", "g", "r", "h", "k", "o", "u", "rep", "nb"}
+    assert set(refused) == {"t", "i", "g", "r", "h", "k", "o", "u", "rep", "nb", "w_kc"}
+    assert "kv" in got  # the parameter itself is a plain copy; what it feeds is not
 
 
 @pytest.mark.parametrize(
@@ -460,6 +464,7 @@ def test_synthetic_replica_accepts_block_copies_only() -> None:
         ("u", "no HF tensor in the checkpoint writes it"),
         ("rep", "load_weights(rep) replaced or re-allocated it"),
         ("nb", "buffer changed by load_weights(n)"),
+        ("w_kc", "derived by load_weights(kv) into a tensor attribute (not a parameter)"),
     ],
 )
 def test_synthetic_replica_refusals_name_the_reason(name: str, reason: str) -> None:

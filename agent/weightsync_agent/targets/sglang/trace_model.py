@@ -331,6 +331,8 @@ class Tracer:
         self.params = dict(model.named_parameters())
         self.storage = {n: (id(p), p.data_ptr(), tuple(p.shape)) for n, p in self.params.items()}
         self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        self.attributes = self._tensor_attributes()
+        self.attribute_writes: dict[str, list[str]] = {}
         self.refused: dict[str, str] = {}
         # writes[param][source] = (mask of elements changed, per source dim: values read back)
         self.writes: dict[str, dict[str, tuple[Any, list[Any]]]] = {}
@@ -376,7 +378,25 @@ class Tracer:
                         writers.append(source)
                     if before is not None and before.shape == buffer.shape:
                         buffer.copy_(before)
+            attributes = self._tensor_attributes()
+            for name, value in attributes.items():
+                before = self.attributes.get(name)
+                if before is None or not _same(torch, value, before):
+                    writers = self.attribute_writes.setdefault(name, [])
+                    if source not in writers:
+                        writers.append(source)
+            self.attributes = attributes  # the next load is blamed only for what it changes
         return changed
+
+    def _tensor_attributes(self) -> dict[str, Any]:
+        """Tensors held as plain module attributes (neither parameters nor buffers), e.g. MLA's ``w_kc``/``w_vc``
+        that DeepSeek's ``load_weights`` derives from ``kv_b_proj``: copies, to see what a load changes."""
+        found = {}
+        for prefix, module in self.model.named_modules():
+            for attr, value in vars(module).items():
+                if isinstance(value, self.torch.Tensor):
+                    found[f"{prefix}.{attr}" if prefix else attr] = value.detach().clone()
+        return found
 
     def trace(self) -> None:
         torch = self.torch
@@ -671,6 +691,14 @@ def trace_replica(
                 "name": name,
                 "reason": f"buffer changed by load_weights({', '.join(by[:3])}): a one-sided write of the "
                 "parameters would leave it stale",
+            }
+        )
+    for name, by in tracer.attribute_writes.items():
+        refused.append(
+            {
+                "name": name,
+                "reason": f"derived by load_weights({', '.join(by[:3])}) into a tensor attribute (not a parameter): a "
+                "one-sided write of the parameters would leave it stale",
             }
         )
     order = {n: i for i, n in enumerate(tracer.params)}
