@@ -27,7 +27,9 @@ from weightsync.localcluster.pki import Pki, kubeconfig
 from weightsync.ports import free_port
 
 if TYPE_CHECKING:  # the agent side pulls in torch: only load it when agents actually start
+    from weightsync.api.v1alpha1 import WeightSyncGroupSpec
     from weightsync_agent.client import WeightSyncClient
+    from weightsync_testing.engine_harness import EngineHarness
     from weightsync_testing.reference_engine.launch import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,16 +190,27 @@ class Agents:
     """What kubelets would run for a group's pods, as local processes stopped together.
 
     Every pod gets its agent (``weightsync agent`` bound to the pod, with the group's agent
-    ServiceAccount token); the first pod of each engine also gets a reference engine process, whose URL
-    the agent advertises. Trainer code is the caller: :meth:`client` gives a pod's trainer-side client.
+    ServiceAccount token); the first pod of each engine also gets its engine's processes, whose URL the
+    agent advertises: a reference engine, or what ``engines`` starts for the group's ``spec`` (stock
+    SGLang servers: ``weightsync_testing.engine_harness``). Trainer code is the caller: :meth:`client`
+    gives a pod's trainer-side client.
     """
 
-    def __init__(self, kubeconfig_path: Path, logs: Path, *, staged: bool = False) -> None:
+    def __init__(
+        self,
+        kubeconfig_path: Path,
+        logs: Path,
+        *,
+        staged: bool = False,
+        engines: tuple[EngineHarness, WeightSyncGroupSpec] | None = None,
+    ) -> None:
         self.kubeconfig = kubeconfig_path
         self.logs = logs
         self.staged = staged
+        self.harness = engines
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.engines: dict[str, EngineProcess] = {}
+        self.engines: dict[str, EngineProcess] = {}  # reference engines, by pod
+        self.harnessed: dict[str, Callable[[], None]] = {}  # how to stop each pod's harness-started engine
         self.envs: dict[str, dict[str, str]] = {}
 
     def start(self, pod: dict[str, Any]) -> None:
@@ -205,16 +218,19 @@ class Agents:
         self.stop(name)
         env = agent_env(pod)
         if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
-            from weightsync_testing.reference_engine.launch import launch_engine
+            index = int(env[names.ENV_ENGINE_INDEX])
+            if self.harness is not None:
+                harness, spec = self.harness
+                started = harness.start(index, spec, seed=index)
+                self.harnessed[name] = started.stop
+                env[names.ENV_ENGINE_URL] = started.url
+                env.update(started.agent_env)
+            else:
+                from weightsync_testing.reference_engine.launch import launch_engine
 
-            engine = launch_engine(
-                int(env[names.ENV_ENGINE_INDEX]),
-                len(env[names.ENV_RANKS].split(",")),
-                seed=int(env[names.ENV_ENGINE_INDEX]),
-                staged=self.staged,
-            )
-            self.engines[name] = engine
-            env[names.ENV_ENGINE_URL] = engine.url
+                engine = launch_engine(index, len(env[names.ENV_RANKS].split(",")), seed=index, staged=self.staged)
+                self.engines[name] = engine
+                env[names.ENV_ENGINE_URL] = engine.url
         self.envs[name] = env
         with open(self.logs / f"{name}.log", "ab") as out:
             self.processes[name] = subprocess.Popen(
@@ -243,6 +259,9 @@ class Agents:
         engine = self.engines.pop(name, None)
         if engine is not None:
             engine.stop()
+        stop_harnessed = self.harnessed.pop(name, None)
+        if stop_harnessed is not None:
+            stop_harnessed()
 
     def stop_all(self) -> None:
         for name in list(self.processes):
