@@ -76,7 +76,7 @@ class SglangEngines:
         self.servers: dict[int, SglangProcess] = {}
 
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0,
-              bootstrap_port: int = 0) -> StartedEngine:  # fmt: skip
+              bootstrap_port: int = 0, healthy: bool = True) -> StartedEngine:  # fmt: skip
         from weightsync_testing.sglang_server import launch_sglang
 
         server = launch_sglang(
@@ -87,6 +87,7 @@ class SglangEngines:
             python=self.python,
             dtype=self.dtype,
             log_dir=self.log_dir,
+            healthy=healthy,
         )
         self.servers[engine] = server
         return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python})
@@ -100,4 +101,5 @@ class SglangEngines:
         with contextlib.suppress(ProcessLookupError):
             self.signal(engine, signal.SIGKILL)
         old.stop(grace=10.0)
-        return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port)
+        # Ready once it answers: the group's catch-up may pause it before its first health check.
+        return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False)
