@@ -6,14 +6,20 @@ adapter's to say (``manifests_from_engine_agent``), not the harness's.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.targets.engine_client import EngineClient
-from weightsync_testing.reference_engine.launch import launch_engine
+from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
+
+if TYPE_CHECKING:
+    from weightsync_testing.sglang_server import SglangProcess
 
 
 @dataclass
@@ -30,17 +36,33 @@ class StartedEngine:
 class EngineHarness(Protocol):
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine: ...
 
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+        """Kill engine ``engine`` (SIGKILL, as a crash) and start a fresh one on the same port: it holds the
+        checkpoint again, at new addresses behind a new transfer session."""
+        ...
+
 
 class ReferenceEngines:
-    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+    def __init__(self) -> None:
+        self.processes: dict[int, EngineProcess] = {}
+
+    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0) -> StartedEngine:
         process = launch_engine(
             engine,
             spec.inference.ranks_per_engine,
             seed=seed,
+            port=port,
             staged=spec.transfer.target_staging == "staged",
             extra=("--transfer-timeout", str(spec.transfer.timeout_seconds)),
         )
+        self.processes[engine] = process
         return StartedEngine(process.url, process.stop, {})
+
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+        old = self.processes[engine]
+        stop_process(old.process, kill=True)
+        old.stop()
+        return self.start(engine, spec, seed, port=int(old.url.rsplit(":", 1)[1]))
 
 
 class SglangEngines:
@@ -51,17 +73,33 @@ class SglangEngines:
         self.python = python
         self.dtype = dtype
         self.log_dir = log_dir
-        self.servers: dict[int, object] = {}
+        self.servers: dict[int, SglangProcess] = {}
 
-    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0,
+              bootstrap_port: int = 0, healthy: bool = True) -> StartedEngine:  # fmt: skip
         from weightsync_testing.sglang_server import launch_sglang
 
         server = launch_sglang(
             self.model_dir,
             tp=spec.inference.ranks_per_engine,
+            port=port,
+            bootstrap_port=bootstrap_port,
             python=self.python,
             dtype=self.dtype,
             log_dir=self.log_dir,
+            healthy=healthy,
         )
         self.servers[engine] = server
         return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python})
+
+    def signal(self, engine: int, sig: signal.Signals) -> None:
+        """``sig`` to every process of engine ``engine``'s server (its HTTP server, schedulers, detokenizer)."""
+        os.killpg(self.servers[engine].pid, sig)
+
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+        old = self.servers[engine]
+        with contextlib.suppress(ProcessLookupError):
+            self.signal(engine, signal.SIGKILL)
+        old.stop(grace=10.0)
+        # Ready once it answers: the group's catch-up may pause it before its first health check.
+        return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False)

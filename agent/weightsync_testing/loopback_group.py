@@ -209,6 +209,15 @@ class LoopbackGroup:
         self._publish_files()
         return self.plan
 
+    def restart_engine(self, engine: int, *, seed: int = 0) -> StartedEngine:
+        """Crash engine ``engine`` (SIGKILL) and start a fresh one on the same port, as a pod's engine container
+        restarts: its agent keeps running; the fresh engine holds the checkpoint, at new addresses."""
+        started = self.harness.restart(engine, self.spec, seed + engine)
+        if started.url != self.engines[engine].url:
+            raise RuntimeError(f"engine {engine} came back at {started.url}, not {self.engines[engine].url}")
+        self.engines[engine] = started
+        return started
+
     def stop(self) -> None:
         for agent in [*self.agents.values(), *self.engine_agents.values()]:
             agent.stop()

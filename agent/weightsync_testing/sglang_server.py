@@ -195,13 +195,16 @@ def launch_sglang(
     dtype: str | None = None,
     log_dir: Path | None = None,
     timeout: float = 180.0,
+    healthy: bool = True,
 ) -> SglangProcess:
     """Start ``sglang.launch_server`` on ``model_dir`` and return once ``/health`` and ``/model_info`` answer.
 
     ``python``: the SGLang venv's interpreter (default: ``$WEIGHTSYNC_SGLANG_PYTHON``, else the cached venv,
     created if missing). ``port``/``bootstrap_port`` 0 pick free ports. ``dtype``: ``--dtype`` (SGLang's
     ``auto`` serves a float32 checkpoint in bfloat16). Raises :class:`SglangStartError` naming
-    the log file if the server exits or is not ready within ``timeout`` seconds (then it is stopped)."""
+    the log file if the server exits or is not ready within ``timeout`` seconds (then it is stopped).
+    ``healthy=False``: ready once ``/model_info`` answers, without ``/health`` (which answers 503 while generation
+    is paused: a restarted engine of a running group may be paused by a catch-up before its first health check)."""
     if python is None:
         from weightsync_testing.sglang_env import sglang_python
 
@@ -261,7 +264,7 @@ def launch_sglang(
         _log=log,
     )
     try:
-        _wait_ready(server, timeout)
+        _wait_ready(server, timeout, healthy=healthy)
     except BaseException:
         server.stop(grace=5.0)
         raise
@@ -269,7 +272,7 @@ def launch_sglang(
     return server
 
 
-def _wait_ready(server: SglangProcess, timeout: float) -> None:
+def _wait_ready(server: SglangProcess, timeout: float, *, healthy: bool = True) -> None:
     deadline = time.monotonic() + timeout
     last = "no answer yet"
     while time.monotonic() < deadline:
@@ -280,7 +283,7 @@ def _wait_ready(server: SglangProcess, timeout: float) -> None:
                 + server.log_tail(25)
             )
         try:
-            status, body = server.request("GET", "/health", timeout=5.0)
+            status, body = server.request("GET", "/health", timeout=5.0) if healthy else (200, None)
             if status == 200:
                 status, body = server.request("GET", "/model_info", timeout=5.0)
                 if status == 200 and isinstance(body, dict):

@@ -131,6 +131,37 @@ def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(
             client.close()
 
 
+def test_a_restarted_engine_is_never_written_at_its_old_addresses_and_is_caught_up(group: LoopbackGroup) -> None:
+    """An engine crashes and comes back on its port with its checkpoint, at new addresses behind a new Mooncake
+    session. The sources' manifests name the dead process: the round pins where the engine publishes now, every
+    source refuses its stale manifest (nothing written) and refetches, the coordinator catches the engine up to
+    the committed version, and the next version reaches every engine."""
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        full = training_step(full_state(seed=3), 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, full, 1))
+        before = group.engines[0].client().manifest(0)
+        logs = {pod: len(agent.log_text()) for pod, agent in group.agents.items()}
+        group.restart_engine(0)
+        engine = group.engines[0].client()
+        after = engine.manifest(0)
+        assert after.placement != before.placement and after.session_id != before.session_id
+        deadline = time.monotonic() + 60
+        while engine.weight_version() != "1":
+            assert time.monotonic() < deadline, f"the restarted engine is still at {engine.weight_version()}"
+            time.sleep(0.2)
+        assert_engines_hold(group, full, 1)
+        fresh = "".join(agent.log_text()[logs[pod] :] for pod, agent in group.agents.items())
+        assert "publishes its weights elsewhere than this source's manifest" in fresh, fresh[-3000:]
+        assert before.session_id not in fresh.replace(f"session {before.session_id})", ""), fresh[-3000:]
+        full2 = training_step(full, 2)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, full2, 2))
+        assert_engines_hold(group, full2, 2)
+    finally:
+        for client in clients:
+            client.close()
+
+
 @pytest.mark.parametrize("staging", ["live", "staged"])
 def test_broadcast_mode_through_agents(staging: str) -> None:
     """mode broadcast: rank 0's agent sends the full tensors from its replica; rank 1 stages nothing."""

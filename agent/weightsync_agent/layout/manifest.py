@@ -261,5 +261,15 @@ class Manifest(ApiModel):
         layout = [t.model_dump(mode="json", exclude={"address"}) for t in self.tensors]
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
+    @cached_property
+    def placement(self) -> str:
+        """Identifies where the layout lives: the transfer session, every tensor's address and every region.
+
+        An engine that restarted publishes another placement (a new process: new addresses, a new session),
+        and a source holding the old one must not write (modes/p2p pins it per round)."""
+        tensors = [(t.name, t.address) for t in self.tensors]
+        where = [self.session_id, tensors, [(r.address, r.nbytes) for r in self.regions]]
+        return hashlib.sha256(json.dumps(where).encode()).hexdigest()[:16]
+
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}

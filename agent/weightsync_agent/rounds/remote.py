@@ -6,7 +6,8 @@ Routes (served by :mod:`weightsync_agent.sidecar.routes`):
   ``version`` into ``rank``'s replica and waits for the round's result (the coordinator runs it).
 * ``GET /v1/rounds/{version}?wait=S&after=T`` — the coordinator's result of round ``version`` if one
   finished after T (unix time), waiting up to S s.
-* ``POST /v1/sources/{rank}/publish {"version", "timeoutSeconds", "planHash", "engines", "catchUp"}`` —
+* ``POST /v1/sources/{rank}/publish {"version", "timeoutSeconds", "planHash", "engines", "catchUp",
+  "placements"}`` —
   the coordinator asks rank ``rank`` to write its targets; answers a source report.
 * ``POST /v1/sources/{rank}/committed {"version"}`` — every engine committed ``version``.
 * ``GET /v1/state``, ``GET /healthz``, ``GET /metrics``.
@@ -19,7 +20,12 @@ from typing import Any
 
 from weightsync_agent.http.client import HttpCallError, JsonHttpClient
 from weightsync_agent.rounds.driver import RoundResult
-from weightsync_agent.rounds.wire import WireError, round_result_from_json, source_report_from_json
+from weightsync_agent.rounds.wire import (
+    WireError,
+    placements_to_json,
+    round_result_from_json,
+    source_report_from_json,
+)
 from weightsync_agent.source.control import RoundScope
 from weightsync_agent.source.report import SourceReport
 
@@ -77,6 +83,7 @@ class AgentClient:
             "planHash": scope.plan_hash,
             "engines": None if scope.engines is None else sorted(scope.engines),
             "catchUp": scope.catch_up,
+            "placements": placements_to_json(scope.placements),
         }
         data = self._call("POST", f"/v1/sources/{rank}/publish", body, timeout=timeout + SLACK_SECONDS)
         try:

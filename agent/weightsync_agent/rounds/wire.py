@@ -7,6 +7,7 @@ than commit something half-understood.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from weightsync.plan import Target
@@ -28,6 +29,18 @@ def _target_of(key: str) -> Target:
         return int(engine), int(rank)
     except ValueError:
         raise WireError(f"target key {key!r} is not '<engine>/<rank>'") from None
+
+
+def placements_to_json(placements: Mapping[Target, str] | None) -> dict[str, str] | None:
+    return None if placements is None else {_target_key(t): p for t, p in placements.items()}
+
+
+def placements_from_json(data: Any) -> dict[Target, str] | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise WireError("placements must map '<engine>/<rank>' to a placement string, or be null")
+    return {_target_of(str(k)): v for k, v in data.items()}
 
 
 def source_report_to_json(report: SourceReport) -> dict[str, Any]:

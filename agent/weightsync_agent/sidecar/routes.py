@@ -23,12 +23,13 @@ from weightsync_agent.http.server import (
     seconds_field,
 )
 from weightsync_agent.layout.manifest import ManifestError
-from weightsync_agent.rounds.wire import round_result_to_json, source_report_to_json
+from weightsync_agent.rounds.wire import WireError, placements_from_json, round_result_to_json, source_report_to_json
 from weightsync_agent.source.control import RoundScope
 from weightsync_agent.targets.agent import MANIFEST_ROUTE
 
 if TYPE_CHECKING:
     from weightsync_agent.sidecar.runtime import AgentRuntime
+
 
 def build_app(runtime: AgentRuntime) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
@@ -71,8 +72,15 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             raise BadRequestError(f"engines must be a list of engine indexes or null, got {engines!r}")
         plan_hash = body.get("planHash")
         sources = runtime.sources_or_fail()
+        try:
+            placements = placements_from_json(body.get("placements"))
+        except WireError as exc:
+            raise BadRequestError(str(exc)) from exc
         scope = RoundScope.of(
-            None if plan_hash is None else str(plan_hash), engines, catch_up=bool(body.get("catchUp", False))
+            None if plan_hash is None else str(plan_hash),
+            engines,
+            catch_up=bool(body.get("catchUp", False)),
+            placements=placements,
         )
         report = await asyncio.to_thread(sources.publish, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))

@@ -107,7 +107,6 @@ class AgentRuntime:
             )
         metrics.PLAN_REVISION.labels(config.group).set(self.plan.revision)
 
-
     def _refusal(self) -> Refusal | None:
         """Why this group's engines cannot be synced by their adapter, if they cannot (weightsync.api.engines)."""
         return refusal(self.plan.layout.adapter, self.plan.transfer.request)
@@ -153,6 +152,9 @@ class AgentRuntime:
             self._set_ready(False, refused.reason, refused.message)
         elif self.sources is not None:
             if not self.sources.built or self.sources.plan is None or self.sources.plan.hash != self.plan.hash:
+                self._build_sources()
+            elif self.sources.stale:
+                log.info("an engine publishes its weights elsewhere than its manifest here: refetching manifests")
                 self._build_sources()
             self._set_ready(
                 self.sources.built,

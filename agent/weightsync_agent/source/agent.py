@@ -62,6 +62,9 @@ class SourceAgent:
         self.ready_version: dict[int, int] = {}
         #: Every target manifest fetched for the plan (broadcast mode: all targets, on rank 0's pod).
         self.manifests: dict[Target, Manifest] = {}
+        #: A round found an engine publishing other addresses than a manifest here (it restarted): the
+        #: agent refetches every manifest and rebuilds before the next round (sidecar/runtime.py).
+        self.stale = False
         self._cond = threading.Condition()
         self._locks = {rank: threading.Lock() for rank in self.ranks}
 
@@ -119,6 +122,7 @@ class SourceAgent:
         """The mode built everything ``plan`` needs here; ``manifests``: every target manifest it fetched."""
         self.manifests = manifests
         self.plan = plan
+        self.stale = False
 
     # --- The trainer's side ----------------------------------------------------------------------
 
@@ -144,6 +148,9 @@ class SourceAgent:
                     f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
                 )
             targets = None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
+            moved = self._moved(source, scope, targets)
+            if moved is not None:
+                return moved
             with self._locks[rank]:
                 if scope.catch_up:
                     self._check_holds(rank, source, version)
@@ -184,6 +191,26 @@ class SourceAgent:
                         f"(last staged: {self.ready_version.get(rank)})"
                     )
                 self._cond.wait(min(left, 1.0))
+
+    def _moved(self, source: Source, scope: RoundScope, targets: Collection[Target] | None) -> SourceReport | None:
+        """A refusal if an engine now publishes its weights elsewhere than this source's manifest says.
+
+        After an engine restart the old addresses are freed memory (or another tensor's) in a new process behind
+        a new session: nothing is written there. The agent refetches its manifests on its next tick."""
+        for target in source.targets if targets is None else targets:
+            pinned, held = scope.placement(target), source.manifests[target].placement
+            if pinned is None or pinned == held:
+                continue
+            self.stale = True
+            metrics.SOURCE_FAILURES.labels(self.group, str(source.source)).inc()
+            error = (
+                f"engine {target[0]} rank {target[1]} publishes its weights elsewhere than this source's manifest "
+                f"(placement {pinned}, manifest {held}; session {source.manifests[target].session_id}): it restarted "
+                "or re-registered them; nothing written, the manifests are refetched for the next round"
+            )
+            log.warning("source %d: %s", source.source, error)
+            return SourceReport(source=source.source, ok=False, error=error, failed_target=target)
+        return None
 
     def _check_holds(self, rank: int, source: Source, version: int) -> None:
         if self.held.get(rank) != version:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from weightsync.plan import Target
 from weightsync_agent.source.report import SourceReport
 
 
@@ -15,19 +16,33 @@ class RoundScope:
 
     ``plan_hash``: the plan the coordinator runs (a source on another plan refuses, naming both);
     ``engines``: the engines the round covers (None: all of them); ``catch_up``: bring engines to the
-    committed version the replica still holds, instead of writing a newly staged one.
+    committed version the replica still holds, instead of writing a newly staged one; ``placements``: per
+    target, the :attr:`~weightsync_agent.layout.manifest.Manifest.placement` its engine publishes at the
+    round's start (a source whose manifest says otherwise refuses to write it, and refetches: docs/architecture.md).
     """
 
     plan_hash: str | None = None
     engines: frozenset[int] | None = None
     catch_up: bool = False
+    placements: Mapping[Target, str] | None = field(default=None, hash=False)
 
     @classmethod
-    def of(cls, plan_hash: str | None, engines: Collection[int] | None = None, *, catch_up: bool = False) -> RoundScope:
-        return cls(plan_hash, None if engines is None else frozenset(engines), catch_up)
+    def of(
+        cls,
+        plan_hash: str | None,
+        engines: Collection[int] | None = None,
+        *,
+        catch_up: bool = False,
+        placements: Mapping[Target, str] | None = None,
+    ) -> RoundScope:
+        return cls(plan_hash, None if engines is None else frozenset(engines), catch_up, placements)
 
     def covers(self, engine: int) -> bool:
         return self.engines is None or engine in self.engines
+
+    def placement(self, target: Target) -> str | None:
+        """Where ``target``'s engine publishes its weights now, if the round pinned it."""
+        return None if self.placements is None else self.placements.get(target)
 
 
 class SourceControl(Protocol):

@@ -56,6 +56,7 @@ def launch_engine(
     tp: int,
     *,
     seed: int = 0,
+    port: int = 0,
     transport: str = "mooncake",
     host: str = "127.0.0.1",
     staged: bool = False,
@@ -63,11 +64,12 @@ def launch_engine(
     timeout: float = 60.0,
     wrap: tuple[str, ...] = (),
 ) -> EngineProcess:
-    """``wrap`` prefixes the command (the testbed runs ``ip netns exec NS env VAR=... python ...``)."""
+    """``port`` 0 picks a free one. ``wrap`` prefixes the command (the testbed runs
+    ``ip netns exec NS env VAR=... python ...``)."""
     command = [
         *wrap,
         sys.executable, "-m", "weightsync_testing.reference_engine.server",
-        "--engine", str(engine), "--tp", str(tp), "--port", "0", "--seed", str(seed),
+        "--engine", str(engine), "--tp", str(tp), "--port", str(port), "--seed", str(seed),
         "--transport", transport, "--host", host, *(["--staged"] if staged else []), *extra,
     ]  # fmt: skip
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 — lives as long as the process

@@ -5,35 +5,197 @@
   is never relabelled, and once the writer stops the next round repairs it.
 - A weight-update session left open (as after a crashed coordinator) does not wedge later rounds.
 - A joining SGLang engine is caught up from the replicas to the committed version without a new publish.
+- SGLang killed mid-round (SIGKILL, at verification) fails the round; restarted on its ports (new addresses, new
+  Mooncake session) it is never written at the old ones and is caught up to the committed version.
+- SGLang hung mid-round (SIGSTOP, at verification) fails the round within its budget; after SIGCONT the next
+  round lands.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import signal
 import threading
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, save_checkpoint, spec, trained
 
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_agent.client.trainer import WeightSyncClient
+from weightsync_agent.rounds.remote import AgentClient
+from weightsync_agent.targets.engine_client import EngineClient, TransferEngineInfo
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
-from weightsync_testing.engine_harness import SglangEngines
+from weightsync_testing.engine_harness import SglangEngines, StartedEngine
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.trainer_ranks import publish_all
 
 TARGET = "model.norm.weight"
+#: ``timeoutSeconds`` of the kill and hang tests: the round budget and the per-peer stall (writes to a killed
+#: or stopped SGLang fail only once they have stalled that long).
+FAULT_TIMEOUT = 10
+#: How long a trainer rank waits for a faulted round's result (the default, the round budget from its own call, is
+#: shorter than a failing round: budget, then the other sources settle).
+WAIT = 60.0
+
+
+class Gate:
+    """A pass-through HTTP proxy in front of one SGLang server that can hold one route: the test then knows the
+    round is at that step (and faults the engine there) before letting the request through."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.route: str | None = None
+        self.arrived = threading.Event()
+        self.released = threading.Event()
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                gate._forward(self)
+
+            def do_POST(self) -> None:
+                gate._forward(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def hold(self, route: str) -> None:
+        self.route, self.arrived, self.released = route, threading.Event(), threading.Event()
+
+    def release(self) -> None:
+        self.route = None
+        self.released.set()
+
+    def _forward(self, handler: BaseHTTPRequestHandler) -> None:
+        if self.route is not None and handler.path.split("?")[0] == self.route:
+            self.arrived.set()
+            self.released.wait(120)
+        size = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(size) if size else None
+        request = urllib.request.Request(self.upstream + handler.path, data=body, method=handler.command)
+        for header in ("Content-Type", "Authorization"):
+            if handler.headers.get(header):
+                request.add_header(header, handler.headers[header])
+        try:
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                status, raw, kind = answer.status, answer.read(), answer.headers.get("Content-Type")
+        except urllib.error.HTTPError as error:
+            status, raw, kind = error.code, error.read(), error.headers.get("Content-Type")
+        except OSError as error:  # the engine is gone: what a client of a dead server sees, as an answer
+            status, raw, kind = 502, json.dumps({"error": {"message": f"gate: {error}"}}).encode(), "application/json"
+        handler.send_response(status)
+        handler.send_header("Content-Type", kind or "application/json")
+        handler.send_header("Content-Length", str(len(raw)))
+        handler.end_headers()
+        handler.wfile.write(raw)
+
+    def close(self) -> None:
+        self.release()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class GatedSglangEngines(SglangEngines):
+    """SGLang engines reached through a :class:`Gate` each (the same gate across restarts)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gates: dict[int, Gate] = {}
+
+    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, **options: Any) -> StartedEngine:
+        started = super().start(engine, spec, seed, **options)
+        gate = self.gates.setdefault(engine, Gate(started.url))
+        return StartedEngine(gate.url, started.stop, started.agent_env)
+
+
+def sglang_checksums(full: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """What SGLang's ``/weights_checker`` must answer at TP=1 for the trainer's HF tensors ``full``: sha256[:8] of
+    every parameter, with q, k, v fused into ``qkv_proj`` and gate, up into ``gate_up_proj``."""
+    fused: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        for parts, into in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            if f".{parts[0]}." in name:
+                fused[name.replace(parts[0], into)] = torch.cat([full[name.replace(parts[0], p)] for p in parts])
+        if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            fused[name] = tensor
+    return {name: hashlib.sha256(t.contiguous().numpy().tobytes()).digest()[:8].hex() for name, t in fused.items()}
+
+
+def engine_checksums(engine: EngineClient) -> dict[str, str]:
+    """SGLang's own checksums of its live weights (TP=1: one rank)."""
+    _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
+    (rank,) = answer["ranks"]
+    return {str(k): str(v) for k, v in rank["checksums"].items()}
+
+
+def assert_holds(engine: EngineClient, full: Mapping[str, torch.Tensor], version: str) -> None:
+    assert engine.weight_version() == version
+    held, want = engine_checksums(engine), sglang_checksums(full)
+    assert len(want) == 15 and {n: held.get(n) for n in want} == want
+
+
+def publish_with_fault_at_verify(
+    group: LoopbackGroup, clients: list[WeightSyncClient], full: Mapping[str, torch.Tensor], version: int,
+    fault: signal.Signals,
+) -> tuple[object, float]:  # fmt: skip
+    """Round ``version`` with the engine faulted mid-round: SGLang is paused, its weight-update session open and the
+    sources' writes done when the coordinator asks ``/weights_checker``; the gate holds that call, every SGLang
+    process gets ``fault``, and the call goes on. Returns the round's outcome (every rank's is the same) and the
+    seconds from the fault to the outcome."""
+    harness = group.harness
+    assert isinstance(harness, GatedSglangEngines)
+    gate = harness.gates[0]
+    gate.hold("/weights_checker")
+    outcomes: list[object] = [None] * len(clients)
+
+    def rank(index: int) -> None:
+        clients[index].stage_many(full)
+        outcomes[index] = clients[index].publish(version, check=False, timeout=WAIT)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
+    for thread in threads:
+        thread.start()
+    try:
+        assert gate.arrived.wait(60), "the round never reached verification"
+        harness.signal(0, fault)
+        faulted = time.monotonic()
+    finally:
+        gate.release()
+    for thread in threads:
+        thread.join(WAIT + 30)
+    rounds = [getattr(o, "round", o) for o in outcomes]
+    assert all(r == rounds[0] for r in rounds), rounds
+    return outcomes[0], time.monotonic() - faulted
 
 
 @pytest.fixture
 def group(request: pytest.FixtureRequest, sglang_py: Path, tiny_llama: Path, tmp_path: Path) -> Iterator[LoopbackGroup]:
-    trainers = getattr(request, "param", 2)
-    harness = SglangEngines(tiny_llama, python=str(sglang_py), dtype="float32", log_dir=tmp_path / "sglang")
-    with LoopbackGroup(spec(1, trainers=trainers), group="sg-faults", engines=harness) as running:
-        running.start(timeout=300)
-        yield running
+    """One TP=1 SGLang engine behind a :class:`Gate`; ``param``: ``{"trainers": 2, "timeout": 60}`` (trainer ranks,
+    ``timeoutSeconds``)."""
+    options = {"trainers": 2, "timeout": 60, **getattr(request, "param", {})}
+    harness = GatedSglangEngines(tiny_llama, python=str(sglang_py), dtype="float32", log_dir=tmp_path / "sglang")
+    try:
+        with LoopbackGroup(spec(1, **options), group="sg-faults", engines=harness) as running:
+            running.start(timeout=300)
+            yield running
+    finally:
+        for gate in harness.gates.values():
+            gate.close()
 
 
 class ForeignWriter:
@@ -139,7 +301,7 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
 
 # One trainer rank: the joiner's target goes to a source whose replica already holds the committed version
 # (a rank that held none has nothing to catch up from; its joiner gets the next version).
-@pytest.mark.parametrize("group", [1], indirect=True)
+@pytest.mark.parametrize("group", [{"trainers": 1}], indirect=True)
 def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
     group: LoopbackGroup, sglang_py: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -168,6 +330,116 @@ def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
         reference = hf_greedy(sglang_py, save_checkpoint(tiny_llama, full, tmp_path / "v1"), PROMPTS, NEW_TOKENS)
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             assert generate(joiner, prompt) == (expected["output_ids"], "1")
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.parametrize("group", [{"timeout": FAULT_TIMEOUT}], indirect=True)
+def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
+    group: LoopbackGroup, tiny_llama: Path
+) -> None:
+    """SIGKILL mid-round (while the coordinator asks ``/weights_checker``): the round fails within its budget and
+    nobody claims the version. The restarted SGLang (same ports, ``default`` version, new session and addresses)
+    is never written at its predecessor's addresses (the sources refuse their stale manifests and refetch), and
+    the next round lands, verified by SGLang's own checksums. Killed again between rounds, the restarted engine is
+    caught up to the committed version without a publish."""
+    clients = [group.client(rank) for rank in range(2)]
+    engine = group.engines[0].client(timeout=30)
+    coordinator = AgentClient(group.agents[0].url, timeout=10)
+    try:
+        v1 = trained(tiny_llama, 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
+        before = engine.transfer_engine_info(0)
+
+        outcome, took = publish_with_fault_at_verify(group, clients, trained(tiny_llama, 2), 2, signal.SIGKILL)
+        assert not getattr(outcome, "ok", True), outcome
+        said = outcome.summary()  # type: ignore[attr-defined]
+        assert "round v2: Failed" in said and ("engine 0" in said or "source 0" in said), said
+        print(f"\nkilled at verification: {said} ({took:.1f} s after the kill)")
+        budget = group.plan.transfer.timeouts.round_budget
+        assert took < budget + 12, f"the round took {took:.1f} s after the kill (budget {budget} s): {said}"
+        assert coordinator.state()["committed"] == 1
+
+        # Restarted on its ports: SGLang's checkpoint at new addresses behind a new session. The replicas hold v2
+        # (staged for the failed round), not the committed v1, so no catch-up is possible: the next round repairs.
+        restarted = restart_and_check_no_stale_write(group, before, seconds=5)
+        v3 = trained(tiny_llama, 3)
+        outcomes = publish_all(clients, v3, 3)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert_holds(engine, v3, "3")
+
+        # Killed between rounds: the replicas hold the committed v3, and the coordinator catches it up.
+        restart_and_check_no_stale_write(group, restarted, until="3")  # only "default" before it holds v3
+        assert_holds(engine, v3, "3")
+    finally:
+        for client in clients:
+            client.close()
+
+
+def restart_and_check_no_stale_write(
+    group: LoopbackGroup, before: TransferEngineInfo, *, seconds: float = 0.0, until: str | None = None
+) -> TransferEngineInfo:
+    """Crash and restart engine 0 on its ports; watch its version for ``seconds`` (or ``until`` it reports that
+    version), then check that no source wrote the dead process's session or addresses."""
+    logs = {name: len(agent.log_text()) for name, agent in group.agents.items()}
+    group.restart_engine(0)
+    engine = group.engines[0].client(timeout=30)
+    after = engine.transfer_engine_info(0)
+    assert engine.weight_version() == "default"
+    assert after.weights_info != before.weights_info, "the fresh engine should hold its weights elsewhere"
+    seen: set[str | None] = set()
+    deadline = time.monotonic() + (seconds or 120)
+    while (version := engine.weight_version()) != until:
+        seen.add(version)
+        if time.monotonic() > deadline:
+            assert until is None, f"the restarted engine is still at {version}"
+            break
+        time.sleep(0.2)
+    assert seen <= {"default"}, seen  # never relabelled
+    fresh = "".join(agent.log_text()[logs[name] :] for name, agent in group.agents.items())
+    assert "publishes its weights elsewhere than this source's manifest" in fresh, fresh[-3000:]
+    if before.session_id != after.session_id:  # a write there would have failed naming it: "… (<session>), bucket"
+        assert f"({before.session_id}), bucket" not in fresh, fresh[-3000:]
+    server = group.harness.servers[0]  # type: ignore[attr-defined]
+    assert "not within any registered buffer" not in server.log_tail(2000)
+    return after
+
+
+@pytest.mark.parametrize("group", [{"timeout": FAULT_TIMEOUT}], indirect=True)
+def test_a_hung_target_fails_the_round_within_its_timeouts_and_after_sigcont_the_next_round_lands(
+    group: LoopbackGroup, tiny_llama: Path
+) -> None:
+    """SIGSTOP mid-round (every SGLang process, while the coordinator asks ``/weights_checker``): the verify call
+    and the retry's writes hang, the round fails within its budget (``timeoutSeconds: 10``: round budget and peer
+    stall) instead of hanging, nobody claims the version, and once SGLang runs again (SIGCONT) the next round
+    lands."""
+    clients = [group.client(rank) for rank in range(2)]
+    engine = group.engines[0].client(timeout=30)
+    coordinator = AgentClient(group.agents[0].url, timeout=10)
+    harness = group.harness
+    assert isinstance(harness, SglangEngines)
+    try:
+        v1 = trained(tiny_llama, 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
+        try:
+            outcome, took = publish_with_fault_at_verify(group, clients, trained(tiny_llama, 2), 2, signal.SIGSTOP)
+            state = coordinator.state()
+        finally:
+            harness.signal(0, signal.SIGCONT)
+        assert not getattr(outcome, "ok", True), outcome
+        said = outcome.summary()  # type: ignore[attr-defined]
+        assert "round v2: Failed" in said and ("engine 0" in said or "source 0" in said), said
+        print(f"\nhung at verification: {said} ({took:.1f} s after the hang)")
+        budget = group.plan.transfer.timeouts.round_budget
+        assert took < budget + 12, f"the round took {took:.1f} s after the hang (budget {budget} s): {said}"
+        assert state["committed"] == 1
+        assert engine.weight_version() == "1"  # not relabelled
+
+        v3 = trained(tiny_llama, 3)
+        outcomes = publish_all(clients, v3, 3)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert_holds(engine, v3, "3")
     finally:
         for client in clients:
             client.close()

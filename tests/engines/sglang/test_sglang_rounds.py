@@ -45,7 +45,7 @@ def model_dir(tiny_llama: Path) -> Path:
     return tiny_llama
 
 
-def spec(tp: int, engines: int = 1, trainers: int = 2) -> WeightSyncGroupSpec:
+def spec(tp: int, engines: int = 1, trainers: int = 2, timeout: int = 60) -> WeightSyncGroupSpec:
     return WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": trainers, "template": TEMPLATE},
@@ -56,7 +56,7 @@ def spec(tp: int, engines: int = 1, trainers: int = 2) -> WeightSyncGroupSpec:
                 "adapter": "sglang",
                 "template": TEMPLATE,
             },
-            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 60},
+            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": timeout},
         }
     )
 

@@ -18,10 +18,13 @@ from weightsync.plan import plan_for
 from weightsync_agent.config import AgentConfig
 from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDirectory
 from weightsync_agent.http.server import BackgroundServer
+from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.rounds.coordinator import Coordinator
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import (
     WireError,
+    placements_from_json,
+    placements_to_json,
     round_result_from_json,
     round_result_to_json,
     source_report_from_json,
@@ -30,6 +33,7 @@ from weightsync_agent.rounds.wire import (
 from weightsync_agent.sidecar.routes import build_app
 from weightsync_agent.sidecar.runtime import AgentRuntime
 from weightsync_agent.source.agent import SourceAgent
+from weightsync_agent.source.control import RoundScope
 from weightsync_agent.source.report import SourceReport
 
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
@@ -184,3 +188,59 @@ def test_in_process_coordination_refuses_broadcast_plans_with_the_way_out() -> N
     plan = plan_for(broadcast, group="g")
     with pytest.raises(ClientError, match="use the sidecar"):
         WeightSyncClient.coordinating(None, plan, 0, {}, {})  # type: ignore[arg-type]
+
+
+# --- Stale manifests (an engine restarted): a source never writes at addresses its engine no longer publishes ---
+
+
+def _manifest(*, session: str = "127.0.0.1:7000", base: int = 1 << 20) -> Manifest:
+    part = {"source": "w", "fullShape": [4, 4], "dim": 0, "start": 0, "length": 4}
+    tensor = {"name": "w", "dtype": "float32", "shape": [4, 4], "address": base, "nbytes": 64, "parts": [part]}
+    return Manifest.model_validate({"engine": 0, "rank": 1, "sessionId": session, "tensors": [tensor],
+                                    "regions": [{"address": base, "nbytes": 64}]})  # fmt: skip
+
+
+def test_a_placement_names_the_session_and_addresses_and_not_the_layout() -> None:
+    here = _manifest()
+    assert _manifest().placement == here.placement
+    assert _manifest(session="127.0.0.1:7001").placement != here.placement
+    moved = _manifest(base=2 << 20)
+    assert moved.placement != here.placement and moved.layout_fingerprint == here.layout_fingerprint
+
+
+@given(st.none() | st.dictionaries(targets, st.text(alphabet="0123456789abcdef", min_size=16, max_size=16)))
+def test_placements_survive_the_wire(placements: dict[tuple[int, int], str] | None) -> None:
+    assert placements_from_json(json.loads(json.dumps(placements_to_json(placements)))) == placements
+
+
+def test_malformed_placements_are_refused() -> None:
+    with pytest.raises(WireError, match="placements"):
+        placements_from_json({"0/1": 7})
+    with pytest.raises(WireError, match="target key"):
+        placements_from_json({"zero": "abc"})
+
+
+class _Source:
+    """What SourceAgent.publish reads of a Source before writing; writing itself must not happen here."""
+
+    source = 0
+    targets = ((0, 1),)
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifests = {(0, 1): manifest}
+
+    def publish(self, *args: object, **kwargs: object) -> object:
+        raise AssertionError("a stale manifest was written")
+
+
+def test_a_source_refuses_a_target_whose_engine_publishes_elsewhere_and_asks_for_fresh_manifests() -> None:
+    agent = SourceAgent("g", [0], make_transport=lambda: None, replica_root=lambda r: Path("/nonexistent"))  # type: ignore[arg-type,return-value]
+    held, now = _manifest(), _manifest(session="127.0.0.1:7001", base=3 << 20)
+    agent.sources[0] = _Source(held)  # type: ignore[assignment]
+    agent.plan = plan_for(spec(), group="g")
+    report = agent.publish(0, 1, time.monotonic() + 5, RoundScope.of(None, placements={(0, 1): now.placement}))
+    assert not report.ok and report.failed_target == (0, 1) and agent.stale
+    assert report.error is not None
+    assert "engine 0 rank 1 publishes its weights elsewhere" in report.error and "127.0.0.1:7000" in report.error
+    agent.adopt(agent.plan, {(0, 1): now})  # the runtime's rebuild refetched the manifests
+    assert not agent.stale

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import get_args
 
 import pytest
@@ -131,16 +132,32 @@ def _plan(mode: str) -> Plan:
     return plan_for(spec, group="g")
 
 
-def test_p2p_asks_only_the_sources_whose_targets_the_round_covers() -> None:
+class PlacedEngine:
+    """An engine adapter as far as p2p's round pins it: the manifest it publishes now."""
+
+    def __init__(self, engine: int) -> None:
+        self.engine = engine
+        self.asked: list[int] = []
+
+    def manifest(self, rank: int) -> SimpleNamespace:
+        self.asked.append(rank)
+        return SimpleNamespace(placement=f"at-{self.engine}-{rank}")
+
+
+def test_p2p_asks_only_the_sources_whose_targets_the_round_covers_and_pins_where_those_live() -> None:
     plan, peers = _plan("p2p"), RecordingPeers()
-    everyone = P2PMode().round_sources(peers, plan, {}, RoundScope.of(plan.hash))
+    engines = {e: PlacedEngine(e) for e in range(plan.layout.engines)}
+    everyone = P2PMode().round_sources(peers, plan, engines, RoundScope.of(plan.hash))  # type: ignore[arg-type]
     assert set(everyone) == {a.source for a in plan.sources}
     peers.asked.clear()
     joiner = 2
     scope = RoundScope.of(plan.hash, [joiner], catch_up=True)
-    some = P2PMode().round_sources(peers, plan, {}, scope)
+    some = P2PMode().round_sources(peers, plan, {joiner: engines[joiner]}, scope)  # type: ignore[dict-item]
     assert set(some) == {a.source for a in plan.sources if any(t[0] == joiner for t in a.targets)}
-    assert all(asked_scope == scope for _, asked_scope in peers.asked)
+    pinned = {(joiner, r): f"at-{joiner}-{r}" for r in range(plan.layout.ranks_per_engine)}
+    want = RoundScope.of(plan.hash, [joiner], catch_up=True, placements=pinned)
+    assert all(asked == want for _, asked in peers.asked)
+    assert sorted(engines[joiner].asked) == [0, 0, 1, 1] and engines[0].asked == [0, 1]  # once per round
     P2PMode().committed(peers, plan, 7)
     assert sorted(peers.told) == [(a.source, 7) for a in plan.sources]
 

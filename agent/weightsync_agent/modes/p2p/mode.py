@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 from weightsync.plan import Plan, Target
-from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.modes.base import RoundPeers
 from weightsync_agent.source.agent import ManifestFetcher, SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
@@ -40,11 +43,32 @@ class P2PMode:
     def round_sources(
         self, peers: RoundPeers, plan: Plan, engines: Mapping[int, EngineAdapter], scope: RoundScope
     ) -> dict[int, SourceControl]:
+        # Sources write at the addresses of manifests fetched when they were built. Pin where every covered
+        # engine publishes its weights now: a source holding another placement (the engine restarted) refuses.
+        scope = dataclasses.replace(scope, placements=self._placements(plan, engines, scope))
         return {
             a.source: peers.source(plan, a.source, scope)
             for a in plan.sources
             if any(scope.covers(t[0]) for t in a.targets)
         }
+
+    @staticmethod
+    def _placements(plan: Plan, engines: Mapping[int, EngineAdapter], scope: RoundScope) -> dict[Target, str]:
+        """Each covered target's current placement, from its engine's adapter (for SGLang: the manifest the
+        engine's agent assembles from what SGLang publishes now; the adapter keeps it for the round's verify)."""
+        targets = [t for a in plan.sources for t in a.targets if scope.covers(t[0]) and t[0] in engines]
+        if not targets:
+            return {}
+
+        def placement(target: Target) -> str:
+            try:
+                return engines[target[0]].manifest(target[1]).placement
+            except (HttpCallError, ManifestError) as exc:
+                engine, rank = target
+                raise SourceConfigError(f"engine {engine} rank {rank} serves no usable manifest: {exc}") from exc
+
+        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+            return dict(zip(targets, pool.map(placement, targets), strict=True))
 
     def committed(self, peers: RoundPeers, plan: Plan, version: int) -> None:
         for assignment in plan.sources:
