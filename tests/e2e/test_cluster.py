@@ -213,7 +213,11 @@ def test_an_adapter_without_support_is_refused_not_provisioned(
         events = wait_for(
             "the AdapterLacksCapability event",
             lambda: admin.json(
-                "-n", NS, "get", "events", "--field-selector",
+                "-n",
+                NS,
+                "get",
+                "events",
+                "--field-selector",
                 f"involvedObject.name={name},reason=AdapterLacksCapability",
             )["items"],
         )

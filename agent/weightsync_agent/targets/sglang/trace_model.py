@@ -222,6 +222,8 @@ class _GroupHandle:
 
     def __init__(self, name: str, rank_in_group: int, world_size: int) -> None:
         self.name, self.rank_in_group, self.world_size = name, rank_in_group, world_size
+        # One group spanning the TP ranks alone: its ranks are the world's (some layers read ``rank``).
+        self.rank, self.local_rank, self.ranks = rank_in_group, rank_in_group, list(range(world_size))
         self.is_first_rank, self.is_last_rank = rank_in_group == 0, rank_in_group == world_size - 1
         self.cpu_group = self.device_group = None
 
