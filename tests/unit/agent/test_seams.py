@@ -197,9 +197,10 @@ def test_nothing_outside_the_seams_branches_on_the_mode_or_the_adapter(
 def test_the_refusal_names_adapter_and_capability() -> None:
     assert refusal("reference", Request("broadcast", "staged", True)) is None
     assert refusal("sglang", Request("p2p", "live", True)) is None
-    assert refusal("sglang", Request("broadcast", "live", True)) == Refusal(
+    assert refusal("sglang", Request("broadcast", "live", True)) is None
+    assert refusal("sglang", Request("broadcast", "staged", True)) == Refusal(
         "AdapterLacksCapability",
-        "inference.adapter 'sglang' cannot sync in transfer.mode 'broadcast' (it supports p2p)",
+        "inference.adapter 'sglang' cannot do transfer.targetStaging 'staged' (it supports live)",
     )
 
 
