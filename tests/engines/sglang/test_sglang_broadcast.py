@@ -112,6 +112,10 @@ def test_broadcast_rounds_into_stock_sglang_verify_and_generate_like_hf(
                 tokens, label = generate(engine, prompt)
                 assert label == str(version)
                 assert tokens == expected["output_ids"], (prompt, expected.get("margins"))
+        # What ran: every SGLang TP rank joined one custom group over gloo, once, from SGLang's own route.
+        server = group.harness.servers[0]  # type: ignore[attr-defined]
+        joins = [line for line in server.log_path.read_text().splitlines() if "init custom process group" in line]
+        assert len(joins) == tp and all("backend=gloo" in line for line in joins), joins
     finally:
         for client in clients:
             client.close()
