@@ -13,6 +13,12 @@ SGLang publishes its live weights for one-sided writes when started with
 | resume | ``POST /continue_generation`` |
 | abort | ``POST /end_weight_update`` to close the session; the version is never relabelled, the engine stays paused |
 
+Broadcast mode (``transfer.mode: broadcast``) replaces the write step: every TP rank joins the trainer's torch
+custom process group through ``/init_weights_update_group`` (one group rank per TP rank), and per chunk
+``/update_weights_from_distributed`` receives the full HF tensors and runs SGLang's own ``load_weights`` (it
+cuts its shards); the rest of the round is the same, verified against hashes the sender cut from the full
+tensors. ``/destroy_weights_update_group`` leaves a group after a failure.
+
 There is no staging area in stock SGLang: live mode only. Manifests: the engine's own pod traces the
 model with the engine's SGLang code (:mod:`.trace_model`) and joins the trace with the published
 addresses (:mod:`.manifest`); everyone else fetches them from that pod's agent.
