@@ -52,10 +52,10 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
     ),
     "sglang": EngineKind(
         "sglang",
-        # Stock SGLang publishes its live weights only (no staging area); broadcast through its
-        # update_weights_from_distributed route is not built yet (docs/engines/sglang.md).
+        # Stock SGLang publishes its live weights only (no staging area); broadcast goes through its own
+        # /init_weights_update_group and /update_weights_from_distributed routes (docs/engines/sglang.md).
         Capabilities(
-            modes=frozenset({"p2p"}),
+            modes=frozenset({"p2p", "broadcast"}),
             staging=frozenset({"live"}),
             verify="tensor-hash",
             catch_up=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from weightsync.api.engines import Capabilities, Staging
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
@@ -25,6 +25,35 @@ class TargetVerdict:
     ok: bool
     mismatched: Sequence[int] = ()
     error: str | None = None
+
+
+#: One broadcast group rank per engine process (it fills all the engine's ranks), or one per engine rank.
+Receivers = Literal["engine", "rank"]
+
+
+@dataclass(frozen=True)
+class BroadcastReception:
+    """How an engine kind takes broadcast rounds; the sender (``modes/broadcast``) follows it.
+
+    - ``"weightsync-buckets"``: the engine joins weightsync's own group (``transport/collective.py``) and,
+      once armed (``arm_broadcast``), receives a round as a header, metadata and buckets (the reference engine);
+    - ``"announced-tensors"``: the engine joins a torch *custom process group* named by the sender
+      (``transport/custom_group.py``) and is told each chunk's full tensors (``receive_broadcast``, which
+      blocks until they are received and loaded), then gets one plain broadcast per tensor, in that order
+      (stock SGLang's ``/init_weights_update_group`` and ``/update_weights_from_distributed``).
+    """
+
+    receivers: Receivers
+    framing: Literal["weightsync-buckets", "announced-tensors"]
+
+
+@dataclass(frozen=True)
+class FullTensor:
+    """A full (unsharded) tensor of a broadcast chunk, as the sender will send it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -83,6 +112,8 @@ class EngineAdapter(EngineRound, Protocol):
     capabilities: ClassVar[Capabilities]
     #: Whether the engine pod's agent assembles the manifests (then sources fetch them from that agent).
     manifests_from_engine_agent: ClassVar[bool]
+    #: How the engine takes broadcast rounds (when ``broadcast`` is among its capabilities' modes).
+    broadcast: ClassVar[BroadcastReception]
     settings: AdapterSettings
 
     def __init__(self, settings: AdapterSettings) -> None: ...
@@ -102,12 +133,21 @@ class EngineAdapter(EngineRound, Protocol):
     def healthy(self, timeout: float) -> bool: ...
 
     def join_broadcast(self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str,
-                       timeout: float) -> None:  # fmt: skip
-        """Broadcast mode: join the trainer's torch.distributed group as ``members``."""
+                       timeout: float, group_name: str) -> None:  # fmt: skip
+        """Broadcast mode: join the trainer's torch.distributed group ``group_name`` as ``members``."""
         ...
 
     def arm_broadcast(self, version: int, timeout: float) -> None:
-        """Broadcast mode: expect the buckets of ``version`` on the group."""
+        """Broadcast mode, ``weightsync-buckets``: expect the buckets of ``version`` on the group."""
+        ...
+
+    def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
+        """Broadcast mode, ``announced-tensors``: receive ``tensors`` (one broadcast each, in order) and load
+        them into the live weights; returns once loaded. Never changes the version the engine reports."""
+        ...
+
+    def leave_broadcast(self, group_name: str, timeout: float) -> None:
+        """Broadcast mode: drop the group ``group_name`` (after a failure or a re-form); best effort."""
         ...
 
 

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import get_args
 
 import pytest
+import torch
+import xxhash
 
 from weightsync.api import engines
 from weightsync.api.engines import ENGINE_KINDS, EngineKind, Refusal, Request, SyncModeName, refusal
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.manifest import Manifest, Region, ShardPart, TensorEntry
+from weightsync_agent.modes.broadcast.checksums import target_checksums
 from weightsync_agent.modes.broadcast.mode import BroadcastMode
 from weightsync_agent.modes.p2p.mode import P2PMode
 from weightsync_agent.modes.registry import MODES, make_mode
@@ -21,7 +27,12 @@ from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.writer import SourceConfigError
-from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
+from weightsync_agent.targets.adapter import (
+    AdapterSettings,
+    AdapterUnavailableError,
+    BroadcastReception,
+    EngineAdapter,
+)
 from weightsync_agent.targets.agent import EngineAgent
 from weightsync_agent.targets.registry import ADAPTERS, make_adapter, settings_for
 
@@ -214,9 +225,10 @@ def test_nothing_outside_the_seams_branches_on_the_mode_or_the_adapter(
 def test_the_refusal_names_adapter_and_capability() -> None:
     assert refusal("reference", Request("broadcast", "staged", True)) is None
     assert refusal("sglang", Request("p2p", "live", True)) is None
-    assert refusal("sglang", Request("broadcast", "live", True)) == Refusal(
+    assert refusal("sglang", Request("broadcast", "live", True)) is None
+    assert refusal("sglang", Request("broadcast", "staged", True)) == Refusal(
         "AdapterLacksCapability",
-        "inference.adapter 'sglang' cannot sync in transfer.mode 'broadcast' (it supports p2p)",
+        "inference.adapter 'sglang' cannot do transfer.targetStaging 'staged' (it supports live)",
     )
 
 
@@ -247,3 +259,37 @@ def test_only_kinds_whose_agent_assembles_manifests_look_that_agent_up(adapter: 
     assert settings.agent_url == ("http://engine-agent-0" if lookups else None)
     assert settings_for(plan, 0, directory, call_timeout=1.0, engine_side=True).agent_url is None
     assert directory.agent_lookups == lookups  # the engine's own pod never looks itself up
+
+
+# --- Broadcast reception: how each kind takes a round, declared by its adapter -----------------------
+
+
+def test_every_broadcast_capable_adapter_says_how_it_takes_rounds() -> None:
+    for kind, factory in ADAPTERS.items():
+        caps = ENGINE_KINDS[kind].capabilities  # type: ignore[index]
+        assert caps is not None and "broadcast" in caps.modes
+        assert factory.broadcast.receivers in ("engine", "rank")
+    assert ADAPTERS["reference"].broadcast == BroadcastReception("engine", "weightsync-buckets")
+    # Stock SGLang: every TP rank joins through /init_weights_update_group and receives full HF tensors.
+    assert ADAPTERS["sglang"].broadcast == BroadcastReception("rank", "announced-tensors")
+
+
+def test_sglang_joins_only_as_one_consecutive_group_rank_per_tp_rank() -> None:
+    adapter = make_adapter("sglang", SETTINGS)  # ranks=2; nothing listens at its URL: refused before any call
+    per_engine = [{"group_rank": 1, "ranks": [0, 1]}]
+    with pytest.raises(HttpCallError, match="one group rank per TP rank"):
+        adapter.join_broadcast("tcp://127.0.0.1:9", 2, per_engine, "gloo", 1.0, "g")
+    with pytest.raises(HttpCallError, match="tcp://HOST:PORT"):
+        adapter.join_broadcast("file:///tmp/x", 3, [], "gloo", 1.0, "g")
+
+
+def test_broadcast_checksums_follow_the_scheme_each_manifest_names() -> None:
+    full = {"w": torch.arange(24, dtype=torch.float32).reshape(6, 4)}
+    part = ShardPart(source="w", full_shape=(6, 4), dim=0, start=3, length=3)
+    entry = TensorEntry(name="w", dtype="float32", shape=(3, 4), address=4096, nbytes=48, parts=(part,))
+    region = (Region(address=4096, nbytes=48),)
+    sglang = Manifest(engine=0, rank=1, session_id="s", tensors=(entry,), regions=region, checksum="tensor-sha256-8")
+    reference = sglang.model_copy(update={"checksum": "bucket-xxh3"})
+    cut = full["w"][3:].contiguous().numpy().tobytes()
+    assert target_checksums(sglang, full, 1 << 20) == [hashlib.sha256(cut).digest()[:8].hex()]
+    assert target_checksums(reference, full, 1 << 20) == [xxhash.xxh3_64(cut).hexdigest()]

@@ -38,11 +38,12 @@ def test_unavailable_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "'planned' has no weightsync adapter yet: planned for a later version" in refused.message
 
 
-def test_stock_sglang_syncs_live_p2p_only() -> None:
-    assert refusal("sglang", Request("p2p", "live", verify=True)) is None
-    for request in (Request("broadcast", "live", verify=True), Request("p2p", "staged", verify=True)):
-        refused = refusal("sglang", request)
+def test_stock_sglang_syncs_live_in_p2p_and_broadcast_never_staged() -> None:
+    for mode in ("p2p", "broadcast"):
+        assert refusal("sglang", Request(mode, "live", verify=True)) is None  # type: ignore[arg-type]
+        refused = refusal("sglang", Request(mode, "staged", verify=True))  # type: ignore[arg-type]
         assert refused is not None and refused.reason == "AdapterLacksCapability" and "'sglang'" in refused.message
+        assert "transfer.targetStaging 'staged'" in refused.message and "supports live" in refused.message
 
 
 def test_lacking_mode(narrow: str) -> None:

@@ -8,6 +8,8 @@ each a group rank that receives every byte and fills some of the engine's tensor
 - ``receivers="rank"``: one member per engine rank, as SGLang's ``update_weights_from_distributed`` does
   (every inference rank is in the group and receives full tensors).
 
+Each engine kind's adapter says which it needs (``EngineAdapter.broadcast``).
+
 Engines take consecutive group ranks in engine order. The plan's p2p assignment (which trainer rank
 writes which target) means nothing here: :func:`broadcast_round_plan` gives the round driver a view of
 the plan in which rank 0 serves every target, so it expects (and verifies) rank 0's checksums for all.
@@ -16,12 +18,13 @@ the plan in which rank 0 serves every target, so it expects (and verifies) rank 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from weightsync.plan import Layout, Plan, SourceAssignment
 from weightsync.plan.document import summarise
+from weightsync_agent.targets.adapter import Receivers
 
-Receivers = Literal["engine", "rank"]
+__all__ = ["SENDER", "BroadcastLayout", "Member", "Receivers", "broadcast_round_plan"]
+
 SENDER = 0
 
 

@@ -4,20 +4,28 @@
 (as a p2p source does, with rank 0 serving all of them), then :meth:`connect` forms the group: it asks
 every engine to join (its adapter's ``join_broadcast``) while it joins as group rank 0. The trainer
 stages full tensors (:meth:`stage`, references, not copies: leave them unchanged until the round is
-settled). Each :meth:`publish` (one attempt of a round):
+settled). How the engines take a round is their adapter's to say (``EngineAdapter.broadcast``), never a
+branch on the engine kind here. Each :meth:`publish` (one attempt of a round):
 
 1. refuses, with nothing sent and the group intact, unless every full tensor the targets need is staged;
-2. arms every engine for the version (``arm_broadcast``), so a retry in the same
-   round is received again; an engine that cannot be armed fails the attempt, naming it;
-3. broadcasts the full tensors in buckets, while a helper thread computes every target's per-bucket
-   checksums from the same tensors (:mod:`weightsync_agent.modes.broadcast.checksums`);
-4. reports those checksums for every target: the engines verify what they cut against them and only
+2. sends, while a helper thread computes every target's checksums from the same tensors, as its manifest
+   names them (:mod:`weightsync_agent.modes.broadcast.checksums`):
+
+   - ``weightsync-buckets`` (the reference engine): arms every engine for the version (``arm_broadcast``),
+     so a retry in the same round is received again (an engine that cannot be armed fails the attempt,
+     naming it), then broadcasts the full tensors in weightsync's buckets (``transport/collective.py``);
+   - ``announced-tensors`` (stock SGLang): per chunk of whole tensors up to the bucket size, tells every
+     engine the chunk's names, dtypes and shapes (``receive_broadcast``, which blocks while the engine
+     receives and loads) while broadcasting each tensor once, in that order, over a torch custom process
+     group (``transport/custom_group.py``); the first engine that refuses or fails ends the attempt;
+3. reports those checksums for every target: the engines verify what they cut against them and only
    then may commit, exactly as in p2p mode.
 
 Every collective is bounded by the plan's ``timeoutSeconds`` and the round's deadline is checked
-between buckets. After a failure in steps 2 and 3 the group is out of step: this side closes it (so peers
-blocked in a collective fail at once instead of at the timeout), names the engines that no longer
-answer, and refuses until :meth:`connect` runs again. Use it with ``RoundDriver(broadcast_round_plan(plan),
+between buckets. After a failure in step 2 the group is out of step: this side closes it (so peers
+blocked in a collective fail at once instead of at the timeout), asks the engines to leave it
+(``leave_broadcast``, best effort), names the engines that no longer answer, and refuses until
+:meth:`connect` runs again, which forms a group under a new name. Use it with ``RoundDriver(broadcast_round_plan(plan),
 engines, {0: source})``.
 """
 
@@ -25,8 +33,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -34,13 +43,14 @@ import torch
 from weightsync.plan import Plan, Target
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest
-from weightsync_agent.modes.broadcast.checksums import layout_checksums
+from weightsync_agent.modes.broadcast.checksums import target_checksums
 from weightsync_agent.modes.broadcast.layout import SENDER, BroadcastLayout, Receivers, broadcast_round_plan
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.writer import SourceConfigError, validate
-from weightsync_agent.targets.adapter import EngineAdapter
+from weightsync_agent.targets.adapter import BroadcastReception, EngineAdapter, FullTensor
 from weightsync_agent.transport.base import TransportError
 from weightsync_agent.transport.collective import BroadcastGroup
+from weightsync_agent.transport.custom_group import CustomGroupSender, resolve_backend
 
 log = logging.getLogger("weightsync.agent.broadcast")
 
@@ -49,6 +59,14 @@ MiB = 1 << 20
 
 class BroadcastStageError(ValueError):
     """A staged tensor no target uses, or with the wrong shape or dtype; nothing was staged."""
+
+
+class EngineRefusedError(TransportError):
+    """An engine refused or failed its part of an attempt (it answered, so it is named)."""
+
+    def __init__(self, engine: int, message: str) -> None:
+        super().__init__(message)
+        self.engine = engine
 
 
 class BroadcastSource:
@@ -61,7 +79,7 @@ class BroadcastSource:
         engines: Mapping[int, EngineAdapter],
         *,
         bucket_bytes: int | None = None,
-        receivers: Receivers = "engine",
+        receivers: Receivers | None = None,
         call_timeout: float = 10.0,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -76,7 +94,13 @@ class BroadcastSource:
         self.plan = plan
         self.manifests = {t: manifests[t] for t in self.targets}
         self.engines = dict(engines)
-        self.layout = BroadcastLayout.of(plan.layout, receivers)
+        receptions = {adapter.broadcast for adapter in self.engines.values()}
+        if len(receptions) != 1:
+            raise SourceConfigError(
+                f"the engines take broadcast rounds in different ways: {sorted(map(str, receptions))}"
+            )
+        self.reception: BroadcastReception = receptions.pop()
+        self.layout = BroadcastLayout.of(plan.layout, receivers or self.reception.receivers)
         self.bucket_bytes = bucket_bytes or plan.transfer.bucket_bytes
         self.timeout_seconds = plan.transfer.timeouts.collective
         self.call_timeout = call_timeout
@@ -88,11 +112,17 @@ class BroadcastSource:
                 for part in entry.parts:
                     self.expected.setdefault(part.source, (part.full_shape, entry.dtype))
         self.staged: dict[str, torch.Tensor] = {}
-        self.group: BroadcastGroup | None = None
+        self.group: BroadcastGroup | CustomGroupSender | None = None
+        self.group_name: str | None = None  # the group the engines joined, for leave_broadcast
         self.lost: str | None = None  # why the last group was torn down, for the rounds that follow
         self._checksums: tuple[int, Future[dict[Target, list[str]]]] | None = None
         self._generation = 0
-        self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + 1), thread_name_prefix="broadcast")
+        # Per engine a join, arm or receive, plus this side's own join or sends and the checksums.
+        self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + 3), thread_name_prefix="broadcast")
+
+    @property
+    def announced(self) -> bool:
+        return self.reception.framing == "announced-tensors"
 
     # --- The group -------------------------------------------------------------------------------------
 
@@ -105,18 +135,29 @@ class BroadcastSource:
         if receivers is not None:
             self.layout = BroadcastLayout.of(self.plan.layout, receivers)
         timeout = self.timeout_seconds
+        world = self.layout.world_size
+        # A fresh name per group: an engine that still holds an earlier one (a leave that never arrived) can join.
+        name = f"weightsync-{uuid.uuid4().hex[:12]}"
+        if self.announced:
+            backend = resolve_backend(backend)  # the engines' routes take a concrete torch backend
         joins = {
             self._pool.submit(
                 self.engines[engine].join_broadcast,
                 init_method,
-                self.layout.world_size,
+                world,
                 [m.as_json() for m in members],
                 backend,
                 timeout,
+                name,
             ): engine
             for engine, members in self.layout.members.items()
         }
-        own = self._pool.submit(BroadcastGroup, SENDER, self.layout.world_size, init_method, backend, timeout)
+        self.group_name = name
+        own: Future[BroadcastGroup] | Future[CustomGroupSender]
+        if self.announced:
+            own = self._pool.submit(CustomGroupSender, world, init_method, name, backend, timeout)
+        else:
+            own = self._pool.submit(BroadcastGroup, SENDER, world, init_method, backend, timeout)
         try:
             for future in as_completed(joins):
                 try:
@@ -134,7 +175,15 @@ class BroadcastSource:
         self.lost = why
         group, self.group = self.group, None
         if group is not None:
-            group.close()
+            group.close()  # first: receivers still in a collective with this side fail now
+        name, self.group_name = self.group_name, None
+        if name is not None and self.announced:
+            timeout = min(self.call_timeout, 5.0)
+            leaves = [self._pool.submit(a.leave_broadcast, name, timeout) for a in self.engines.values()]
+            done, _ = wait(leaves, timeout=timeout + 1.0)
+            for future in done:
+                if future.exception() is not None:  # best effort: the next group has another name
+                    log.info("broadcast group %s: an engine did not leave: %s", name, future.exception())
 
     # --- Staging ---------------------------------------------------------------------------------------
 
@@ -183,21 +232,28 @@ class BroadcastSource:
                 "(nothing was sent)",
                 started,
             )
-        refused = self._arm(version, deadline)
-        if refused is not None:
-            engine, why = refused
-            error = f"engine {engine} could not be armed for version {version}: {why}"
-            self.disconnect(error)  # armed engines wait for a header that will never come: release them now
-            return self._failed(error, started, engine)
         checksums = self._checksums_for_staged()
         try:
-            stats = group.broadcast_buckets(
-                ((name, self.staged[name]) for name in self.expected),
-                self.bucket_bytes,
-                version=version,
-                deadline=deadline,
-                progress=self.progress,
-            )
+            if isinstance(group, CustomGroupSender):
+                nbytes = self._send_announced(group, version, deadline)
+            else:
+                refused = self._arm(version, deadline)
+                if refused is not None:
+                    engine, why = refused
+                    error = f"engine {engine} could not be armed for version {version}: {why}"
+                    self.disconnect(error)  # armed engines wait for a header that will never come: release them now
+                    return self._failed(error, started, engine)
+                stats = group.broadcast_buckets(
+                    ((name, self.staged[name]) for name in self.expected),
+                    self.bucket_bytes,
+                    version=version,
+                    deadline=deadline,
+                    progress=self.progress,
+                )
+                nbytes = stats.nbytes
+        except EngineRefusedError as exc:
+            self.disconnect(str(exc))  # the others may still be in a collective with us: release them now
+            return self._failed(str(exc), started, exc.engine)
         except TransportError as exc:
             self.disconnect(str(exc))  # peers still in a collective with us fail now, not at the timeout
             silent = self._silent_engines()
@@ -213,9 +269,59 @@ class BroadcastSource:
             source=SENDER,
             ok=True,
             checksums=digests,
-            bytes=stats.nbytes * self.layout.receivers,
+            bytes=nbytes * self.layout.receivers,
             seconds=time.monotonic() - started,
         )
+
+    def _chunks(self) -> Iterator[list[str]]:
+        """Whole full tensors, in order, up to ``bucket_bytes`` per chunk (a larger tensor goes alone)."""
+        chunk: list[str] = []
+        used = 0
+        for name in self.expected:
+            tensor = self.staged[name]
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and used + nbytes > self.bucket_bytes:
+                yield chunk
+                chunk, used = [], 0
+            chunk.append(name)
+            used += nbytes
+        if chunk:
+            yield chunk
+
+    def _send_announced(self, group: CustomGroupSender, version: int, deadline: float) -> int:
+        """``announced-tensors``: per chunk, every engine is told the tensors while they go out, in that order."""
+        sent = 0
+        for index, chunk in enumerate(self._chunks()):
+            tensors = [FullTensor(name, self.expected[name][1], self.expected[name][0]) for name in chunk]
+            left = max(0.1, deadline - time.monotonic())
+            receiving = {
+                self._pool.submit(adapter.receive_broadcast, version, tensors, group.group_name, left): engine
+                for engine, adapter in self.engines.items()
+            }
+            sending = self._pool.submit(group.broadcast, [(name, self.staged[name]) for name in chunk], deadline)
+            pending: set[Future[object]] = {*receiving, sending}  # type: ignore[arg-type]
+            while pending:
+                done, pending = wait(
+                    pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED
+                )
+                if not done:
+                    raise TransportError(
+                        f"chunk {index} of version {version} was not loaded before the round's deadline"
+                    )
+                for future in done:
+                    if future is sending:
+                        sent += int(future.result())  # type: ignore[call-overload]  # raises TransportError
+                        continue
+                    engine = receiving[future]  # type: ignore[index]
+                    try:
+                        future.result()
+                    except HttpCallError as exc:
+                        raise EngineRefusedError(
+                            engine, f"engine {engine} did not load chunk {index} of version {version}: {exc}"
+                        ) from exc
+            if self.progress is not None:
+                self.progress(index, sum(t.numel() * t.element_size() for t in (self.staged[n] for n in chunk)))
+        return sent
 
     def _arm(self, version: int, deadline: float) -> tuple[int, str] | None:
         timeout = max(0.1, min(self.call_timeout, deadline - time.monotonic()))
@@ -238,13 +344,13 @@ class BroadcastSource:
         return self._checksums[1]
 
     def _compute_checksums(self, staged: Mapping[str, torch.Tensor]) -> dict[Target, list[str]]:
-        by_layout: dict[str, list[str]] = {}
+        by_layout: dict[tuple[str, str], list[str]] = {}
         out: dict[Target, list[str]] = {}
         for target in self.targets:
             manifest = self.manifests[target]
-            key = manifest.layout_fingerprint
+            key = (manifest.layout_fingerprint, manifest.checksum)
             if key not in by_layout:
-                by_layout[key] = layout_checksums(manifest, staged, self.bucket_bytes)
+                by_layout[key] = target_checksums(manifest, staged, self.bucket_bytes)
             out[target] = by_layout[key]
         return out
 
@@ -280,6 +386,6 @@ class BroadcastSource:
         self.close()
 
 
-def _close_group(future: Future[BroadcastGroup]) -> None:
+def _close_group(future: Future[BroadcastGroup] | Future[CustomGroupSender]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().close()

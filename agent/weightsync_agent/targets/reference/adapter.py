@@ -14,7 +14,13 @@ from weightsync.api.engines import ENGINE_KINDS, Capabilities
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest
-from weightsync_agent.targets.adapter import AdapterSettings, Readiness, TargetVerdict
+from weightsync_agent.targets.adapter import (
+    AdapterSettings,
+    BroadcastReception,
+    FullTensor,
+    Readiness,
+    TargetVerdict,
+)
 from weightsync_agent.targets.engine_client import EngineClient, PauseMode
 
 JOIN_BROADCAST_ROUTE = "/weightsync/broadcast"
@@ -25,6 +31,8 @@ class ReferenceAdapter:
     kind: ClassVar[str] = "reference"
     capabilities: ClassVar[Capabilities] = ENGINE_KINDS["reference"].capabilities  # type: ignore[assignment]
     manifests_from_engine_agent: ClassVar[bool] = False  # the engine serves full manifests itself
+    #: One process serves every rank, so one member per engine cuts them all from weightsync's buckets.
+    broadcast: ClassVar[BroadcastReception] = BroadcastReception("engine", "weightsync-buckets")
 
     def __init__(self, settings: AdapterSettings, *, pause_mode: PauseMode = "abort") -> None:
         self.settings = settings
@@ -78,8 +86,15 @@ class ReferenceAdapter:
     # --- Broadcast reception -----------------------------------------------------------------------
 
     def join_broadcast(
-        self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str, timeout: float
+        self,
+        init_method: str,
+        world_size: int,
+        members: list[dict[str, Any]],
+        backend: str,
+        timeout: float,
+        group_name: str = "",
     ) -> None:
+        # group_name: the engine's weightsync group has one fixed store prefix; a re-join replaces it.
         body = {
             "init_method": init_method,
             "world_size": world_size,
@@ -92,6 +107,14 @@ class ReferenceAdapter:
 
     def arm_broadcast(self, version: int, timeout: float) -> None:
         self.client.request("POST", ARM_BROADCAST_ROUTE, body={"version": str(version)}, timeout=timeout)
+
+    def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
+        raise HttpCallError(
+            ARM_BROADCAST_ROUTE, None, "the reference engine takes weightsync's buckets, not announced tensors"
+        )
+
+    def leave_broadcast(self, group_name: str, timeout: float) -> None:
+        """Nothing to do: a failed collective breaks the engine's group and the next join replaces it."""
 
 
 def reference_adapter(

@@ -13,6 +13,12 @@ SGLang publishes its live weights for one-sided writes when started with
 | resume | ``POST /continue_generation`` |
 | abort | ``POST /end_weight_update`` to close the session; the version is never relabelled, the engine stays paused |
 
+Broadcast mode (``transfer.mode: broadcast``) replaces the write step: every TP rank joins the trainer's torch
+custom process group through ``/init_weights_update_group`` (one group rank per TP rank), and per chunk
+``/update_weights_from_distributed`` receives the full HF tensors and runs SGLang's own ``load_weights`` (it
+cuts its shards); the rest of the round is the same, verified against hashes the sender cut from the full
+tensors. ``/destroy_weights_update_group`` leaves a group after a failure.
+
 There is no staging area in stock SGLang: live mode only. Manifests: the engine's own pod traces the
 model with the engine's SGLang code (:mod:`.trace_model`) and joins the trace with the published
 addresses (:mod:`.manifest`); everyone else fetches them from that pod's agent.
@@ -29,13 +35,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlparse
 
 from pydantic import ValidationError
 
 from weightsync.api.engines import ENGINE_KINDS, Capabilities
 from weightsync_agent.http.client import HttpCallError, JsonHttpClient
 from weightsync_agent.layout.manifest import Manifest, ManifestError
-from weightsync_agent.targets.adapter import AdapterSettings, Readiness, TargetVerdict
+from weightsync_agent.targets.adapter import (
+    AdapterSettings,
+    BroadcastReception,
+    FullTensor,
+    Readiness,
+    TargetVerdict,
+)
 from weightsync_agent.targets.agent import MANIFEST_ROUTE
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.sglang.manifest import assemble
@@ -45,6 +58,8 @@ ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
 TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
 TRACE_TIMEOUT_SECONDS = 300.0
 FLUSH_RETRY_SECONDS = 0.2
+INIT_GROUP_ROUTE = "/init_weights_update_group"
+UPDATE_ROUTE = "/update_weights_from_distributed"
 NOT_PUBLISHING = (
     "SGLang does not publish its weights for one-sided writes: start it with "
     "--remote-instance-weight-loader-start-seed-via-transfer-engine and a per-instance "
@@ -57,6 +72,9 @@ class SglangAdapter:
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = ENGINE_KINDS["sglang"].capabilities  # type: ignore[assignment]
     manifests_from_engine_agent: ClassVar[bool] = True  # SGLang publishes addresses only: its pod's agent traces
+    #: Every TP rank joins the trainer's group itself and receives full HF tensors, which SGLang's own
+    #: load_weights cuts into its shards (/init_weights_update_group, /update_weights_from_distributed).
+    broadcast: ClassVar[BroadcastReception] = BroadcastReception("rank", "announced-tensors")
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings
@@ -161,15 +179,62 @@ class SglangAdapter:
             if exc.status != 400:
                 raise
 
-    # --- Broadcast reception (not in this version's capabilities) -----------------------------------
+    # --- Broadcast reception: SGLang's own routes ----------------------------------------------------
 
     def join_broadcast(
-        self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str, timeout: float
+        self,
+        init_method: str,
+        world_size: int,
+        members: list[dict[str, Any]],
+        backend: str,
+        timeout: float,
+        group_name: str = "weightsync",
     ) -> None:
-        raise HttpCallError("/init_weights_update_group", None, "broadcast mode into SGLang is not supported yet")
+        # Every TP rank joins as group rank rank_offset + tp_rank (SGLang's own rule), so this engine's members
+        # must be one per rank, consecutive, in rank order. Blocks until the whole group formed.
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or not url.hostname or not url.port:
+            raise HttpCallError(INIT_GROUP_ROUTE, None, f"SGLang rendezvous needs tcp://HOST:PORT, got {init_method}")
+        ordered = sorted(members, key=lambda m: int(m["group_rank"]))
+        offset = int(ordered[0]["group_rank"]) if ordered else 0
+        wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(self.settings.ranks)]
+        if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
+            raise HttpCallError(
+                INIT_GROUP_ROUTE, None, f"SGLang joins one group rank per TP rank from an offset; got members {members}"
+            )
+        body = {
+            "master_address": url.hostname,
+            "master_port": url.port,
+            "rank_offset": offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self._post(INIT_GROUP_ROUTE, body, timeout + self.settings.call_timeout)
 
     def arm_broadcast(self, version: int, timeout: float) -> None:
-        raise HttpCallError("/update_weights_from_distributed", None, "broadcast mode into SGLang is not supported yet")
+        raise HttpCallError(UPDATE_ROUTE, None, "SGLang is told each chunk's tensors (receive_broadcast), not armed")
+
+    def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
+        # No weight_version: SGLang would relabel on load, before verification; the version moves only in commit.
+        # flush_cache off: pause already flushed, nothing runs while paused, and SGLang fails the whole call
+        # when a flush finds the retracted requests queued. Loads with SGLang's own load_weights (it cuts the shards).
+        body = {
+            "names": [t.name for t in tensors],
+            "dtypes": [t.dtype for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": group_name,
+            "flush_cache": False,
+            "abort_all_requests": False,
+        }
+        self._post(UPDATE_ROUTE, body, timeout)
+
+    def leave_broadcast(self, group_name: str, timeout: float) -> None:
+        try:
+            self._post("/destroy_weights_update_group", {"group_name": group_name}, timeout)
+        except HttpCallError as exc:
+            if exc.status != 400:  # 400: "does not exist" (never joined, or already destroyed)
+                raise
 
     # --- Pieces ------------------------------------------------------------------------------------
 
