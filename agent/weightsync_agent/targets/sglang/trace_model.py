@@ -394,9 +394,12 @@ class Tracer:
         """Tensors held as plain module attributes (neither parameters nor buffers), e.g. MLA's ``w_kc``/``w_vc``
         that DeepSeek's ``load_weights`` derives from ``kv_b_proj``: copies, to see what a load changes."""
         found = {}
+        # An attribute that views a parameter's storage (an alias, e.g. ``self.w1 = experts.w13_weight``) is that
+        # parameter: written with it, traced as it.
+        weights = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         for prefix, module in self.model.named_modules():
             for attr, value in vars(module).items():
-                if isinstance(value, self.torch.Tensor):
+                if isinstance(value, self.torch.Tensor) and value.untyped_storage().data_ptr() not in weights:
                     found[f"{prefix}.{attr}" if prefix else attr] = value.detach().clone()
         return found
 

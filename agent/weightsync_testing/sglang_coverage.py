@@ -1,0 +1,387 @@
+"""Which of stock SGLang's architectures weightsync can sync: the registry coverage table.
+
+The table is docs/engines/sglang-coverage.md.
+
+For every architecture in SGLang's model registry that ``transformers`` can build as a causal LM here, from its
+default config shrunk to a tiny one (:data:`TINY`), the engine-venv side of this file:
+
+1. builds the model with ``transformers`` (seeded random weights) and saves a safetensors checkpoint;
+2. traces SGLang's own model class at a few (TP, rank) cases (:data:`CASES`) with ``trace_model.py``'s
+   functions, in one process;
+3. where nothing is refused, loads seeded random HF tensors through SGLang's own loader
+   (``DefaultModelLoader.load_weights_and_postprocess``) into a replica of each traced rank and checks every
+   parameter against assembly from the traced parts (cut, placed at ``at``, zero padding), bit for bit.
+
+Each architecture ends as ``synced`` (bit-exact at every case), ``refused`` (the trace's first reason, naming
+the parameter), ``mismatch`` (the trace accepted what SGLang's load contradicts: a bug to fix), or
+``not built`` (no tiny config here: not a causal LM in ``transformers``, a constructor that needs a GPU
+kernel, ...). ``synced`` means what a weightsync replica writes is exactly what SGLang's own load puts in
+every parameter; the live rounds into a running server are in tests/engines/sglang (Llama, Qwen3).
+
+Two sides in one file, as :mod:`weightsync_testing.sglang_models`: the project side (stdlib only) runs this
+file with the SGLang venv's python and renders the table; the engine side never imports weightsync.
+
+    python -m weightsync_testing.sglang_coverage --python <sglang venv python> \
+        --markdown docs/engines/sglang-coverage.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+#: (TP size, rank) traced per architecture: the last rank is where vocab padding and KV-head replication show.
+CASES: tuple[tuple[int, int], ...] = ((1, 0), (2, 1), (8, 7))
+#: Overrides applied to an architecture's default config, only for keys the config has.
+TINY: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 8,  # at least the largest TP traced: SGLang refuses more MoE-TP ranks than experts
+    "num_local_experts": 8,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "pad_token_id": 0,  # default special-token ids beyond the tiny vocab would not build an embedding
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 8,
+    "n_positions": 512,
+    "n_inner": 256,
+    "ffn_dim": 256,
+    "word_embed_proj_dim": 128,
+    "d_model": 128,
+    "rotary_dim": 16,
+    "tie_word_embeddings": False,
+}
+#: Per model type, what its tiny config also needs to build on CPU (SGLang's CPU rope for MLA asserts YaRN scaling).
+FAMILY: dict[str, dict[str, Any]] = {
+    model_type: {
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        # What DeepSeek's own config class (remote code) carries and transformers' port lacks.
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "ep_size": 1,
+    }
+    for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+}
+MAX_PARAMETERS = 50_000_000  # a "tiny" config that is still bigger than this was not shrunk by TINY's keys
+STATUSES = ("synced", "refused", "mismatch", "not built")
+NO_CAUSAL_LM = "transformers has no causal-LM class of this name"
+
+
+# ---------------------------------------------------------------- project side
+
+
+def survey(
+    python: str | Path, archs: Sequence[str] = (), timeout: float = 7200.0, progress: bool = True
+) -> list[dict[str, Any]]:
+    """One row per architecture (``arch``, ``status``, ``reason``, ``cases``, ``seconds``), streamed from the engine
+    side; a progress bar on stderr while it runs."""
+    trace_script = Path(__file__).resolve().parents[1] / "weightsync_agent" / "targets" / "sglang" / "trace_model.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    command = [str(python), "-I", __file__, "engine", "--trace-script", str(trace_script), *archs]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryFile("w+") as log, _progress(progress) as bar:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        assert process.stdout is not None
+        task = bar.add_task("importing SGLang", total=None)
+        deadline = time.monotonic() + timeout
+        for line in process.stdout:
+            message = json.loads(line)
+            if "total" in message:
+                bar.update(task, total=message["total"], description="architectures")
+                continue
+            rows.append(message)
+            bar.update(task, advance=1, description=f"{message['arch']}: {message['status']}")
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"the survey ran past {timeout:.0f} s")
+        if process.wait() != 0:
+            log.seek(0)
+            tail = "\n".join(log.read().strip().splitlines()[-15:])
+            raise RuntimeError(f"sglang_coverage.py engine failed (exit {process.returncode}):\n{tail}")
+    return rows
+
+
+def _progress(enabled: bool) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=Console(stderr=True), disable=not enabled)
+
+
+def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = None) -> str:
+    """The Markdown page: counts, then one row per architecture."""
+    counts = {s: sum(1 for r in rows if r["status"] == s) for s in STATUSES}
+    cases = ", ".join(f"TP {t} rank {r}" for t, r in CASES)
+    lines = [
+        "# Stock SGLang: which architectures weightsync syncs",
+        "",
+        "Generated by `python -m weightsync_testing.sglang_coverage` (do not edit by hand)"
+        + (f" with {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}" if versions else "")
+        + ".",
+        "",
+        "For every architecture in SGLang's model registry that `transformers` builds as a causal LM from its default",
+        "config shrunk to a tiny one (vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads, head_dim 16, 8 experts),",
+        f"the shard map is traced from SGLang's own model class at {cases}, and where nothing is refused, SGLang's own",
+        "loader (`DefaultModelLoader.load_weights_and_postprocess`) loads seeded random HF tensors into each traced",
+        "rank, which must equal, bit for bit and parameter by parameter, the assembly from the traced parts that a",
+        "weightsync replica writes. Live rounds into a running SGLang server are tested for Llama and Qwen3",
+        "([testing](sglang-testing.md)); the method is in [trace](sglang-trace.md).",
+        "",
+        "| status | architectures |",
+        "|---|---|",
+        *(f"| {s} | {counts[s]} |" for s in STATUSES),
+        "",
+        "| architecture | status | detail |",
+        "|---|---|---|",
+    ]
+    unmapped = sorted(r["arch"] for r in rows if r.get("reason") == NO_CAUSAL_LM)
+    for row in sorted(rows, key=lambda r: (STATUSES.index(r["status"]), r["arch"])):
+        if row.get("reason") == NO_CAUSAL_LM:
+            continue
+        detail = " ".join(str(row.get("reason") or "").split()).replace("|", "\\|")
+        if row["status"] == "synced":
+            last = f"TP {CASES[-1][0]} rank {CASES[-1][1]}"
+            detail = f"every parameter bit-exact ({row.get('parameters', '?')} on {last})"
+        lines.append(f"| `{row['arch']}` | {row['status']} | {detail[:300]} |")
+    if unmapped:
+        lines += [
+            "",
+            f"Also not built: {len(unmapped)} architectures for which `transformers` has no causal-LM class of the "
+            "same name (vision-language, embedding, reward and audio models, SGLang-only names): "
+            + ", ".join(f"`{a}`" for a in unmapped)
+            + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sglang_coverage", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command")
+    engine = sub.add_parser("engine", help="(internal) the engine-venv side: one JSON line per architecture")
+    engine.add_argument("--trace-script", type=Path, required=True)
+    engine.add_argument("archs", nargs="*")
+    parser.add_argument("--python", default=os.environ.get("WEIGHTSYNC_SGLANG_PYTHON"), help="the SGLang venv's python")
+    parser.add_argument("--arch", action="append", default=[], help="only this architecture (repeatable)")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--from-json", type=Path, help="render rows written by --json instead of surveying")
+    args = parser.parse_args(argv)
+    if args.command == "engine":
+        for message in _engine(args.trace_script, args.archs):
+            print(json.dumps(message), flush=True)
+        return 0
+    if args.from_json:
+        rows = json.loads(args.from_json.read_text())
+    elif not args.python:
+        parser.error("--python (or WEIGHTSYNC_SGLANG_PYTHON) must name the SGLang venv's python")
+    try:
+        rows = rows if args.from_json else survey(args.python, args.arch)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"sglang_coverage: {' '.join(str(exc).split())[:500]}", file=sys.stderr)
+        return 1
+    versions = rows[0].get("versions") if rows else None
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(render(rows, versions))
+    counts = {s: sum(1 for r in rows if r["status"] == s) for s in STATUSES}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return 0
+
+
+# ---------------------------------------------------------------- engine-venv side
+
+
+def _engine(trace_script: Path, only: Sequence[str]) -> Iterator[dict[str, Any]]:
+    spec = importlib.util.spec_from_file_location("weightsync_trace_model", trace_script)
+    assert spec is not None and spec.loader is not None
+    tm: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tm)
+    sg = tm.import_sglang()
+    torch = sg.torch
+    transformers: Any = importlib.import_module("transformers")
+    registry: Any = importlib.import_module("sglang.srt.models.registry").ModelRegistry
+    mapping: Any = importlib.import_module("transformers.models.auto.modeling_auto").MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model_type_of: dict[str, str] = {}
+    for model_type, names in mapping.items():
+        for name in names if isinstance(names, (list, tuple)) else [names]:
+            model_type_of.setdefault(name, model_type)
+    archs = sorted(only or registry.models)
+    versions = {"sglang": sg.version, "transformers": transformers.__version__, "torch": torch.__version__}
+    yield {"total": len(archs)}
+    for arch in archs:
+        started = time.monotonic()
+        try:
+            row = _one(tm, sg, transformers, arch, model_type_of.get(arch))
+        except Exception as exc:  # one architecture's failure is its row, never the survey's end
+            row = {"status": "not built", "reason": _why(exc)}
+        row.update(arch=arch, seconds=round(time.monotonic() - started, 1), versions=versions)
+        row.pop("trace", None)
+        yield row
+
+
+def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None) -> dict[str, Any]:
+    torch = sg.torch
+    if arch not in sg_registry_archs(sg):
+        return {"status": "not built", "reason": "not in this SGLang's model registry"}
+    if model_type is None:
+        return {"status": "not built", "reason": NO_CAUSAL_LM}
+    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    shrink = {k: v for k, v in TINY.items() if k in defaults}
+    family = FAMILY.get(model_type, {})
+    # Only the overrides: everything else (per-layer type lists included) follows from them as the config computes.
+    config = transformers.CONFIG_MAPPING[model_type](**shrink, **family, architectures=[arch])
+    if "torch_dtype" in defaults or hasattr(config, "torch_dtype"):
+        config.torch_dtype = "bfloat16"
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in meta.parameters())
+    if count > MAX_PARAMETERS:
+        return {"status": "not built", "reason": f"the shrunk config still has {count:,} parameters"}
+    with tempfile.TemporaryDirectory(prefix="weightsync-coverage-") as work:
+        model_dir = Path(work)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        model.save_pretrained(str(model_dir), safe_serialization=True)
+        del model
+        sources = tm.read_checkpoint(model_dir)
+        traced: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for tp, rank in CASES:
+            try:
+                traced[tp, rank] = _trace(tm, sg, model_dir, sources, tp, rank)
+            except tm.TraceError as exc:
+                return {"status": "not built", "reason": f"TP {tp}: {exc}"}
+            except Exception as exc:  # SGLang's constructor cannot build it here (CPU, no kernels)
+                return {"status": "not built", "reason": f"TP {tp}: {_why(exc)}"}
+            if isinstance(traced[tp, rank], str):
+                return {"status": "refused", "reason": f"TP {tp} rank {rank}: {traced[tp, rank]}"}
+        parameters = 0
+        generator = torch.Generator().manual_seed(7)
+        values = {n: torch.randn(s, generator=generator).to(torch.bfloat16) for n, s in sources.items()}
+        for (tp, rank), tensors in traced.items():
+            bad = _differential(tm, sg, model_dir, values, tp, rank, tensors)
+            if bad:
+                return {"status": "mismatch", "reason": f"TP {tp} rank {rank}: SGLang's load differs in {bad[:3]}"}
+            parameters = len(tensors)
+    return {"status": "synced", "reason": "", "parameters": parameters}
+
+
+def _why(exc: BaseException) -> str:
+    """``Type: first line (at file:line in function)``, the innermost frame: where SGLang or transformers gave up."""
+    detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = ""
+    if frames:
+        frame = frames[-1]
+        path = Path(frame.filename)
+        short = (
+            "/".join(path.parts[path.parts.index("site-packages") + 1 :])
+            if "site-packages" in path.parts
+            else path.name
+        )
+        where = f" (at {short}:{frame.lineno} in {frame.name})"
+    return f"{type(exc).__name__}: {detail}{where}" if detail else f"{type(exc).__name__}{where}"
+
+
+def sg_registry_archs(sg: Any) -> set[str]:
+    return set(importlib.import_module("sglang.srt.models.registry").ModelRegistry.models)
+
+
+def _trace(tm: Any, sg: Any, model_dir: Path, sources: dict[str, Any], tp: int, rank: int) -> Any:
+    """The traced tensors of (tp, rank), or the first refusal as a string."""
+    workarounds = tm.Workarounds()
+    engine_model, _ = tm.build_model(sg, model_dir, tp, rank, "bfloat16", workarounds)
+    layout = {n: (tm.dtype_name(p.dtype), list(p.shape), p.is_contiguous()) for n, p in engine_model.named_parameters()}
+    del engine_model
+    model, _ = tm.build_model(sg, model_dir, tp, rank, "float32", workarounds)
+    tensors, refused, _ = tm.trace_replica(sg.torch, model, sources, layout, "bfloat16")
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        return f"{refused[0]['name']}: {refused[0]['reason']}{more}"
+    return tensors
+
+
+def _differential(
+    tm: Any, sg: Any, model_dir: Path, values: dict[str, Any], tp: int, rank: int, tensors: list[dict[str, Any]]
+) -> list[str]:
+    """Parameters where SGLang's own load differs from assembly from the traced parts (empty: bit-exact)."""
+    torch = sg.torch
+    loader: Any = importlib.import_module("sglang.srt.model_loader.loader")
+    model, _ = tm.build_model(sg, model_dir, tp, rank, "bfloat16", tm.Workarounds())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data.fill_(float("nan"))
+    weights = ((n, t.clone()) for n, t in values.items())  # a loader may change its input in place
+    loader.DefaultModelLoader.load_weights_and_postprocess(model, weights, torch.device("cpu"))
+    traced = {t["name"]: t for t in tensors}
+    bad = []
+    for name, param in model.named_parameters():
+        entry = traced.get(name)
+        if entry is None:
+            bad.append(name)
+            continue
+        built = torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+        along: dict[tuple[int, ...], int] = {}
+        for part in entry["parts"]:  # assembled here, independently of weightsync's own placement code
+            at = tuple(part["at"])
+            dim = entry["cat_dim"] - len(at)
+            piece = values[part["source"]].narrow(part["dim"], part["start"], part["length"])
+            (built[at] if at else built).narrow(dim, along.get(at, 0), piece.shape[dim]).copy_(piece)
+            along[at] = along.get(at, 0) + piece.shape[dim]
+        same = (
+            list(param.shape) == entry["shape"]
+            and param.dtype == built.dtype
+            and torch.equal(param.data.contiguous().reshape(-1).view(torch.uint8), built.reshape(-1).view(torch.uint8))
+        )
+        if not same:
+            bad.append(name)
+    return bad
+
+
+if __name__ == "__main__":
+    # Run as a file with the engine's python, this directory is sys.path[0]: nothing here may shadow a module.
+    if sys.path and Path(sys.path[0] or os.curdir).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]
+    sys.exit(main())
