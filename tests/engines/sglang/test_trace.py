@@ -78,11 +78,12 @@ def derived(
 ) -> dict[str, Path]:
     """Models for the refusal cases: vocab 500 (padding at TP 2), a checkpoint missing one norm, a tiny Qwen3-MoE."""
     root = tmp_path_factory.mktemp("trace-models")
-    out = {"vocab500": root / "vocab500", "missing": root / "missing", "moe": root / "moe"}
+    out = {"vocab500": root / "vocab500", "missing": root / "missing", "moe": root / "moe", "moe4": root / "moe4"}
     engine(engine_python, engine_side, "derive", str(tiny["llama"]), str(out["vocab500"]), "--vocab", "500")
     drop = "model.layers.1.post_attention_layernorm.weight"
     engine(engine_python, engine_side, "derive", str(tiny["llama"]), str(out["missing"]), "--drop", drop)
     engine(engine_python, engine_side, "moe", str(out["moe"]))
+    engine(engine_python, engine_side, "glm4moe", str(out["moe4"]))
     return out
 
 
@@ -98,9 +99,9 @@ def run_trace(python: Path, *args: str, env: dict[str, str] | None = None) -> su
     return subprocess.run(command, capture_output=True, text=True, env=env or clean_env(), timeout=300, check=False)
 
 
-def trace(python: Path, model: Path, tp: int, rank: int, dtype: str) -> dict[str, Any]:
+def trace(python: Path, model: Path, tp: int, rank: int, dtype: str, *extra: str) -> dict[str, Any]:
     started = time.monotonic()
-    done = run_trace(python, "--model", str(model), "--tp", str(tp), "--rank", str(rank), "--dtype", dtype)
+    done = run_trace(python, "--model", str(model), "--tp", str(tp), "--rank", str(rank), "--dtype", dtype, *extra)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # SGLang's own output stays out of the way on success
     result: dict[str, Any] = json.loads(done.stdout)
@@ -286,7 +287,7 @@ def test_vocab_padding_on_the_last_rank_is_traced(
 
 
 def test_a_parameter_no_hf_tensor_writes_is_refused(engine_python: Path, derived: dict[str, Path]) -> None:
-    result = trace(engine_python, derived["missing"], 1, 0, "bfloat16")
+    result = trace(engine_python, derived["missing"], 1, 0, "bfloat16", "--full-layers")
     assert result["refused"] == [
         {"name": "model.layers.1.post_attention_layernorm.weight", "reason": "no HF tensor in the checkpoint writes it"}
     ]
@@ -326,6 +327,21 @@ def test_fused_moe_experts_are_traced(
         manifest = assemble(0, rank, result, "127.0.0.1:1234", fake_weights_info(result), device="cpu")
         assert manifest.by_name()[layer + "experts.w13_weight"].lead == 1
     differential(engine_python, engine_side, derived["moe"], traced, tmp_path)
+
+
+def test_a_layer_reduced_trace_equals_the_full_one(engine_python: Path, derived: dict[str, Path]) -> None:
+    """GLM-4-MoE with 4 layers, the first dense and the rest MoE: the trace builds and traces the first 2 (one of each
+    kind, alike in the checkpoint and in the engine's full layout, built on the meta device), moves layer 1's map to
+    layers 2 and 3, and the result equals tracing all 4 layers."""
+    reduced = trace(engine_python, derived["moe4"], 2, 1, "bfloat16")
+    full = trace(engine_python, derived["moe4"], 2, 1, "bfloat16", "--full-layers")
+    assert reduced["layers"] == {"total": 4, "traced": 2, "representative": {"2": 1, "3": 1}}
+    assert full["layers"] == {"total": 4, "traced": 4, "representative": {}}
+    assert reduced["refused"] == full["refused"] == []
+    assert reduced["unused_sources"] == full["unused_sources"] == []
+    assert reduced["tensors"] == full["tensors"]
+    names = {t["name"] for t in reduced["tensors"]}
+    assert "model.layers.3.mlp.experts.w13_weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
 
 
 def fake_weights_info(result: dict[str, Any]) -> dict[str, list[int]]:
@@ -513,6 +529,21 @@ def moe(out):
     model.save_pretrained(out, safe_serialization=True)
 
 
+def glm4moe(out):
+    """GLM-4-MoE, 4 layers: layer 0 dense (first_k_dense_replace), layers 1-3 MoE with a shared expert."""
+    import torch, transformers
+    wanted = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=512,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    known = transformers.Glm4MoeConfig().to_dict()
+    config = transformers.Glm4MoeConfig(**{k: v for k, v in wanted.items() if k in known})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
+
+
 def diff(model_dir, jobs_file):
     sg = tm.import_sglang()
     torch = sg.torch
@@ -571,6 +602,8 @@ if command == "derive":
            drop=args[3] if "--drop" in args else None)
 elif command == "moe":
     moe(args[0])
+elif command == "glm4moe":
+    glm4moe(args[0])
 elif command == "diff":
     print(json.dumps(diff(args[0], args[1])))
 '''

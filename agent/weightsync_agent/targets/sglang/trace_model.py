@@ -36,6 +36,7 @@ import itertools
 import json
 import math
 import os
+import re
 import struct
 import sys
 import tempfile
@@ -294,12 +295,31 @@ def _finish_vllm_note(model: Any, workarounds: Workarounds) -> None:
 
 
 def build_model(
-    sg: types.SimpleNamespace, model_dir: Path, tp: int, rank: int, dtype: str, workarounds: Workarounds
+    sg: types.SimpleNamespace,
+    model_dir: Path,
+    tp: int,
+    rank: int,
+    dtype: str,
+    workarounds: Workarounds,
+    *,
+    layers: int | None = None,
+    device: str = "cpu",
 ) -> tuple[Any, Any]:
-    """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig)."""
+    """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig).
+
+    ``layers`` overrides ``num_hidden_layers`` (SGLang's own ``json_model_override_args``); ``device="meta"``
+    builds names, shapes and dtypes without memory."""
     torch = sg.torch
     sg.reset_context()
-    args = sg.ServerArgs(model_path=str(model_dir), device="cpu", tp_size=tp, load_format="dummy", dtype=dtype)
+    override = json.dumps({"num_hidden_layers": layers}) if layers is not None else "{}"
+    args = sg.ServerArgs(
+        model_path=str(model_dir),
+        device="cpu",
+        tp_size=tp,
+        load_format="dummy",
+        dtype=dtype,
+        json_model_override_args=override,
+    )
     sg.publish(args, role="scheduler", ranks=sg.SpawnRanks(world_rank=rank))
     sg.initialize_dp_attention_flags(args)
     fake_parallel_groups(sg, tp, rank, workarounds)
@@ -307,7 +327,7 @@ def build_model(
     if config.quantization:
         raise TraceError(f"quantized checkpoints ({config.quantization}) are not traced yet")
     load_config = sg.LoadConfig(load_format="dummy")
-    with vllm_placeholder(workarounds), sg.set_default_torch_dtype(config.dtype), torch.device("cpu"):
+    with vllm_placeholder(workarounds), sg.set_default_torch_dtype(config.dtype), torch.device(device):
         model = sg.initialize_model(config, load_config, None)
     _finish_vllm_note(model, workarounds)
     _finish_groups_note(workarounds)
@@ -712,22 +732,83 @@ def trace_replica(
     return [t for t in tensors if t["name"] not in refused_names], refused, tracer.unused
 
 
-def run(model_dir: Path, tp: int, rank: int, dtype: str) -> dict[str, Any]:
+LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder-layer index in a parameter or HF tensor name (``model.layers.7.mlp...`` -> 7), if any."""
+    found = LAYER.search(name)
+    return int(found.group(1)) if found else None
+
+
+def in_layer(name: str, layer: int) -> str:
+    """``name`` moved to decoder layer ``layer``."""
+    found = LAYER.search(name)
+    return name if found is None else f"{name[: found.start(1)]}{layer}{name[found.end(1) :]}"
+
+
+def param_layout(model: Any) -> dict[str, tuple[str, list[int], bool]]:
+    """Per parameter, as the engine holds it: (dtype name, shape, contiguous)."""
+    return {n: (dtype_name(p.dtype), list(p.shape), p.is_contiguous()) for n, p in model.named_parameters()}
+
+
+def layer_signatures(names_and_shapes: dict[str, Any]) -> dict[int, tuple[Any, ...]]:
+    """Per decoder layer: its tensors (name within the layer, shape, ...) — layers with equal signatures are alike."""
+    by_layer: dict[int, list[tuple[str, Any]]] = {}
+    for name, detail in names_and_shapes.items():
+        layer = layer_of(name)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append((LAYER.sub(".#.", name, count=1), detail))
+    return {layer: tuple(sorted(items, key=repr)) for layer, items in by_layer.items()}
+
+
+def representatives(*signatures: dict[int, tuple[Any, ...]]) -> dict[int, int]:
+    """Each layer's representative: the first layer alike in every signature given."""
+    layers = sorted(set().union(*signatures))
+    first: dict[tuple[Any, ...], int] = {}
+    return {layer: first.setdefault(tuple(sig.get(layer) for sig in signatures), layer) for layer in layers}
+
+
+def run(model_dir: Path, tp: int, rank: int, dtype: str, reduce_layers: bool = True) -> dict[str, Any]:
     started = time.monotonic()
     sources = read_checkpoint(model_dir)
     sg = import_sglang()
     torch = sg.torch
     imported = time.monotonic()
     workarounds = Workarounds()
-    # 1. The engine's dtypes: the model class built as the engine builds it (dtype as SGLang resolves it).
-    engine_model, engine_config = build_model(sg, model_dir, tp, rank, dtype, workarounds)
+    # 1. The engine's dtypes: the model class built as the engine builds it (dtype as SGLang resolves it), every
+    #    layer, on the meta device (names, shapes, dtypes; no memory).
+    engine_model, engine_config = build_model(sg, model_dir, tp, rank, dtype, workarounds, device="meta")
     engine_dtype = dtype_name(engine_config.dtype)
-    layout = {n: (dtype_name(p.dtype), list(p.shape), p.is_contiguous()) for n, p in engine_model.named_parameters()}
+    layout = param_layout(engine_model)
     del engine_model
-    # 2. The float32 replica that is traced.
-    model, _ = build_model(sg, model_dir, tp, rank, "float32", workarounds)
+    # 2. Which layers to trace: one per kind (alike in the checkpoint and in the engine's layout), the fewest leading
+    #    layers that hold one of each; the rest are the same map moved to their layer.
+    engine_kinds = layer_signatures({n: (v[0], tuple(v[1])) for n, v in layout.items()})
+    reps = representatives(layer_signatures(sources), engine_kinds)
+    total = len(reps)
+    keep = max(reps.values()) + 1 if reps and reduce_layers else total
+    if keep < total:
+        traced_sources = {n: s for n, s in sources.items() if (layer_of(n) or 0) < keep}
+        reduced, _ = build_model(sg, model_dir, tp, rank, dtype, workarounds, layers=keep, device="meta")
+        reduced_layout = param_layout(reduced)
+        del reduced
+        expected = {n: v for n, v in layout.items() if (layer_of(n) or 0) < keep}
+        if reduced_layout != expected:
+            differ = sorted(n for n in set(reduced_layout) | set(expected) if reduced_layout.get(n) != expected.get(n))
+            raise TraceError(
+                f"the {keep}-layer build differs from the first {keep} layers of the full model (e.g. {differ[:3]}): "
+                "trace it with --full-layers"
+            )
+        layout_traced = reduced_layout
+    else:
+        keep, traced_sources, layout_traced = total, sources, layout
+    # 3. The float32 replica that is traced.
+    model, _ = build_model(sg, model_dir, tp, rank, "float32", workarounds, layers=keep if keep < total else None)
     built = time.monotonic()
-    tensors, refused, unused = trace_replica(torch, model, sources, layout, engine_dtype)
+    tensors, refused, unused = trace_replica(torch, model, traced_sources, layout_traced, engine_dtype)
+    if keep < total:
+        tensors, refused, unused = _extend(tensors, refused, unused, reps, keep, sources, layout)
     done = time.monotonic()
     return {
         "sglang_version": sg.version,
@@ -737,6 +818,7 @@ def run(model_dir: Path, tp: int, rank: int, dtype: str) -> dict[str, Any]:
         "tensors": tensors,
         "refused": refused,
         "unused_sources": unused,
+        "layers": {"total": total, "traced": keep, "representative": {str(k): v for k, v in reps.items() if k >= keep}},
         "workarounds": workarounds.report(),
         "seconds": {
             "import": round(imported - started, 2),
@@ -745,6 +827,54 @@ def run(model_dir: Path, tp: int, rank: int, dtype: str) -> dict[str, Any]:
             "total": round(done - started, 2),
         },
     }
+
+
+def _extend(
+    tensors: list[dict[str, Any]],
+    refused: list[dict[str, str]],
+    unused: list[str],
+    reps: dict[int, int],
+    keep: int,
+    sources: dict[str, tuple[int, ...]],
+    layout: dict[str, tuple[str, list[int], bool]],
+) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
+    """The traced leading layers' map moved to every later layer alike; checked against the full layout and
+    checkpoint, in the full model's parameter order."""
+    by_name = {t["name"]: t for t in tensors}
+    out: dict[str, dict[str, Any]] = {}
+    for name, (param_dtype, shape, _) in layout.items():
+        layer = layer_of(name)
+        if layer is None or layer < keep:
+            if name in by_name:
+                out[name] = by_name[name]
+            continue
+        model_name = in_layer(name, reps[layer])
+        entry = by_name.get(model_name)
+        if entry is None:
+            continue  # refused (below) or untraced in the representative
+        moved = dict(entry, name=name, parts=[dict(p, source=in_layer(p["source"], layer)) for p in entry["parts"]])
+        for part in moved["parts"]:
+            if tuple(sources.get(part["source"], ())) != tuple(part["full_shape"]):
+                raise TraceError(
+                    f"{name}: layer {layer} is traced as layer {reps[layer]}, but the checkpoint's {part['source']} "
+                    f"is {list(sources.get(part['source'], ()))}, not {part['full_shape']}"
+                )
+        if (moved["dtype"], moved["shape"]) != (param_dtype, shape):
+            raise TraceError(f"{name}: layer {layer} is {param_dtype}{shape}, its representative {entry['shape']}")
+        out[name] = moved
+    refusals = []
+    for item in refused:
+        layer = layer_of(item["name"])
+        refusals.append(item)
+        if layer is not None:
+            refusals += [
+                {"name": in_layer(item["name"], other), "reason": f"as layer {layer}: {item['reason']}"}
+                for other, rep in reps.items()
+                if rep == layer and other >= keep
+            ]
+    extra = [in_layer(n, other) for n in unused if (lay := layer_of(n)) is not None for other, r in reps.items()
+             if r == lay and other >= keep]  # fmt: skip
+    return list(out.values()), refusals, unused + extra
 
 
 class _Parser(argparse.ArgumentParser):
@@ -759,6 +889,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, required=True, help="SGLang's --tp-size")
     parser.add_argument("--rank", type=int, required=True, help="the TP rank to trace")
     parser.add_argument("--dtype", default="auto", help="SGLang's --dtype (auto, bfloat16, float16, float32)")
+    parser.add_argument(
+        "--full-layers",
+        action="store_true",
+        help="trace every decoder layer (default: one layer of each kind, the map moved to the others)",
+    )
     parser.add_argument("--verbose", action="store_true", help="let SGLang's own output through to stderr")
     args = parser.parse_args(argv)
     if args.tp < 1 or not 0 <= args.rank < args.tp:
@@ -773,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(log.fileno(), 2)
     error = None
     try:
-        result = run(args.model.resolve(), args.tp, args.rank, args.dtype)
+        result = run(args.model.resolve(), args.tp, args.rank, args.dtype, reduce_layers=not args.full_layers)
     except TraceError as exc:
         error = str(exc)
     except Exception as exc:  # anything else is still one line, with the log for the traceback
