@@ -9,13 +9,34 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Final
 
 import yaml
 from pydantic import ValidationError
 
 from weightsync.api import cel, crd
 from weightsync.api.v1alpha1 import API_VERSION, KIND, WeightSyncGroup
+
+#: A group file bigger than this is not a WeightSyncGroup (the API server stores objects of ~1.5 MB at most).
+MAX_FILE_BYTES: Final = 1024 * 1024
+
+
+class GroupFileError(ValueError):
+    """A file that cannot hold WeightSyncGroups (missing, too big, not text, not YAML); ``str()`` is one line."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases: a spec never needs ``*ref``, and aliases are how a few hundred bytes become gigabytes
+    once the document is copied into models (a "billion laughs" file)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+            raise GroupFileError(
+                f"line {mark.line + 1}, column {mark.column + 1}: YAML aliases (*name) are not accepted in a "
+                "WeightSyncGroup file"
+            )
+        return super().compose_node(parent, index)
 
 
 class SpecError(ValueError):
@@ -67,7 +88,15 @@ def defaulted_object(group: WeightSyncGroup) -> dict[str, Any]:
 
 
 def iter_documents(text: str) -> Iterable[dict[str, Any]]:
-    for doc in yaml.safe_load_all(text):
+    """The YAML documents of ``text`` that are objects (a ``List`` gives its items); GroupFileError if not YAML."""
+    try:
+        docs = list(yaml.load_all(text, Loader=_NoAliasLoader))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise GroupFileError(f"not YAML: {where}{problem}") from exc
+    for doc in docs:
         if isinstance(doc, dict):
             if doc.get("kind") == "List":
                 yield from (item for item in doc.get("items", []) if isinstance(item, dict))
@@ -75,16 +104,37 @@ def iter_documents(text: str) -> Iterable[dict[str, Any]]:
                 yield doc
 
 
+def read_group_file(path: str | Path) -> str:
+    """The text of a group file ('-': stdin), refused with one line if missing, over MAX_FILE_BYTES or not UTF-8."""
+    try:
+        if str(path) == "-":
+            import sys
+
+            data = _read_capped(sys.stdin.buffer)
+        else:
+            with open(path, "rb") as handle:
+                data = _read_capped(handle)
+    except OSError as exc:
+        raise GroupFileError(exc.strerror or str(exc)) from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise GroupFileError(f"not a text file (byte {exc.start} is not UTF-8)") from exc
+
+
+def _read_capped(handle: IO[bytes]) -> bytes:
+    data = handle.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise GroupFileError(f"more than {MAX_FILE_BYTES // 1024} KiB: too big for a WeightSyncGroup file")
+    return data
+
+
 def load_groups(path: str | Path) -> list[WeightSyncGroup]:
-    """Every WeightSyncGroup in a YAML file (other kinds are skipped), validated."""
-    text = Path(path).read_text() if str(path) != "-" else _stdin()
+    """Every WeightSyncGroup in a YAML file (other kinds are skipped), validated.
+
+    GroupFileError when the file cannot be read as YAML; SpecError when a group is invalid."""
+    text = read_group_file(path)
     groups = [parse_group(doc) for doc in iter_documents(text) if doc.get("kind") == KIND]
     if not groups:
         raise SpecError("", [f"{path}: no {KIND} found"])
     return groups
-
-
-def _stdin() -> str:
-    import sys
-
-    return sys.stdin.read()

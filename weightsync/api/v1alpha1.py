@@ -8,7 +8,7 @@ YAML; Python code uses the snake_case attributes.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
@@ -46,6 +46,12 @@ def immutable(path: str, why: str) -> CelRule:
 
 #: Planner policies (weightsync/plan/policies.py), spelled once.
 Planner = Literal["balanced", "miles"]
+
+#: A Multus network reference: ``[namespace/]name[@interface]`` (namespace a DNS label, name a lower-case DNS
+#: subdomain, interface a Linux interface name), so nothing else reaches the pod annotation.
+MULTUS_NETWORK: Final = (
+    r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?(@[A-Za-z0-9_.-]{1,15})?$"
+)
 
 
 class ApiModel(BaseModel):
@@ -251,11 +257,12 @@ class RdmaSpec(SpecModel):
         description="Extended resource of the RDMA device plugin, e.g. rdma/hca_shared_devices_a or rdma/ib.",
     )
     resource_count: int = Field(default=1, ge=1, le=64, description="How many of resourceName each pod requests.")
-    networks: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+    networks: list[Annotated[str, Field(min_length=1, max_length=253, pattern=MULTUS_NETWORK)]] = Field(
         default_factory=list,
         json_schema_extra={"default": []},
         max_length=16,
-        description="Multus networks (name or namespace/name) for the k8s.v1.cni.cncf.io/networks annotation.",
+        description="Multus networks for the k8s.v1.cni.cncf.io/networks annotation: [namespace/]name[@interface], "
+        "namespace a DNS label, name a NetworkAttachmentDefinition name (lower-case DNS subdomain).",
     )
     host_network: bool = Field(default=False, description="Run pods in the host's network namespace.")
     devices: list[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]] = Field(

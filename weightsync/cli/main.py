@@ -83,15 +83,15 @@ def reference() -> None:
 
 
 def _load_one(filename: Path) -> object:
-    from weightsync.api.load import SpecError, load_groups
+    from weightsync.api.load import GroupFileError, SpecError, load_groups
 
     try:
         groups = load_groups(filename)
     except SpecError as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from exc
-    except (OSError, ValueError) as exc:
-        err.print(f"[red]error:[/] cannot read {filename}: {escape(str(exc))}")
+    except GroupFileError as exc:
+        err.print(f"[red]error:[/] cannot read {escape(str(filename))}: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from exc
     if len(groups) > 1:
         err.print(f"[yellow]note:[/] {filename} holds {len(groups)} groups; using the first")
@@ -103,12 +103,15 @@ def validate(filename: GroupFile) -> None:
     """Check a WeightSyncGroup the way the API server (schema and CEL rules) and the operator (what its
     engine adapter can do) will, without a cluster."""
     from weightsync.api.engines import refusal
-    from weightsync.api.load import SpecError, load_groups
+    from weightsync.api.load import GroupFileError, SpecError, load_groups
 
     try:
         groups = load_groups(filename)
     except SpecError as exc:
         err.print(f"[red]invalid:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from exc
+    except GroupFileError as exc:
+        err.print(f"[red]error:[/] cannot read {escape(str(filename))}: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from exc
     refused = False
     for group in groups:

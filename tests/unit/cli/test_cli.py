@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -92,3 +96,55 @@ def test_validate_accepts_the_examples_and_names_what_the_operator_would_refuse(
     result = runner.invoke(app, ["validate", "-f", str(staged)])
     assert result.exit_code == 2
     assert "AdapterLacksCapability" in result.output and "transfer.targetStaging 'staged'" in result.output
+
+
+def _bomb(levels: int = 9) -> str:
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for level in range(1, levels):
+        name, previous = chr(ord("a") + level), chr(ord("a") + level - 1)
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+BAD_FILES: dict[str, tuple[bytes | None, str]] = {
+    "missing": (None, "No such file or directory"),
+    "not YAML": (b"spec: [\n", "not YAML: line 2, column 1: expected the node content"),
+    "binary": (b"\x00\xff\xfe\x00binary", "not a text file (byte 1 is not UTF-8)"),
+    "YAML bomb": (_bomb().encode(), "line 2, column 8: YAML aliases (*name) are not accepted"),
+    "alias inside a template": (
+        TCP.read_bytes().replace(b"template:", b"template: &t", 1) + b"x: *t\n",
+        "YAML aliases (*name) are not accepted",
+    ),
+    "oversized": (b"# " + b"x" * (1024 * 1024) + b"\n", "more than 1024 KiB: too big for a WeightSyncGroup file"),
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "render"])
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, case: str, command: str) -> None:
+    content, message = BAD_FILES[case]
+    path = tmp_path / "group.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    started = time.monotonic()
+    result = runner.invoke(app, [command, "-f", str(path)])
+    assert time.monotonic() - started < 2
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"error: cannot read {path}: ") and message in result.output, result.output
+
+
+def test_a_yaml_bomb_is_refused_by_a_real_process_within_2_s(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_bomb(12))  # 9^11 strings if expanded
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli.main", "validate", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert time.monotonic() - started < 2, "the refusal must not build the document"
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "YAML aliases (*name) are not accepted" in done.stderr, done.stderr
