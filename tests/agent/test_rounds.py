@@ -91,6 +91,18 @@ class FakeSource:
     log: Log
     fail_with: str | None = None
     hang: float = 0.0
+    staged_after: float = 0.0  # the trainer stages this long after the round starts
+    not_ready: str | None = None
+
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        self.log.add("prepare", str(self.source))
+        if self.staged_after:
+            time.sleep(min(self.staged_after, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                return SourceReport(self.source, False, error=f"trainer did not stage {version} before the deadline")
+        if self.not_ready:
+            return SourceReport(self.source, False, error=self.not_ready)
+        return SourceReport(source=self.source, ok=True)
 
     def publish(self, version: int, deadline: float) -> SourceReport:
         self.log.add("publish", str(self.source))
@@ -181,6 +193,44 @@ def test_a_failed_pause_writes_nothing_and_resumes_the_others() -> None:
     result = RoundDriver(plan, engines, sources).run(1)
     assert result.result == "Failed" and "could not start the round" in (result.reason or "")
     assert log.kinds("publish") == [] and len(log.kinds("resume")) == 2
+
+
+def test_nothing_is_paused_until_every_source_can_write_the_version() -> None:
+    """A slow trainer rank: the engines are paused only once it staged, so they serve meanwhile."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    sources[1].staged_after = 0.3
+    result = RoundDriver(plan, engines, sources).run(5)
+    assert result.result == "Succeeded"
+    kinds = [e[0] for e in log.events]
+    assert max(i for i, k in enumerate(kinds) if k == "prepare") < min(i for i, k in enumerate(kinds) if k == "pause")
+
+
+@pytest.mark.parametrize("staging", ["live", "staged"])
+def test_a_source_that_cannot_write_the_version_leaves_every_engine_untouched(staging: str) -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    sources[1].not_ready = "its replica holds version 3 (committed versions only)"
+    result = RoundDriver(plan, engines, sources, staging=staging).run(4)  # type: ignore[arg-type]
+    assert result.result == "Failed" and not result.started and result.attempts == 0
+    assert (
+        result.reason
+        == "round not started: source 1 is not ready: its replica holds version 3 (committed versions only)"
+    )
+    assert [e[0] for e in log.events if e[0] != "prepare"] == []  # no pause, begin, publish, abort or resume
+    assert not result.engines_paused
+
+
+def test_a_source_that_never_stages_fails_the_round_at_its_budget_without_pausing() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    sources[0].staged_after = 5.0
+    started = time.monotonic()
+    result = RoundDriver(plan, engines, sources, timeout_seconds=0.4).run(2)
+    assert time.monotonic() - started < 2.0
+    assert result.result == "Failed" and not result.started
+    assert "source 0 is not ready: trainer did not stage 2 before the deadline" in (result.reason or "")
+    assert log.kinds("pause") == [] and log.kinds("publish") == []
 
 
 def test_a_plan_naming_unreachable_peers_is_refused() -> None:

@@ -42,6 +42,9 @@ class IdleTrainerRank:
 
     source = 1
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        raise AssertionError("trainer rank 1 was asked to prepare in broadcast mode")
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         raise AssertionError("trainer rank 1 was asked to publish in broadcast mode")
 
@@ -53,6 +56,9 @@ class RecordingSource:
         self.inner = inner
         self.source = inner.source
         self.reports: list[SourceReport] = []
+
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        return self.inner.prepare(version, deadline)
 
     def publish(self, version: int, deadline: float) -> SourceReport:
         report = self.inner.publish(version, deadline)

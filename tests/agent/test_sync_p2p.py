@@ -91,6 +91,9 @@ class KillingSource:
         self.source = inner.source
         self.victim = victim
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        return self.inner.prepare(version, deadline)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         self.victim.process.kill()
         self.victim.process.wait()

@@ -67,6 +67,9 @@ class InProcessRankSource:
         self.source = source
         self.scope = scope
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        return self.agent.prepare(self.source, version, deadline, self.scope)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         return self.agent.publish(self.source, version, deadline, self.scope)
 
@@ -159,6 +162,11 @@ class Coordinator:
                 result = driver.run(version)
             finally:
                 driver.close()
+            if not result.started:
+                # A source cannot serve it (its replica holds no committed version yet, or the trainer has begun
+                # staging the next one): nothing was paused; joiners get the next round.
+                log.warning("catch-up of engines %s not possible yet: %s", lagging, result.reason)
+                return None
             if result.result != "Succeeded":
                 reason = f"catch-up of engines {lagging}: {result.reason}"
                 result = dataclasses.replace(result, reason=reason)

@@ -60,6 +60,11 @@ class RoundResult:
     reason: str | None = None
     engines_paused: bool = False
 
+    @property
+    def started(self) -> bool:
+        """Whether the round touched an engine (paused, began or wrote); one refused or not prepared did not."""
+        return self.attempts > 0
+
     def as_status(self) -> dict[str, object]:
         status: dict[str, object] = {
             "version": self.version,
@@ -132,6 +137,9 @@ class RoundDriver:
         moved = 0
         reason: str | None = None
         pausing = self.staging == "live"
+        not_ready = self._prepare(version, started + self.timeout)
+        if not_ready is not None:  # nothing is paused until every source can write v
+            return self._result(version, "Failed", started, started_at, 0, 0, f"round not started: {not_ready}")
         try:
             if pausing:
                 self._each_engine("pause", lambda e: e.pause(self.call_timeout))
@@ -165,6 +173,19 @@ class RoundDriver:
         # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
         # they no longer fully hold for serving) until a later round succeeds.
         return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
+
+    def _prepare(self, version: int, deadline: float) -> str | None:
+        """Why some source cannot write ``version`` (each asked at once, waiting for its trainer to stage up to
+        ``deadline``), or None when every one can."""
+        futures = {s: self.pool.submit(src.prepare, version, deadline) for s, src in self.sources.items()}
+        for source, future in futures.items():
+            try:
+                report = self._result_by(future, deadline, f"source {source}")
+            except RoundError as exc:
+                return str(exc)
+            if not report.ok:
+                return f"source {source} is not ready: {report.error}"
+        return None
 
     def _attempt(self, version: int, started: float) -> int:
         deadline = started + self.timeout

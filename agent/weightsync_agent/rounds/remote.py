@@ -9,6 +9,8 @@ Routes (served by :mod:`weightsync_agent.sidecar.routes`):
 * ``POST /v1/sources/{rank}/publish {"version", "timeoutSeconds", "planHash", "engines", "catchUp",
   "placements"}`` —
   the coordinator asks rank ``rank`` to write its targets; answers a source report.
+* ``POST /v1/sources/{rank}/prepare`` (the same body) — whether rank ``rank`` can publish ``version`` (it
+  waits for the trainer to stage it); answers a source report, writes nothing.
 * ``POST /v1/sources/{rank}/committed {"version"}`` — every engine committed ``version``.
 * ``GET /v1/state``, ``GET /healthz``, ``GET /metrics``.
 """
@@ -76,7 +78,13 @@ class AgentClient:
         except WireError as exc:
             raise AgentError(f"agent {self.base_url}: {exc}") from exc
 
+    def prepare_source(self, rank: int, version: int, timeout: float, scope: RoundScope) -> SourceReport:
+        return self._source_call("prepare", rank, version, timeout, scope)
+
     def publish_source(self, rank: int, version: int, timeout: float, scope: RoundScope) -> SourceReport:
+        return self._source_call("publish", rank, version, timeout, scope)
+
+    def _source_call(self, step: str, rank: int, version: int, timeout: float, scope: RoundScope) -> SourceReport:
         body = {
             "version": version,
             "timeoutSeconds": timeout,
@@ -85,7 +93,7 @@ class AgentClient:
             "catchUp": scope.catch_up,
             "placements": placements_to_json(scope.placements),
         }
-        data = self._call("POST", f"/v1/sources/{rank}/publish", body, timeout=timeout + SLACK_SECONDS)
+        data = self._call("POST", f"/v1/sources/{rank}/{step}", body, timeout=timeout + SLACK_SECONDS)
         try:
             return source_report_from_json(data)
         except WireError as exc:
@@ -106,6 +114,13 @@ class HttpSourceControl:
         self.client = client
         self.source = source
         self.scope = scope
+
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            return self.client.prepare_source(self.source, version, left, self.scope)
+        except AgentError as exc:
+            return SourceReport(source=self.source, ok=False, error=str(exc))
 
     def publish(self, version: int, deadline: float) -> SourceReport:
         left = max(0.0, deadline - time.monotonic())

@@ -62,7 +62,20 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         result = await asyncio.to_thread(coordinator.wait, version, min(wait, 60.0), after)
         return web.json_response({"pending": True} if result is None else round_result_to_json(result))
 
+    async def source_prepare(request: web.Request) -> web.Response:
+        rank, version, timeout, scope = await source_call(request)
+        sources = runtime.sources_or_fail()
+        report = await asyncio.to_thread(sources.prepare, rank, version, time.monotonic() + timeout, scope)
+        return web.json_response(source_report_to_json(report))
+
     async def source_publish(request: web.Request) -> web.Response:
+        rank, version, timeout, scope = await source_call(request)
+        sources = runtime.sources_or_fail()
+        report = await asyncio.to_thread(sources.publish, rank, version, time.monotonic() + timeout, scope)
+        return web.json_response(source_report_to_json(report))
+
+    async def source_call(request: web.Request) -> tuple[int, int, float, RoundScope]:
+        """A coordinator's call to one source (prepare or publish): rank, version, timeout and the round's scope."""
         rank = int_field(int(request.match_info["rank"]), "rank")
         body = await json_object(request)
         version = int_field(body.get("version"), "version")
@@ -71,7 +84,6 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         if engines is not None and (not isinstance(engines, list) or not all(isinstance(e, int) for e in engines)):
             raise BadRequestError(f"engines must be a list of engine indexes or null, got {engines!r}")
         plan_hash = body.get("planHash")
-        sources = runtime.sources_or_fail()
         try:
             placements = placements_from_json(body.get("placements"))
         except WireError as exc:
@@ -82,8 +94,7 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             catch_up=bool(body.get("catchUp", False)),
             placements=placements,
         )
-        report = await asyncio.to_thread(sources.publish, rank, version, time.monotonic() + timeout, scope)
-        return web.json_response(source_report_to_json(report))
+        return rank, version, timeout, scope
 
     async def source_committed(request: web.Request) -> web.Response:
         rank = int(request.match_info["rank"])
@@ -116,6 +127,7 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             web.get("/v1/state", state),
             web.post("/v1/publish", publish),
             web.get("/v1/rounds/{version}", round_result),
+            web.post(r"/v1/sources/{rank:\d+}/prepare", source_prepare),
             web.post(r"/v1/sources/{rank:\d+}/publish", source_publish),
             web.post(r"/v1/sources/{rank:\d+}/committed", source_committed),
             web.get(MANIFEST_ROUTE, engine_manifest),

@@ -135,19 +135,26 @@ class SourceAgent:
 
     # --- The coordinator's side ------------------------------------------------------------------
 
+    def prepare(self, rank: int, version: int, deadline: float, scope: RoundScope = ALL) -> SourceReport:
+        """Whether ``publish`` of ``version`` can run (see ``SourceControl.prepare``); writes nothing."""
+        try:
+            source, targets = self._round_source(rank, scope)
+            moved = self._moved(source, scope, targets)
+            if moved is not None:
+                return moved
+            if scope.catch_up:
+                with self._locks[rank]:
+                    self._check_holds(rank, source, version)
+            else:
+                self.wait_ready(rank, version, deadline)
+        except (SourceConfigError, TimeoutError) as exc:
+            return SourceReport(source=rank, ok=False, error=str(exc))
+        return SourceReport(source=rank, ok=True)
+
     def publish(self, rank: int, version: int, deadline: float, scope: RoundScope = ALL) -> SourceReport:
         """Write ``rank``'s targets within ``scope``; failures come back as a report."""
         try:
-            self._check_rank(rank)
-            source = self.sources.get(rank)
-            if source is None or self.plan is None:
-                raise SourceConfigError(f"source {rank} is not built yet (waiting for its targets' manifests)")
-            if scope.plan_hash is not None and scope.plan_hash != self.plan.hash:
-                raise SourceConfigError(
-                    f"source {rank} runs plan {self.plan.hash} (revision {self.plan.revision}), the coordinator "
-                    f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
-                )
-            targets = None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
+            source, targets = self._round_source(rank, scope)
             moved = self._moved(source, scope, targets)
             if moved is not None:
                 return moved
@@ -176,6 +183,19 @@ class SourceAgent:
             self.held[rank] = version
 
     # --- Internals -------------------------------------------------------------------------------
+
+    def _round_source(self, rank: int, scope: RoundScope) -> tuple[Source, list[Target] | None]:
+        """``rank``'s Source and the targets ``scope`` covers (None: all); SourceConfigError if it cannot serve."""
+        self._check_rank(rank)
+        source = self.sources.get(rank)
+        if source is None or self.plan is None:
+            raise SourceConfigError(f"source {rank} is not built yet (waiting for its targets' manifests)")
+        if scope.plan_hash is not None and scope.plan_hash != self.plan.hash:
+            raise SourceConfigError(
+                f"source {rank} runs plan {self.plan.hash} (revision {self.plan.revision}), the coordinator "
+                f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
+            )
+        return source, None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
 
     def _check_rank(self, rank: int) -> None:
         if rank not in self.ranks:

@@ -50,4 +50,10 @@ class SourceControl(Protocol):
 
     source: int
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        """Whether :meth:`publish` of ``version`` can run, before anything is paused or written: the source is
+        built for the round's plan and its replicas hold ``version`` (staged by the trainer, waiting for it until
+        ``deadline``; or, catching up, still the committed one). Writes nothing."""
+        ...
+
     def publish(self, version: int, deadline: float) -> SourceReport: ...

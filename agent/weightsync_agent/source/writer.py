@@ -371,6 +371,13 @@ class InProcessSourceControl:
         self.sender = sender
         self.source = sender.source
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        missing = self.sender.replicas.missing()
+        if missing:
+            error = f"{len(missing)} part(s) not staged for {version}, e.g. {missing[0]}"
+            return SourceReport(source=self.source, ok=False, error=error)
+        return SourceReport(source=self.source, ok=True)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         try:
             return self.sender.publish(version, deadline).to_report()

@@ -127,6 +127,9 @@ class Tampering:
     def __init__(self, inner: BroadcastSource, name: str) -> None:
         self.inner, self.source, self.name = inner, inner.source, name
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        return self.inner.prepare(version, deadline)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         report = self.inner.publish(version, deadline)
         ((target, sums),) = report.checksums.items()

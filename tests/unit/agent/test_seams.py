@@ -118,6 +118,9 @@ class RecordingPeers:
         class Quiet:
             source = rank
 
+            def prepare(self, version: int, deadline: float) -> SourceReport:
+                return SourceReport(source=rank, ok=True)
+
             def publish(self, version: int, deadline: float) -> SourceReport:
                 return SourceReport(source=rank, ok=True)
 

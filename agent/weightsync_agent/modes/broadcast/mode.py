@@ -32,6 +32,15 @@ class SidecarBroadcast:
         self.agent = agent
         self.sender = sender
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        if self.agent.replicas.get(SENDER) is None:
+            return SourceReport(source=SENDER, ok=False, error="trainer rank 0 holds no full-tensor replica")
+        try:
+            self.agent.wait_ready(SENDER, version, deadline)
+        except TimeoutError as exc:
+            return SourceReport(source=SENDER, ok=False, error=str(exc))
+        return SourceReport(source=SENDER, ok=True)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         replicas = self.agent.replicas.get(SENDER)
         if replicas is None:

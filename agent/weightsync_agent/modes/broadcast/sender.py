@@ -218,6 +218,14 @@ class BroadcastSource:
 
     # --- Publishing ------------------------------------------------------------------------------------
 
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        missing = self.missing()
+        if missing:
+            return SourceReport(
+                source=self.source, ok=False, error=f"{len(missing)} full tensor(s) not staged, e.g. {missing[0]}"
+            )
+        return SourceReport(source=self.source, ok=True)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
         started = time.monotonic()
         group = self.group
