@@ -14,7 +14,7 @@ from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_exampl
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import group_pods
+from weightsync.localcluster.session import group_pods, secret_reader
 from weightsync.plan import Plan, plan_for
 from weightsync_testing.reference_engine.model import full_state, shard
 
@@ -146,7 +146,7 @@ def agents(cluster: Any, admin: Kube, group_ns: str, tmp_path_factory: pytest.Te
         lambda: admin.kubectl("-n", NS, "get", "sa", "demo-agent", check=False).returncode == 0,
     )
     kubeconfig = token_kubeconfig(state, admin, NS, "demo-agent", directory / "kubeconfig")
-    running = Agents(kubeconfig, directory)
+    running = Agents(kubeconfig, directory, secrets=secret_reader(admin))
     try:
         yield running
     finally:
