@@ -33,6 +33,9 @@ class AgentConfig(BaseModel):
     engine_url: str | None = None
     agent_url: str | None = None
     directory_file: str | None = None
+    #: The group's credential (``WEIGHTSYNC_GROUP_TOKEN``, from the group's Secret): required on every
+    #: route but the probes, sent on every call to another agent or an engine (docs/security.md).
+    group_token: str | None = Field(default=None, repr=False)
 
     @field_validator("ranks", mode="before")
     @classmethod
@@ -74,12 +77,18 @@ class AgentConfig(BaseModel):
             "engine_url": env.get(names.ENV_ENGINE_URL) or None,
             "agent_url": env.get(names.ENV_AGENT_URL) or None,
             "directory_file": env.get(names.ENV_DIRECTORY_FILE) or None,
+            "group_token": env.get(names.ENV_GROUP_TOKEN) or None,
         }
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise AgentConfigError(f"agent environment is incomplete or invalid: {problems}") from exc
+
+
+def trainer_token_file(replica_folder: str | os.PathLike[str]) -> Path:
+    """Where a trainer pod's agent leaves the pod-local token trainer code publishes with (docs/security.md)."""
+    return Path(replica_folder) / names.TRAINER_TOKEN_FILE
 
 
 def replica_dir(group: str, source_rank: int, root: str | os.PathLike[str] = names.SHM_PATH) -> Path:

@@ -1,7 +1,9 @@
 """How the loopback group starts an engine of each kind: the reference engine, or a stock SGLang server.
 
 A harness starts engine ``e`` as local processes. Whether the engine also needs its own agent is the
-adapter's to say (``manifests_from_engine_agent``), not the harness's.
+adapter's to say (``manifests_from_engine_agent``), not the harness's. ``token`` is the group's credential,
+which the engine then requires as the operator's engine container does (the reference engine from
+``WEIGHTSYNC_GROUP_TOKEN``, stock SGLang as its ``--admin-api-key``); a restart keeps it.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ class StartedEngine:
     stop: Callable[[], None]
     #: Extra environment for this engine's agent (e.g. which Python runs the engine's own code).
     agent_env: dict[str, str]
+    #: The credential the engine requires (None: an open engine).
+    token: str | None = None
 
     def client(self, timeout: float = 15.0) -> EngineClient:
-        return EngineClient(self.url, timeout=timeout)
+        return EngineClient(self.url, timeout=timeout, api_key=self.token)
 
 
 class EngineHarness(Protocol):
-    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine: ...
+    def start(
+        self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None
+    ) -> StartedEngine: ...
 
     def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
         """Kill engine ``engine`` (SIGKILL, as a crash) and start a fresh one on the same port: it holds the
@@ -46,7 +52,9 @@ class ReferenceEngines:
     def __init__(self) -> None:
         self.processes: dict[int, EngineProcess] = {}
 
-    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0) -> StartedEngine:
+    def start(
+        self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0, token: str | None = None
+    ) -> StartedEngine:
         process = launch_engine(
             engine,
             spec.inference.ranks_per_engine,
@@ -54,15 +62,16 @@ class ReferenceEngines:
             port=port,
             staged=spec.transfer.target_staging == "staged",
             extra=("--transfer-timeout", str(spec.transfer.timeout_seconds)),
+            token=token,
         )
         self.processes[engine] = process
-        return StartedEngine(process.url, process.stop, {})
+        return StartedEngine(process.url, process.stop, {}, token)
 
     def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
         old = self.processes[engine]
         stop_process(old.process, kill=True)
         old.stop()
-        return self.start(engine, spec, seed, port=int(old.url.rsplit(":", 1)[1]))
+        return self.start(engine, spec, seed, port=int(old.url.rsplit(":", 1)[1]), token=old.token)
 
 
 class SglangEngines:
@@ -76,7 +85,7 @@ class SglangEngines:
         self.servers: dict[int, SglangProcess] = {}
 
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0,
-              bootstrap_port: int = 0, healthy: bool = True) -> StartedEngine:  # fmt: skip
+              bootstrap_port: int = 0, healthy: bool = True, token: str | None = None) -> StartedEngine:  # fmt: skip
         from weightsync_testing.sglang_server import launch_sglang
 
         server = launch_sglang(
@@ -88,9 +97,10 @@ class SglangEngines:
             dtype=self.dtype,
             log_dir=self.log_dir,
             healthy=healthy,
+            admin_api_key=token,
         )
         self.servers[engine] = server
-        return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python})
+        return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python}, token)
 
     def signal(self, engine: int, sig: signal.Signals) -> None:
         """``sig`` to every process of engine ``engine``'s server (its HTTP server, schedulers, detokenizer)."""
@@ -102,4 +112,5 @@ class SglangEngines:
             self.signal(engine, signal.SIGKILL)
         old.stop(grace=10.0)
         # Ready once it answers: the group's catch-up may pause it before its first health check.
-        return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False)
+        return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False,
+                          token=old.admin_api_key)  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,8 @@ class LoopbackGroup:
         self.agents: dict[int, AgentProcess] = {}
         self.engine_agents: dict[int, AgentProcess] = {}
         self.directory = StaticDirectory({}, {})
+        #: The group's credential, as the operator's Secret would hold it: agents and engines require it.
+        self.token = secrets.token_urlsafe(32)
 
     # --- Files the agents read ---------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class LoopbackGroup:
         return self
 
     def _start_engine(self, engine: int, seed: int) -> None:
-        started = self.harness.start(engine, self.spec, seed + engine)
+        started = self.harness.start(engine, self.spec, seed + engine, token=self.token)
         self.engines[engine] = started
         self.directory.engines[engine] = started.url
         if ADAPTERS[self.spec.inference.adapter].manifests_from_engine_agent:
@@ -140,6 +143,7 @@ class LoopbackGroup:
             names.ENV_DIRECTORY_FILE: str(self.directory_file),
             names.ENV_AGENT_PORT: str(port),
             names.ENV_ENGINE_URL: started.url,
+            names.ENV_GROUP_TOKEN: self.token,
             "WEIGHTSYNC_TICK_SECONDS": "0.5",
             **started.agent_env,
         }
@@ -156,6 +160,7 @@ class LoopbackGroup:
             names.ENV_DIRECTORY_FILE: str(self.directory_file),
             names.ENV_AGENT_PORT: str(port),
             names.ENV_REPLICA_PATH: str(self.workdir / f"replica-{pod}"),
+            names.ENV_GROUP_TOKEN: self.token,
             "WEIGHTSYNC_TICK_SECONDS": "0.5",
         }
 
@@ -179,7 +184,7 @@ class LoopbackGroup:
         """Until every agent built its sources (for ``plan_hash``, when given)."""
         deadline = time.monotonic() + timeout
         for pod, agent in self.agents.items():
-            client = AgentClient(agent.url, timeout=5.0)
+            client = AgentClient(agent.url, timeout=5.0, token=self.token)
             while True:
                 if agent.process.poll() is not None:
                     raise RuntimeError(f"agent of trainer pod {pod} exited:\n{agent.log_text()[-3000:]}")
@@ -196,7 +201,10 @@ class LoopbackGroup:
 
     def client(self, rank: int, *, sidecar_timeout: float = 60.0) -> WeightSyncClient:
         """The trainer-side client of ``rank``, as trainer code in that rank's pod builds it."""
-        env = {**self.agent_env(rank), "LOCAL_RANK": "0"}
+        # Trainer code's environment: the pod's identity, not the group's credential (its sidecar hands it a
+        # pod-local token through the replica folder).
+        env = {k: v for k, v in self.agent_env(rank).items() if k != names.ENV_GROUP_TOKEN}
+        env = {**env, "LOCAL_RANK": "0"}
         return WeightSyncClient.from_env(env, plan=self.plan, sidecar_timeout=sidecar_timeout)
 
     def scale_engines(self, engines: int, *, seed: int = 100) -> Plan:

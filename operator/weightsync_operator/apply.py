@@ -28,8 +28,11 @@ from weightsync_operator.builders import (
     BuildOptions,
     DesiredState,
     PlanDecision,
+    build_group_secret,
     decide_plan,
     desired_state,
+    new_token,
+    secret_token,
 )
 from weightsync_operator.capabilities import capability_problem
 from weightsync_operator.kube import KINDS, ApiError, KubeApi, path_of
@@ -265,6 +268,7 @@ class Reconciler:
         uid = group.metadata.uid
         for obj in desired.supporting_objects():
             await self._ensure(obj, uid)
+        await self._ensure_secret(group, desired.secret)
         if decision.changed:
             await self._plan_event(body, decision)
 
@@ -367,6 +371,26 @@ class Reconciler:
         patch["metadata"]["ownerReferences"] = [r for r in owners if r.get("uid") != uid] + ours
         if not _is_subset(patch, current):
             await self.api.merge_patch(path, patch)
+
+    async def _ensure_secret(self, group: WeightSyncGroup, secret: Mapping[str, Any]) -> None:
+        """The group's credential: created with a fresh token when missing; afterwards only its metadata (owner,
+        labels) is kept in line, and its token is never rewritten (running pods hold it in their env). A Secret
+        whose token was removed gets a new one: its pods could not start without it anyway."""
+        path = path_of(secret)
+        current = await self.api.get(path)
+        if current is None:
+            try:
+                await self.api.create(build_group_secret(group, new_token()))
+                return
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+                current = await self.api.get(path)  # created meanwhile: keep its token
+                if current is None:
+                    raise
+        await self._ensure(secret, group.metadata.uid)  # metadata only: no "data" in the built object
+        if secret_token(current) is None:
+            await self.api.merge_patch(path, {"data": build_group_secret(group, new_token())["data"]})
 
     async def _plan_event(self, body: Mapping[str, Any], decision: PlanDecision) -> None:
         plan = decision.plan

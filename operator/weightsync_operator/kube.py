@@ -68,6 +68,7 @@ KINDS: dict[str, Kind] = {
     "Pod": Kind("v1", "pods"),
     "Service": Kind("v1", "services"),
     "ConfigMap": Kind("v1", "configmaps"),
+    "Secret": Kind("v1", "secrets"),
     "ServiceAccount": Kind("v1", "serviceaccounts"),
     "Event": Kind("v1", "events"),
     "Role": Kind("rbac.authorization.k8s.io/v1", "roles"),

@@ -58,9 +58,9 @@ def test_rounds_through_agents_are_bit_exact_and_reported(group: LoopbackGroup) 
             for outcome in outcomes:
                 assert getattr(outcome, "ok", False), outcome
             assert_engines_hold(group, full, version)
-        state = AgentClient(group.agents[0].url).state()
+        state = AgentClient(group.agents[0].url, token=group.token).state()
         assert state["coordinator"] and state["committed"] == 2
-        metrics = AgentClient(group.agents[0].url).http.request("GET", "/metrics")[1]
+        metrics = AgentClient(group.agents[0].url, token=group.token).http.request("GET", "/metrics")[1]
         assert 'weightsync_agent_rounds_total{group="t-' in metrics
         assert "weightsync_agent_weight_version" in metrics and " 2.0" in metrics
     finally:

@@ -58,6 +58,7 @@ NAMESPACED_RULES = (
     | _triples("", ["pods/status"], ["get", "patch"])
     | _triples("", ["configmaps"], ["get", "list", "watch", "create", "patch"])
     | _triples("", ["services", "serviceaccounts"], ["get", "create", "patch"])
+    | _triples("", ["secrets"], ["get", "create", "patch"])
     | _triples("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["get", "create", "patch"])
 )
 

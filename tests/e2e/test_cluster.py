@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_exampl
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import group_pods
+from weightsync.localcluster.session import group_pods, secret_reader
 from weightsync.plan import Plan, plan_for
 from weightsync_testing.reference_engine.model import full_state, shard
 
@@ -146,7 +149,7 @@ def agents(cluster: Any, admin: Kube, group_ns: str, tmp_path_factory: pytest.Te
         lambda: admin.kubectl("-n", NS, "get", "sa", "demo-agent", check=False).returncode == 0,
     )
     kubeconfig = token_kubeconfig(state, admin, NS, "demo-agent", directory / "kubeconfig")
-    running = Agents(kubeconfig, directory)
+    running = Agents(kubeconfig, directory, secrets=secret_reader(admin))
     try:
         yield running
     finally:
@@ -246,6 +249,43 @@ def test_group_comes_up_and_agents_report_ready(admin: Kube, group_ns: str, agen
     assert first["trainers"]["ready"] == 0 and first["engines"]["ready"] == 0
 
 
+#: The group's credential as first seen: later reconciles must leave it exactly so.
+FIRST_SECRET: dict[str, Any] = {}
+
+
+def token_holders(pod: dict[str, Any]) -> set[str]:
+    """Containers (init or not) whose env references a Secret; none may take it wholesale or mount it."""
+    holders = set()
+    for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+        assert not any("secretRef" in e for e in c.get("envFrom") or []), c["name"]
+        if any("secretKeyRef" in (e.get("valueFrom") or {}) for e in c.get("env") or []):
+            holders.add(c["name"])
+    assert not any("secret" in v for v in pod["spec"].get("volumes") or []), pod["metadata"]["name"]
+    return holders
+
+
+def test_the_group_credential_is_a_secret_the_group_owns_held_by_agents_and_engines_only(
+    admin: Kube, group_ns: str
+) -> None:
+    uid = admin.json("-n", NS, "get", "wsg", "demo")["metadata"]["uid"]
+    secret = wait_for("the group's Secret", lambda: admin.json("-n", NS, "get", "secret", names.group_secret("demo")))
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert owner["uid"] == uid and owner["kind"] == "WeightSyncGroup" and owner["controller"] is True
+    assert set(secret["data"]) == {names.SECRET_TOKEN_KEY} and len(secret["data"][names.SECRET_TOKEN_KEY]) >= 40
+    FIRST_SECRET.update(secret)
+    for name, pod in pods(admin, "demo").items():
+        engine_container = pod["spec"]["containers"][0]["name"]
+        expected = {"weightsync-agent", engine_container} if "-engine-" in name else {"weightsync-agent"}
+        assert token_holders(pod) == expected, name
+        refs = [
+            e["valueFrom"]["secretKeyRef"]
+            for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
+            for e in c.get("env") or []
+            if "secretKeyRef" in (e.get("valueFrom") or {})
+        ]
+        assert all(r == {"name": "demo-credentials", "key": names.SECRET_TOKEN_KEY} for r in refs), refs
+
+
 def test_agents_make_the_group_ready(admin: Kube, group_ns: str, agents: Agents) -> None:
     for pod in pods(admin, "demo").values():
         agents.start(pod)
@@ -288,6 +328,15 @@ def engine_annotation(admin: Kube, pod: str) -> str | None:
 
 
 def test_a_sync_round_through_the_agents_shows_in_status(admin: Kube, group_ns: str, agents: Agents) -> None:
+    # Without the credential, rank 0's agent refuses to publish (issue 11's hijack); trainer code's client publishes
+    # with the pod-local token its agent leaves in the replica folder.
+    rank0 = f"http://127.0.0.1:{agents.envs['demo-trainer-0'][names.ENV_AGENT_PORT]}"
+    hijack = urllib.request.Request(
+        rank0 + "/v1/publish", json.dumps({"version": 10**15, "rank": 0}).encode(), method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(hijack, timeout=10)
+    assert refused.value.code == 401
     outcomes = publish_everywhere(agents, 1, seed=5)
     assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
     final = wait_for(
@@ -369,6 +418,15 @@ def test_operator_restart_resumes_without_duplicates(admin: Kube, group_ns: str,
     assert len(all_pods) == len(before)
 
 
+def test_the_credential_survives_reconciles_unchanged(admin: Kube, group_ns: str) -> None:
+    # By now the group was scaled up and down, a pod recreated and the operator restarted: many reconciles.
+    assert FIRST_SECRET, "the Secret test ran first"
+    now = admin.json("-n", NS, "get", "secret", names.group_secret("demo"))
+    assert now["data"] == FIRST_SECRET["data"]
+    assert now["metadata"]["resourceVersion"] == FIRST_SECRET["metadata"]["resourceVersion"]
+    assert now["metadata"]["uid"] == FIRST_SECRET["metadata"]["uid"]
+
+
 def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: str, agents: Agents) -> None:
     admin.kubectl("-n", NS, "delete", "wsg", "demo")
     agents.stop_all()
@@ -378,7 +436,7 @@ def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: s
             "-n",
             NS,
             "get",
-            "pods,services,configmaps,serviceaccounts,roles,rolebindings",
+            "pods,services,configmaps,secrets,serviceaccounts,roles,rolebindings",
             "-l",
             f"{names.LABEL_GROUP}=demo",
             "-o",
@@ -389,6 +447,7 @@ def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: s
             NS,
             "get",
             "configmap/demo-plan",
+            "secret/demo-credentials",
             "service/demo",
             "sa/demo-agent",
             "role/demo-agent",

@@ -25,7 +25,7 @@ from conftest import Agents, Kube, OperatorProcess, load_example, token_kubeconf
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import group_pods
+from weightsync.localcluster.session import group_pods, secret_reader
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.sglang_env import SglangEnvError, SglangEnvUnavailable, sglang_python
@@ -80,7 +80,7 @@ def sglang_group(
     )
     kubeconfig = token_kubeconfig(state, admin, NS, f"{GROUP}-agent", directory / "kubeconfig")
     harness = SglangEngines(model_dir, python=str(sglang_py), dtype="float32", log_dir=directory / "sglang")
-    agents = Agents(kubeconfig, directory, engines=(harness, group.spec))
+    agents = Agents(kubeconfig, directory, engines=(harness, group.spec), secrets=secret_reader(admin))
     try:
         for pod in group_pods(admin, NS, GROUP).values():
             agents.start(pod)
@@ -137,7 +137,8 @@ def test_sglang_engine_pods_sync_through_their_agents(admin: Kube, sglang_group:
             == "1"
         ),
     )
-    engine = EngineClient(agents.envs[f"{GROUP}-engine-0-0"][names.ENV_ENGINE_URL], timeout=60)
+    env = agents.envs[f"{GROUP}-engine-0-0"]
+    engine = EngineClient(env[names.ENV_ENGINE_URL], timeout=60, api_key=env[names.ENV_GROUP_TOKEN])
     assert engine.weight_version() == "1"
     _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
     held = answer["ranks"][0]["checksums"]

@@ -19,6 +19,7 @@ from weightsync_operator.builders import (
     BuildError,
     BuildOptions,
     build_engine_pod,
+    build_group_secret,
     build_plan_config_map,
     build_role,
     build_role_binding,
@@ -126,6 +127,7 @@ def test_trainer_agent_env() -> None:
         names.ENV_DEVICES: "mlx5_0,mlx5_1",
         names.ENV_POD_NAME: {"fieldRef": {"fieldPath": "metadata.name"}},
         names.ENV_POD_IP: {"fieldRef": {"fieldPath": "status.podIP"}},
+        names.ENV_GROUP_TOKEN: {"secretKeyRef": {"name": "g-credentials", "key": "token"}},
     }
 
 
@@ -140,6 +142,74 @@ def test_engine_agent_env() -> None:
     assert not {"WEIGHTSYNC_ENGINE_PORT", "WEIGHTSYNC_ADAPTER"} & set(env)
     assert env[names.ENV_DEVICES] == ""
     assert names.ENV_ENGINE_INDEX not in env_of(build_trainer_pod(group, 0))
+
+
+# --- The group's credential --------------------------------------------------------------------------
+
+TOKEN_REF = {"secretKeyRef": {"name": "g-credentials", "key": names.SECRET_TOKEN_KEY}}
+
+
+def _token_holders(pod: dict[str, Any]) -> set[str]:
+    """The containers (init or not) whose env references the group's Secret, by any variable."""
+    holders = set()
+    for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+        for e in c.get("env") or []:
+            if "secretKeyRef" in (e.get("valueFrom") or {}):
+                holders.add(c["name"])
+        assert not c.get("envFrom"), "no container gets the Secret wholesale"
+    assert not any("secret" in v for v in pod["spec"].get("volumes", [])), "the Secret is never mounted"
+    return holders
+
+
+def test_the_group_secret_is_owned_by_the_group_and_holds_one_token() -> None:
+    group = GroupBuilder("g").model()
+    secret = build_group_secret(group, "s3cret")
+    assert secret["metadata"]["name"] == names.group_secret("g") == "g-credentials"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == group.metadata.uid
+    assert secret["metadata"]["ownerReferences"][0]["controller"] is True
+    assert secret["type"] == "Opaque"
+    assert secret["data"] == {names.SECRET_TOKEN_KEY: "czNjcmV0"}  # base64("s3cret")
+    # What a reconcile may patch on an existing Secret: metadata, never data.
+    assert "data" not in build_group_secret(group)
+    with pytest.raises(ValueError):
+        build_group_secret(group, "")
+
+
+def test_new_tokens_are_random_and_long() -> None:
+    from weightsync_operator.builders import new_token, secret_token
+
+    tokens = {new_token() for _ in range(50)}
+    assert len(tokens) == 50 and all(len(t) >= 43 for t in tokens)
+    token = tokens.pop()
+    assert secret_token(build_group_secret(GroupBuilder("g").model(), token)) == token
+    assert secret_token({"data": {}}) is None and secret_token({"data": {"token": "%%%"}}) is None
+
+
+def test_the_token_reaches_the_agent_and_the_engine_container_only() -> None:
+    trainer_tpl = template(container("trainer", env=[{"name": "A", "value": "1"}]), container("logger"))
+    engine_tpl = template(container("engine", env=[{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]),
+                          container("metrics"))  # fmt: skip
+    group = GroupBuilder("g").trainer_template(trainer_tpl).engine_template(engine_tpl).model()
+    trainer = build_trainer_pod(group, 0)
+    assert _token_holders(trainer) == {AGENT_CONTAINER}
+    assert trainer["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]
+    engine = build_engine_pod(group, 0, 0)
+    assert _token_holders(engine) == {AGENT_CONTAINER, "engine"}
+    engine_env = engine["spec"]["containers"][0]["env"]
+    # First, so the user's own variables may reference it with $(WEIGHTSYNC_GROUP_TOKEN).
+    assert engine_env[0] == {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
+    assert engine_env[1:] == [{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]
+    # A user's own variable of that name is replaced, not duplicated.
+    shadow = template(container("engine", env=[{"name": names.ENV_GROUP_TOKEN, "value": "guessable"}]))
+    env = build_engine_pod(GroupBuilder("g").engine_template(shadow).model(), 0, 0)["spec"]["containers"][0]["env"]
+    assert env == [{"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}]
+
+
+def test_the_desired_state_holds_the_secrets_metadata_only() -> None:
+    state = state_for(GroupBuilder("g").trainers(1).engines(1))
+    assert state.secret == build_group_secret(GroupBuilder("g").model())
+    assert state.secret not in state.supporting_objects()  # created with a token by the reconciler, once
+    assert state.secret in state.objects()
 
 
 # --- RDMA, capabilities, shm, networking ---------------------------------------------------------

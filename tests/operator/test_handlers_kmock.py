@@ -17,6 +17,7 @@ What kmock does not emulate, and how these tests stand in for it:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ from weightsync.api import names
 from weightsync.plan import Plan, PlanError
 from weightsync_operator import apply
 from weightsync_operator.apply import Reconciler
+from weightsync_operator.builders import secret_token
 from weightsync_operator.kube import KubeApi
 
 NS = "ml"
@@ -63,6 +65,7 @@ def declare(k: Any) -> None:
         ("services", "Service"),
         ("configmaps", "ConfigMap"),
         ("serviceaccounts", "ServiceAccount"),
+        ("secrets", "Secret"),
     ]:
         k.resources[f"v1/{plural}"] = info(kind=kind, namespaced=True, verbs=crud)
     for plural, kind in [("roles", "Role"), ("rolebindings", "RoleBinding")]:
@@ -214,6 +217,9 @@ async def test_create_builds_everything_and_reports_status(cluster: Cluster, ope
     assert set(cluster.objects("v1/serviceaccounts")) == {"demo-agent"}
     assert set(cluster.objects("rbac.authorization.k8s.io/v1/roles")) == {"demo-agent"}
     assert set(cluster.objects("rbac.authorization.k8s.io/v1/rolebindings")) == {"demo-agent"}
+    secret = cluster.objects("v1/secrets")["demo-credentials"]
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == group["metadata"]["uid"]
+    assert secret_token(secret) is not None
     cm = cluster.objects("v1/configmaps")["demo-plan"]
     plan = Plan.from_json(cm["data"][names.PLAN_KEY])
     assert plan.layout.engines == 2 and plan.revision == 1
@@ -479,3 +485,41 @@ async def test_a_second_reconcile_changes_nothing(cluster: Cluster) -> None:
     assert [r for r in cluster.k if r.method != "GET"] == writes
     assert len(cluster.events("PlanCreated")) == 1
     assert REGISTRY.get_sample_value("weightsync_operator_groups", {"phase": "Pending"}) >= 1
+
+
+async def test_the_group_token_is_made_once_and_never_rewritten(cluster: Cluster) -> None:
+    group = GroupBuilder("c", NS).trainers(1).engines(1).build()
+    await cluster.create_group(group)
+    secret_path = f"/api/v1/namespaces/{NS}/secrets/c-credentials"
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
+    try:
+        await Reconciler(api).reconcile(group)
+        token = secret_token(cluster.objects("v1/secrets")["c-credentials"])
+        assert token is not None and len(token) >= 43
+        # Later reconciles, by this operator or a fresh one (no memory), keep it; a label edit is undone, the data not.
+        await cluster.call("PATCH", secret_path, {"metadata": {"labels": {names.LABEL_GROUP: "x"}}},
+                           "application/merge-patch+json")  # fmt: skip
+        await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
+        secret = cluster.objects("v1/secrets")["c-credentials"]
+        assert secret_token(secret) == token and secret["metadata"]["labels"][names.LABEL_GROUP] == "c"
+        # A token rotated by hand (docs/security.md) is kept too.
+        rotated = base64.b64encode(b"rotated-by-hand").decode()
+        await cluster.call("PATCH", secret_path, {"data": {"token": rotated}}, "application/merge-patch+json")
+        await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
+        assert secret_token(cluster.objects("v1/secrets")["c-credentials"]) == "rotated-by-hand"
+        # A Secret left without a token gets a new one (its pods could not start without).
+        await cluster.call("PATCH", secret_path, {"data": {"token": None}}, "application/merge-patch+json")
+        await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
+        fresh = secret_token(cluster.objects("v1/secrets")["c-credentials"])
+        assert fresh is not None and fresh not in (token, "rotated-by-hand")
+    finally:
+        await api.close()
+    # Only the agent and the engine container reference it.
+    for pod in cluster.pods().values():
+        holders = {
+            c["name"]
+            for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
+            if any("secretKeyRef" in (e.get("valueFrom") or {}) for e in c.get("env") or [])
+        }
+        role = pod["metadata"]["labels"][names.LABEL_ROLE]
+        assert holders == ({"weightsync-agent"} if role == "trainer" else {"weightsync-agent", "engine"})

@@ -33,6 +33,11 @@ def agent_service_account(group: str) -> str:
     return f"{group}-agent"
 
 
+def group_secret(group: str) -> str:
+    """The group's credential: a Secret holding one random token under :data:`SECRET_TOKEN_KEY` (docs/security.md)."""
+    return f"{group}-credentials"
+
+
 # --- Labels --------------------------------------------------------------------------------------
 LABEL_GROUP: Final = "weightsync.io/group"
 LABEL_ROLE: Final = "weightsync.io/role"
@@ -86,11 +91,19 @@ ENV_DIRECTORY_FILE: Final = "WEIGHTSYNC_DIRECTORY_FILE"
 ENV_REPLICA_PATH: Final = "WEIGHTSYNC_REPLICA_PATH"
 #: Which of ``WEIGHTSYNC_RANKS`` a trainer process is, when the pod runs several.
 ENV_SOURCE_RANK: Final = "WEIGHTSYNC_SOURCE_RANK"
+#: The group's credential (a bearer token): projected from the group's Secret into the agent container and
+#: the engine container only. Every mutating or weight-revealing route of agents and engines requires it.
+ENV_GROUP_TOKEN: Final = "WEIGHTSYNC_GROUP_TOKEN"
 ENV_POD_NAME: Final = "POD_NAME"
 ENV_POD_IP: Final = "POD_IP"
 
 #: Plan ConfigMap data key.
 PLAN_KEY: Final = "plan.json"
+#: The group Secret's data key holding the token.
+SECRET_TOKEN_KEY: Final = "token"
+#: In a trainer rank's replica folder: the token the pod's own agent accepts from trainer code on
+#: ``/v1/publish`` and ``/v1/state`` only (written by the agent, mode 0600; never the group's token).
+TRAINER_TOKEN_FILE: Final = "agent.token"
 
 #: Named port of the agent on every pod and on the headless Service.
 AGENT_PORT_NAME: Final = "agent"

@@ -33,6 +33,7 @@ from weightsync.localcluster.session import (
     OperatorProcess,
     group_pods,
     install_chart,
+    secret_reader,
     token_kubeconfig,
     wait_for,
 )
@@ -112,7 +113,7 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
                 state, admin, NAMESPACE, names.agent_service_account(group), directory / "agent.kubeconfig"
             )
             staged = group_obj["spec"].get("transfer", {}).get("targetStaging") == "staged"
-            agents = Agents(agent_config, directory / "logs", staged=staged)
+            agents = Agents(agent_config, directory / "logs", staged=staged, secrets=secret_reader(admin))
             wait_for("every pod", lambda: _all_pods_there(admin, group, group_obj))
             for pod in group_pods(admin, NAMESPACE, group).values():
                 agents.start(pod)

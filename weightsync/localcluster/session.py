@@ -8,6 +8,7 @@ downward-API fields resolved as a kubelet would (POD_IP becomes loopback, where 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -167,13 +168,33 @@ class OperatorProcess:
         )
 
 
-def agent_env(pod: dict[str, Any]) -> dict[str, str]:
+SecretReader = Callable[[str, str, str], str]
+
+
+def secret_reader(admin: Kube) -> SecretReader:
+    """``(namespace, secret, key) -> value``: how a kubelet resolves ``secretKeyRef`` (with the admin's rights:
+    the agents' own ServiceAccount may not read Secrets)."""
+
+    def read(namespace: str, name: str, key: str) -> str:
+        data = admin.json("-n", namespace, "get", "secret", name).get("data") or {}
+        return base64.b64decode(data[key]).decode()
+
+    return read
+
+
+def agent_env(pod: dict[str, Any], secrets: SecretReader | None = None) -> dict[str, str]:
     """The environment of a pod's agent sidecar, resolved as a kubelet would, with a free local port."""
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == AGENT_CONTAINER)
     env: dict[str, str] = {}
     for item in sidecar.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
+            continue
+        secret = item.get("valueFrom", {}).get("secretKeyRef")
+        if secret is not None:
+            if secrets is None:
+                raise ValueError(f"{item['name']} comes from Secret {secret.get('name')}: pass a secret reader")
+            env[item["name"]] = secrets(pod["metadata"]["namespace"], secret["name"], secret["key"])
             continue
         field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
         if field == "metadata.name":
@@ -193,7 +214,8 @@ class Agents:
     ServiceAccount token); the first pod of each engine also gets its engine's processes, whose URL the
     agent advertises: a reference engine, or what ``engines`` starts for the group's ``spec`` (stock
     SGLang servers: ``weightsync_testing.engine_harness``). Trainer code is the caller: :meth:`client`
-    gives a pod's trainer-side client.
+    gives a pod's trainer-side client. ``secrets`` resolves the group credential's ``secretKeyRef`` as a
+    kubelet would; the engines get the same token, as the operator projects it into the engine container.
     """
 
     def __init__(
@@ -203,8 +225,10 @@ class Agents:
         *,
         staged: bool = False,
         engines: tuple[EngineHarness, WeightSyncGroupSpec] | None = None,
+        secrets: SecretReader | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig_path
+        self.secrets = secrets
         self.logs = logs
         self.staged = staged
         self.harness = engines
@@ -216,19 +240,21 @@ class Agents:
     def start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         self.stop(name)
-        env = agent_env(pod)
+        env = agent_env(pod, self.secrets)
+        token = env.get(names.ENV_GROUP_TOKEN)
         if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
             index = int(env[names.ENV_ENGINE_INDEX])
             if self.harness is not None:
                 harness, spec = self.harness
-                started = harness.start(index, spec, seed=index)
+                started = harness.start(index, spec, seed=index, token=token)
                 self.harnessed[name] = started.stop
                 env[names.ENV_ENGINE_URL] = started.url
                 env.update(started.agent_env)
             else:
                 from weightsync_testing.reference_engine.launch import launch_engine
 
-                engine = launch_engine(index, len(env[names.ENV_RANKS].split(",")), seed=index, staged=self.staged)
+                ranks = len(env[names.ENV_RANKS].split(","))
+                engine = launch_engine(index, ranks, seed=index, staged=self.staged, token=token)
                 self.engines[name] = engine
                 env[names.ENV_ENGINE_URL] = engine.url
         self.envs[name] = env
@@ -242,10 +268,12 @@ class Agents:
             )
 
     def client(self, name: str, *, timeout: float = 60.0) -> WeightSyncClient:
-        """Trainer code's client in pod ``name`` (it attaches to the replicas its agent built)."""
+        """Trainer code's client in pod ``name`` (it attaches to the replicas its agent built, and publishes with the
+        pod-local token the agent leaves there: trainer code never holds the group's credential)."""
         from weightsync_agent.client import WeightSyncClient
 
-        return WeightSyncClient.from_env(self.envs[name], sidecar_timeout=timeout)
+        env = {k: v for k, v in self.envs[name].items() if k != names.ENV_GROUP_TOKEN}
+        return WeightSyncClient.from_env(env, sidecar_timeout=timeout)
 
     def stop(self, name: str) -> None:
         process = self.processes.pop(name, None)

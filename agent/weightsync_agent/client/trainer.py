@@ -11,10 +11,12 @@ Two deployments, one API:
 
 * **Sidecar mode** (the default under the operator): the agent sidecar builds the replica(s) from its
   targets' manifests in ``/dev/shm`` and registers them; the trainer attaches to the same files
-  (:meth:`WeightSyncClient.from_env`) and only stages. ``publish`` goes to the sidecar
-  (:class:`SidecarPublisher`): every trainer rank calls it after staging, trainer rank 0's agent runs
-  the round (pause, write, verify, commit, resume; :mod:`weightsync_agent.rounds.coordinator`) and every rank
-  gets the round's result.
+  (:meth:`WeightSyncClient.from_env`) and only stages. It authenticates to its sidecar with the pod-local
+  token the sidecar leaves in the same folder (``agent.token``): trainer code never holds the group's
+  credential, and that token opens only ``/v1/publish`` and ``/v1/state`` of its own pod's agent.
+  ``publish`` goes to the sidecar (:class:`SidecarPublisher`): every trainer rank calls it after staging,
+  trainer rank 0's agent runs the round (pause, write, verify, commit, resume;
+  :mod:`weightsync_agent.rounds.coordinator`) and every rank gets the round's result.
 * **In-process mode** (tests, single-process demos, no sidecar): :meth:`WeightSyncClient.in_process`
   (or ``from_env(transport=..., manifests=...)``) builds the :class:`~weightsync_agent.source.writer.Source`
   itself and ``publish`` writes the targets directly (:class:`InProcessPublisher`). No engine is paused,
@@ -41,7 +43,7 @@ import torch
 from weightsync.api import names
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
-from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir
+from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir, trainer_token_file
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.modes.registry import make_mode
 from weightsync_agent.rounds.driver import RoundDriver, RoundResult
@@ -129,14 +131,17 @@ class SidecarPublisher:
     the round, and each other rank's agent lets its source write once its own rank said so.
     """
 
-    def __init__(self, agent_url: str, source_rank: int) -> None:
-        self.agent = AgentClient(agent_url)
+    def __init__(self, agent_url: str, source_rank: int, replica_folder: str | os.PathLike[str] | None = None) -> None:
+        self.agent_url = agent_url
         self.source_rank = source_rank
+        #: Where the sidecar leaves its pod-local token; re-read on every publish (a restarted sidecar makes a new one).
+        self.replica_folder = replica_folder
 
     def publish(self, version: int, deadline: float) -> RoundOutcome:
         timeout = max(1.0, deadline - time.monotonic())
+        token = None if self.replica_folder is None else read_trainer_token(self.replica_folder)
         try:
-            return RoundOutcome(self.agent.publish(version, self.source_rank, timeout))
+            return RoundOutcome(AgentClient(self.agent_url, token=token).publish(version, self.source_rank, timeout))
         except AgentError as exc:
             raise PublishError(_Unreachable(str(exc))) from exc
 
@@ -156,12 +161,26 @@ class _Unreachable:
         return f"the weightsync agent could not run the round: {self.reason}"
 
 
-def wait_for_sidecar(agent_url: str, timeout: float) -> dict[str, object]:
-    """Block until the sidecar built this pod's replicas (it needs every target's manifest first)."""
-    agent = AgentClient(agent_url, timeout=5.0)
+def read_trainer_token(replica_folder: str | os.PathLike[str]) -> str | None:
+    """The pod-local token this pod's sidecar left in the replica folder, or None (not written yet)."""
+    try:
+        return trainer_token_file(replica_folder).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def wait_for_sidecar(
+    agent_url: str, timeout: float, replica_folder: str | os.PathLike[str] | None = None
+) -> dict[str, object]:
+    """Block until the sidecar built this pod's replicas (it needs every target's manifest first).
+
+    ``replica_folder``: where the sidecar leaves the pod-local token (re-read each try: a restarted sidecar
+    writes a new one)."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
+        token = None if replica_folder is None else read_trainer_token(replica_folder)
+        agent = AgentClient(agent_url, timeout=5.0, token=token)
         try:
             state = agent.state()
             sources = state.get("sources")
@@ -308,8 +327,8 @@ class WeightSyncClient:
         timeout = plan.transfer.timeouts.round_budget if plan is not None else DEFAULT_TIMEOUT_S
         if publisher is None:
             agent_url = f"http://127.0.0.1:{config.agent_port}"
-            wait_for_sidecar(agent_url, sidecar_timeout)
-            publisher = SidecarPublisher(agent_url, rank)
+            wait_for_sidecar(agent_url, sidecar_timeout, path)
+            publisher = SidecarPublisher(agent_url, rank, path)
         # A rank may hold no replica: in broadcast mode only rank 0 stages (the full tensors).
         replicas = ReplicaSet.attach(path) if any(path.glob("*.replica")) else ReplicaSet([])
         return cls(replicas, publisher, source_rank=rank, timeout=timeout)

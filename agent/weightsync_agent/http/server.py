@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +31,65 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(400, str(exc))
     except LookupError as exc:
         return error_response(404, str(exc))
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>``, or None."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def token_matches(given: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; an absent expected token matches nothing."""
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def route_key(request: web.Request) -> str | None:
+    """The route's pattern as registered (``/v1/sources/{rank}/publish``), or None when no route matched."""
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else None
+
+
+def auth_middleware(
+    token: str,
+    *,
+    open_routes: Collection[str],
+    extra: Mapping[str, Callable[[], str | None]] | None = None,
+) -> Any:
+    """Every route but ``open_routes`` (patterns as registered) requires ``Authorization: Bearer <token>``.
+
+    ``extra`` names routes that also accept another token (read on each request): the agent's pod-local token
+    for trainer code. A missing or wrong token is a 401 in the one error shape; an unknown route asks for the
+    token too (so a 404 tells nothing to someone without it).
+    """
+    if not token:
+        raise ValueError("auth_middleware needs a non-empty token")
+    opened = frozenset(open_routes)
+    also = dict(extra or {})
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = route_key(request)
+        if key is not None and key in opened:
+            return await handler(request)
+        given = bearer_token(request)
+        if token_matches(given, token):
+            return await handler(request)
+        other = also.get(key) if key is not None else None
+        if other is not None and token_matches(given, other()):
+            return await handler(request)
+        what = "no bearer token" if given is None else "a wrong bearer token"
+        return error_response(
+            401, f"{request.method} {request.path} needs the group's credential; the request carried {what}"
+        )
+
+    return authenticate
 
 
 async def json_object(request: web.Request) -> dict[str, Any]:

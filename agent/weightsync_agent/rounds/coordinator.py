@@ -87,8 +87,11 @@ class Coordinator:
         call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
         host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> None:
         self.group = group
+        #: The group's credential, sent to every agent and engine of a round.
+        self.token = token
         self.own_sources = own_sources
         self.directory = directory
         self.report = report
@@ -216,7 +219,7 @@ class Coordinator:
         return self.mode
 
     def _adapter(self, plan: Plan, engine: int) -> EngineAdapter:
-        settings = settings_for(plan, engine, self.directory, call_timeout=self.call_timeout)
+        settings = settings_for(plan, engine, self.directory, call_timeout=self.call_timeout, token=self.token)
         return make_adapter(plan.layout.adapter, settings)
 
     def _driver(
@@ -243,7 +246,9 @@ class Coordinator:
         """The agent of the trainer pod running ``rank``; one directory lookup per pod and round."""
         pod = plan.layout.source_pod(rank)[0]
         if pod not in self._agents:
-            self._agents[pod] = AgentClient(self.directory.trainer_url(pod), timeout=self.call_timeout)
+            self._agents[pod] = AgentClient(
+                self.directory.trainer_url(pod), timeout=self.call_timeout, token=self.token
+            )
         return self._agents[pod]
 
     def _lags(self, plan: Plan, engine: int, version: int) -> bool:

@@ -13,6 +13,9 @@ Routes (served by :mod:`weightsync_agent.sidecar.routes`):
   waits for the trainer to stage it); answers a source report, writes nothing.
 * ``POST /v1/sources/{rank}/committed {"version"}`` — every engine committed ``version``.
 * ``GET /v1/state``, ``GET /healthz``, ``GET /metrics``.
+
+Every route but ``/healthz`` and ``/metrics`` requires the group's credential: the client sends ``token`` as
+``Authorization: Bearer`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class AgentError(RuntimeError):
 
 
 class AgentClient:
-    def __init__(self, base_url: str, *, timeout: float = 30.0) -> None:
-        self.http = JsonHttpClient(base_url, timeout=timeout)
+    def __init__(self, base_url: str, *, timeout: float = 30.0, token: str | None = None) -> None:
+        self.http = JsonHttpClient(base_url, timeout=timeout, api_key=token)
         self.base_url = self.http.base_url
 
     def __repr__(self) -> str:

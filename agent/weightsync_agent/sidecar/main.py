@@ -55,6 +55,11 @@ def run(plan_file: Path | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = AgentConfig.from_env()
+        if not config.group_token:
+            raise AgentConfigError(
+                f"{names.ENV_GROUP_TOKEN} is not set: the agent serves and calls only with the group's credential "
+                f"(the operator projects it from the Secret {names.group_secret(config.group)}; docs/security.md)"
+            )
         plan = load_plan(config, plan_file)
         work = duties(config, plan)
         directory = make_directory(config, plan)

@@ -2,6 +2,10 @@
 
 Handlers are thin: they parse, hand the work to the runtime in a thread (publishing and rounds block on
 the transport) and encode the answer. A malformed request is a 400 naming the field.
+
+Every route but :data:`OPEN_ROUTES` (the probes) requires the group's credential as a bearer token
+(``auth_middleware``; docs/security.md); :data:`TRAINER_ROUTES` also take the pod-local token the agent
+hands trainer code through the replica folder.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.server import (
     BadRequestError,
+    auth_middleware,
     error_middleware,
     error_response,
     int_field,
@@ -31,7 +36,17 @@ if TYPE_CHECKING:
     from weightsync_agent.sidecar.runtime import AgentRuntime
 
 
+#: Open to anyone who reaches the port: liveness and Prometheus (no weights, nothing changes).
+OPEN_ROUTES: tuple[str, ...] = ("/healthz", "/metrics")
+#: Also accept the pod-local trainer token: what trainer code needs (publish its rank, wait for the sidecar).
+TRAINER_ROUTES: tuple[str, ...] = ("/v1/publish", "/v1/state")
+
+
 def build_app(runtime: AgentRuntime) -> web.Application:
+    token = runtime.config.group_token
+    if not token:
+        raise ValueError("the agent serves its routes only with the group's credential (WEIGHTSYNC_GROUP_TOKEN)")
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
@@ -119,7 +134,11 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             return error_response(409, str(exc))
         return web.json_response(manifest.model_dump(mode="json", by_alias=True))
 
-    app = web.Application(middlewares=[error_middleware])
+    trainer_token = runtime.trainer_token
+    auth = auth_middleware(
+        token, open_routes=OPEN_ROUTES, extra={route: (lambda: trainer_token) for route in TRAINER_ROUTES}
+    )
+    app = web.Application(middlewares=[auth, error_middleware])
     app.add_routes(
         [
             web.get("/healthz", healthz),

@@ -13,6 +13,8 @@ and retried on the next tick: a peer that is not up yet is the normal state duri
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from weightsync.api.engines import Refusal, refusal
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, PlanError
 from weightsync_agent import metrics
-from weightsync_agent.config import AgentConfig
+from weightsync_agent.config import AgentConfig, trainer_token_file
 from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest, ManifestError
@@ -78,7 +80,14 @@ class AgentRuntime:
         self.coordinator: Coordinator | None = None
         self.engine: EngineAgent | None = None
         self._ready_reported: bool | None = None
+        #: The group's credential, sent on every call to another agent or an engine.
+        self.token = config.group_token
+        #: Trainer pods: a pod-local token, accepted from trainer code on /v1/publish and /v1/state only.
+        self.trainer_token: str | None = None
         if config.role == "trainer":
+            self.trainer_token = secrets.token_urlsafe(32)
+            for rank in config.ranks:
+                write_private(trainer_token_file(replica_root(rank)), self.trainer_token)
             self.sources = SourceAgent(config.group, config.ranks, lambda: make_transport(self.plan), replica_root)
             if 0 in config.ranks:
                 self.coordinator = Coordinator(
@@ -88,6 +97,7 @@ class AgentRuntime:
                     report=self._report_round,
                     call_timeout=call_timeout,
                     host=config.host,
+                    token=self.token,
                 )
         else:
             if engine_url is None:
@@ -95,7 +105,7 @@ class AgentRuntime:
             adapter: EngineAdapter | Refusal | None = self._refusal()
             if adapter is None:
                 settings = settings_for(self.plan, config.engine_index or 0, directory, call_timeout=call_timeout,
-                                        url=engine_url, engine_side=True)  # fmt: skip
+                                        url=engine_url, engine_side=True, token=self.token)  # fmt: skip
                 adapter = make_adapter(self.plan.layout.adapter, settings)
             self.engine = EngineAgent(
                 config.group,
@@ -112,7 +122,7 @@ class AgentRuntime:
         return refusal(self.plan.layout.adapter, self.plan.transfer.request)
 
     def _fetch_manifest(self, engine: int, rank: int) -> Manifest:
-        settings = settings_for(self.plan, engine, self.directory, call_timeout=self.call_timeout)
+        settings = settings_for(self.plan, engine, self.directory, call_timeout=self.call_timeout, token=self.token)
         return make_adapter(self.plan.layout.adapter, settings).manifest(rank)
 
     @property
@@ -233,7 +243,9 @@ class AgentRuntime:
                 result = self.coordinator.wait(version, left, after=asked)
             else:
                 try:
-                    coordinator = AgentClient(self.directory.trainer_url(0), timeout=self.call_timeout)
+                    coordinator = AgentClient(
+                        self.directory.trainer_url(0), timeout=self.call_timeout, token=self.token
+                    )
                     result = coordinator.round(version, min(left, 30.0), after=asked)
                 except (AgentError, DirectoryError) as exc:
                     log.warning("waiting for round %d: %s", version, exc)
@@ -256,3 +268,15 @@ class AgentRuntime:
             if self.engine is None
             else {"ready": self.engine.state.ready, "version": self.engine.state.version},
         }
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (0600), replacing it atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

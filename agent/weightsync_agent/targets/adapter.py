@@ -10,7 +10,7 @@ declared once, in the contract :mod:`weightsync.api.engines`, which the operator
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from weightsync.api.engines import Capabilities, Staging
@@ -81,8 +81,9 @@ class AdapterSettings:
     agent_url: str | None = None
     #: True in the engine's own pod: the adapter may inspect the engine locally (trace its model).
     engine_side: bool = False
-    #: The engine's admin API key (SGLang's ``--admin-api-key``), sent as a bearer token on every call.
-    api_key: str | None = None
+    #: The group's credential (``WEIGHTSYNC_GROUP_TOKEN``), sent as a bearer token on every call to the engine
+    #: (stock SGLang takes it as its ``--admin-api-key``) and to the engine's agent.
+    api_key: str | None = field(default=None, repr=False)
 
 
 class EngineRound(Protocol):

@@ -37,8 +37,13 @@ def settings_for(
     call_timeout: float,
     url: str | None = None,
     engine_side: bool = False,
+    token: str | None = None,
 ) -> AdapterSettings:
-    """Engine ``engine``'s adapter settings under ``plan`` (``url``: the engine's, when known without the directory)."""
+    """Engine ``engine``'s adapter settings under ``plan`` (``url``: the engine's, when known without the directory).
+
+    ``token``: the group's credential, the adapter's ``api_key`` for the engine (SGLang's ``--admin-api-key``)
+    and for the engine's agent alike.
+    """
     transfer = plan.transfer
     agent_url: str | None = None
     adapter = ADAPTERS.get(plan.layout.adapter)
@@ -56,4 +61,5 @@ def settings_for(
         call_timeout=call_timeout,
         agent_url=agent_url,
         engine_side=engine_side,
+        api_key=token,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from weightsync.api import names
 from weightsync_agent.targets.engine_client import EngineClient
 
 
@@ -19,13 +21,15 @@ class EngineProcess:
     process: subprocess.Popen[str]
     ready: dict[str, Any]
     log: IO[str] = field(repr=False)
+    #: The credential its routes require (None: an open engine).
+    token: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return str(self.ready["url"])
 
     def client(self, timeout: float = 15.0) -> EngineClient:
-        return EngineClient(self.url, timeout=timeout)
+        return EngineClient(self.url, timeout=timeout, api_key=self.token)
 
     def stop(self) -> None:
         stop_process(self.process)
@@ -63,9 +67,11 @@ def launch_engine(
     extra: tuple[str, ...] = (),
     timeout: float = 60.0,
     wrap: tuple[str, ...] = (),
+    token: str | None = None,
 ) -> EngineProcess:
     """``port`` 0 picks a free one. ``wrap`` prefixes the command (the testbed runs
-    ``ip netns exec NS env VAR=... python ...``)."""
+    ``ip netns exec NS env VAR=... python ...``). ``token``: the group's credential its routes require
+    (``WEIGHTSYNC_GROUP_TOKEN`` in its environment, as the operator gives the engine container)."""
     command = [
         *wrap,
         sys.executable, "-m", "weightsync_testing.reference_engine.server",
@@ -73,8 +79,11 @@ def launch_engine(
         "--transport", transport, "--host", host, *(["--staged"] if staged else []), *extra,
     ]  # fmt: skip
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 — lives as long as the process
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
-    started = EngineProcess(process, {}, log)
+    env = {k: v for k, v in os.environ.items() if k != names.ENV_GROUP_TOKEN}
+    if token:
+        env[names.ENV_GROUP_TOKEN] = token
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    started = EngineProcess(process, {}, log, token)
     deadline = time.monotonic() + timeout
     try:
         while True:

@@ -30,6 +30,12 @@ broadcast mode (``transfer.mode: broadcast``):
   from the full tensors. ``verify`` of a rank waits for the receive to end and fails if it did not
   deliver every part; ``commit`` is refused while it runs.
 
+**Credential**: started with a token (``WEIGHTSYNC_GROUP_TOKEN`` in its environment, as the operator projects
+the group's Secret into the engine container; ``serve_in_thread(token=...)``), every route but
+:data:`OPEN_ROUTES` requires ``Authorization: Bearer <token>`` (401 otherwise): health, read-only model and
+version info and generation stay open, as on a stock SGLang started with only ``--admin-api-key``. Without a
+token every route is open, as on a stock SGLang started without one (tests that drive an engine directly).
+
 **Invariant**: the reported weight version changes only on commit, and commit is refused unless, in the
 round for that version, the last verify of every rank succeeded for every bucket. A round is opened with
 ``begin``. In live mode (sources write into the served weights) ``begin`` needs the engine paused and marks
@@ -60,7 +66,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from weightsync_agent.http.server import BackgroundServer, bound_port, error_response
+from weightsync.api import names
+from weightsync_agent.http.server import BackgroundServer, auth_middleware, bound_port, error_response
 from weightsync_agent.modes.broadcast.layout import Member
 from weightsync_agent.modes.broadcast.receiver import BroadcastReceiver, Destination, Reception
 from weightsync_agent.targets.rank_memory import RankMemory, VerifyResult
@@ -462,8 +469,24 @@ def _query_rank(request: web.Request) -> int | None:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(engine: ReferenceEngine) -> web.Application:
-    """The aiohttp application serving ``engine``."""
+#: Open even when the engine has a token: probes, what a serving client reads, and inference (no weights leave,
+#: nothing changes). Everything else (pause, resume, flush, version, the ``/weightsync/`` round routes, the
+#: transfer info naming the weights' addresses) needs the credential.
+OPEN_ROUTES: tuple[str, ...] = (
+    "/health",
+    "/health_generate",
+    "/model_info",
+    "/get_model_info",
+    "/weight_version",
+    "/get_weight_version",
+    "/server_info",
+    "/get_server_info",
+    "/generate",
+)
+
+
+def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Application:
+    """The aiohttp application serving ``engine``; with ``token``, every route but :data:`OPEN_ROUTES` needs it."""
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -612,7 +635,8 @@ def build_app(engine: ReferenceEngine) -> web.Application:
             {"logits": logits.tolist(), "next_token": int(logits[-1].argmax()), "weight_version": version}
         )
 
-    app = web.Application(middlewares=[errors])
+    middlewares = [errors] if not token else [auth_middleware(token, open_routes=OPEN_ROUTES), errors]
+    app = web.Application(middlewares=middlewares)
     app.add_routes(
         [
             web.get("/health", health),
@@ -646,9 +670,11 @@ def build_app(engine: ReferenceEngine) -> web.Application:
     return app
 
 
-def serve_in_thread(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
+def serve_in_thread(
+    engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
+) -> BackgroundServer:
     """``engine``'s app on a :class:`BackgroundServer` (not started): tests and in-process transports."""
-    return BackgroundServer(build_app(engine), host, port, name="reference-engine")
+    return BackgroundServer(build_app(engine, token), host, port, name="reference-engine")
 
 
 # ------------------------------------------------------------------------------------------- transports
@@ -739,7 +765,10 @@ async def serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         transport_kind=args.transport,
     )
-    runner = web.AppRunner(build_app(engine), access_log=None)
+    token = os.environ.get(names.ENV_GROUP_TOKEN) or None
+    if token is None:
+        print("warning: no WEIGHTSYNC_GROUP_TOKEN: every route of this engine is open", file=sys.stderr, flush=True)
+    runner = web.AppRunner(build_app(engine, token), access_log=None)
     try:
         if args.staged:
             engine.set_staged(True)

@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     plan = Plan.from_json(Path(config["plan_file"]).read_text())
     timeout = float(plan.transfer.timeout_seconds)
-    clients = {int(e): EngineClient(url, timeout=timeout) for e, url in config["engines"].items()}
+    token = config.get("token")
+    clients = {int(e): EngineClient(url, timeout=timeout, api_key=token) for e, url in config["engines"].items()}
     manifests = {t: clients[t[0]].manifest(t[1]) for t in plan.layout.all_targets()}
     full = full_state(int(config["seed"]), ModelConfig(**config["model"]))
     bucket_bytes = plan.transfer.bucket_bytes
-    controls = {e: reference_adapter(e, c.base_url, bucket_bytes=bucket_bytes) for e, c in clients.items()}
+    controls = {e: reference_adapter(e, c.base_url, bucket_bytes=bucket_bytes, token=token) for e, c in clients.items()}
     source = BroadcastSource(plan, manifests, controls, receivers=config.get("receivers", "engine"), call_timeout=60)
     driver: RoundDriver | None = None
     try:

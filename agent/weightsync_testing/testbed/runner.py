@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import queue
+import secrets
 import shutil
 import signal
 import subprocess
@@ -196,6 +197,8 @@ class Group:
         self.broadcast_plan: Plan | None = None
         self._full: dict[int, Any] = {}
         self._logs: list[IO[bytes]] = []
+        #: The group's credential: engines and agents require it (docs/security.md).
+        self.token = secrets.token_urlsafe(32)
 
     # --- engines ---------------------------------------------------------------------------------
 
@@ -211,7 +214,7 @@ class Group:
             extra = ("--layers", str(self.model["num_layers"]), "--model-config", json.dumps(config),
                      "--rank-hosts", ",".join(hosts), "--transfer-timeout", str(timeout))  # fmt: skip
             return launch_engine(e, self.layout.tp, seed=100 + e, host=hosts[0], extra=extra, timeout=600,
-                                 wrap=self.net.wrap(f"e{e}", gloo))  # fmt: skip
+                                 wrap=self.net.wrap(f"e{e}", gloo), token=self.token)  # fmt: skip
 
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=min(count, 4)) as pool:
@@ -248,6 +251,7 @@ class Group:
             names.ENV_AGENT_PORT: str(port),
             names.ENV_REPLICA_PATH: str(self.workdir / f"replica-{pod}"),
             names.ENV_POD_IP: self.net.address(trainer_node(pod)),
+            names.ENV_GROUP_TOKEN: self.token,
             # One tick builds the sources; later ticks would "catch up" engines that a broadcast round moved
             # to another version, in the middle of the benchmark.
             "WEIGHTSYNC_TICK_SECONDS": "86400",
@@ -274,7 +278,7 @@ class Group:
             )
         deadline = time.monotonic() + 300
         for pod, url in self.agent_urls.items():
-            client = AgentClient(url, timeout=5.0)
+            client = AgentClient(url, timeout=5.0, token=self.token)
             while True:
                 if self.agents[pod].poll() is not None:
                     tail = (self.workdir / f"agent-{pod}.log").read_text(errors="replace")[-3000:]
@@ -288,7 +292,7 @@ class Group:
         assert self.p2p_plan is not None
         for pod, port in ports.items():
             env = {**self.agent_env(pod, port), "LOCAL_RANK": "0"}
-            publisher = SidecarPublisher(self.agent_urls[pod], pod)
+            publisher = SidecarPublisher(self.agent_urls[pod], pod, env[names.ENV_REPLICA_PATH])
             self.clients.append(WeightSyncClient.from_env(env, publisher=publisher, plan=self.p2p_plan))
         self.say(f"  {len(ports)} agents built their sources in {time.monotonic() - started:.1f} s")
 
@@ -313,6 +317,7 @@ class Group:
             "host": self.net.address(node),
             "port": self.net.port(STORE_PORT),
             "receivers": "engine",
+            "token": self.token,
         }
         path = self.workdir / "broadcast.json"
         path.write_text(json.dumps(config))
@@ -387,7 +392,7 @@ class Group:
         bucket = plan.transfer.bucket_bytes
         wrong = []
         for engine, rank in plan.layout.all_targets():
-            client = EngineClient(self.engine_urls[engine], timeout=120)
+            client = EngineClient(self.engine_urls[engine], timeout=120, api_key=self.token)
             expected = layout_checksums(client.manifest(rank), full, bucket)
             if client.checksums(rank, bucket) != expected:
                 wrong.append(f"engine {engine} rank {rank}")
@@ -397,7 +402,7 @@ class Group:
         from weightsync_agent.targets.engine_client import EngineClient
 
         return {
-            (e, r): EngineClient(self.engine_urls[e], timeout=30).manifest(r).total_bytes
+            (e, r): EngineClient(self.engine_urls[e], timeout=30, api_key=self.token).manifest(r).total_bytes
             for e, r in plan.layout.all_targets()
         }
 

@@ -110,6 +110,12 @@ it hands to the agents' per-group Role (e.g. pods/status patch) must also appear
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
   verbs: ["get", "create", "patch"]
+# The group's credential (docs/security.md): created once with a random token; afterwards only its labels and
+# owner are patched, never its data. No list/watch (the operator reads only its groups' Secrets, by name), no
+# delete (the garbage collector removes it with the group).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
 # The agents' Role (its resourceNames follow scaling) and RoleBinding; also removed by the garbage collector.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]

@@ -5,6 +5,7 @@ from weightsync_operator.builders.configmap import PlanDecision, build_plan_conf
 from weightsync_operator.builders.desired import DesiredState, desired_state, expected_pod_names
 from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
+from weightsync_operator.builders.secret import build_group_secret, new_token, secret_token
 from weightsync_operator.builders.service import build_service
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "DesiredState",
     "PlanDecision",
     "build_engine_pod",
+    "build_group_secret",
     "build_plan_config_map",
     "build_role",
     "build_role_binding",
@@ -23,5 +25,7 @@ __all__ = [
     "decide_plan",
     "desired_state",
     "expected_pod_names",
+    "new_token",
     "owner_reference",
+    "secret_token",
 ]

@@ -11,6 +11,7 @@ from weightsync_operator.builders.common import BuildOptions, JsonDict
 from weightsync_operator.builders.configmap import build_plan_config_map
 from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
+from weightsync_operator.builders.secret import build_group_secret
 from weightsync_operator.builders.service import build_service
 
 
@@ -21,6 +22,8 @@ class DesiredState:
     role_binding: JsonDict
     service: JsonDict
     config_map: JsonDict
+    #: The group's credential, metadata only: the reconciler adds the token when it creates it, and never after.
+    secret: JsonDict
     #: Trainer pods by index, then engine pods engine-major.
     pods: tuple[JsonDict, ...]
 
@@ -29,11 +32,11 @@ class DesiredState:
         return tuple(str(p["metadata"]["name"]) for p in self.pods)
 
     def supporting_objects(self) -> tuple[JsonDict, ...]:
-        """Everything but the pods, in apply order: identity before the pods that use it."""
+        """Everything but the pods and the Secret, in apply order: identity before the pods that use it."""
         return (self.service_account, self.role, self.role_binding, self.service, self.config_map)
 
     def objects(self) -> tuple[JsonDict, ...]:
-        return (*self.supporting_objects(), *self.pods)
+        return (*self.supporting_objects(), self.secret, *self.pods)
 
 
 def expected_pods(spec: WeightSyncGroupSpec, name: str) -> tuple[list[str], list[str]]:
@@ -69,5 +72,6 @@ def desired_state(group: WeightSyncGroup, plan: Plan, options: BuildOptions | No
         role_binding=build_role_binding(group),
         service=build_service(group),
         config_map=build_plan_config_map(group, plan),
+        secret=build_group_secret(group),
         pods=pods,
     )

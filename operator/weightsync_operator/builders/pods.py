@@ -11,6 +11,9 @@ What is added to the template (everything else is the user's and passes through 
   pod as built, so drift is detected without comparing against server-defaulted fields);
 - the agent as a native sidecar (init container, ``restartPolicy: Always``) with its env, port and
   resources;
+- the group's credential (``WEIGHTSYNC_GROUP_TOKEN`` from the group's Secret) in the agent's env and, on
+  engine pods, in the first user container's (the engine: stock SGLang takes it as
+  ``--admin-api-key $(WEIGHTSYNC_GROUP_TOKEN)``); never in a trainer pod's user containers;
 - the RDMA resource (request = limit) on the first user container and the agent;
 - ``IPC_LOCK`` (merged into the user's capabilities) on every user container and the agent;
 - a memory-backed ``/dev/shm`` shared by every container (the CPU replica lives there);
@@ -35,6 +38,7 @@ from weightsync_operator.builders.common import (
     group_labels,
     object_meta,
 )
+from weightsync_operator.builders.secret import token_env
 
 #: Name of the memory-backed volume the operator adds (unless the template already mounts /dev/shm).
 SHM_VOLUME = "weightsync-shm"
@@ -166,6 +170,8 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
         _add_capability(container, IPC_LOCK)
         if position == 0 and rdma.resource_name:
             _add_resource(container, rdma.resource_name, rdma.resource_count)
+        if position == 0 and who.role == "engine":
+            _add_env(container, token_env(group))
     pod_spec["containers"] = containers
 
     # --- the agent sidecar ---------------------------------------------------------------------------
@@ -246,6 +252,7 @@ def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
     env += [
         {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        token_env(group),
     ]
     return env
 
@@ -264,6 +271,13 @@ def _add_shm_mount(container: JsonDict, volume: str) -> None:
     if not any(m.get("mountPath") == names.SHM_PATH for m in mounts):
         mounts.append({"name": volume, "mountPath": names.SHM_PATH})
     container["volumeMounts"] = mounts
+
+
+def _add_env(container: JsonDict, item: JsonDict) -> None:
+    """Put ``item`` first in the container's env (replacing one of that name). ``$(VAR)`` in command and args sees
+    every variable, but in another variable's value only those defined before it: first, the user's may use it."""
+    env = [dict(e) for e in container.get("env") or [] if e.get("name") != item["name"]]
+    container["env"] = [item, *env]
 
 
 def _add_capability(container: JsonDict, capability: str) -> None:

@@ -346,7 +346,7 @@ def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
     caught up to the committed version without a publish."""
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=30)
-    coordinator = AgentClient(group.agents[0].url, timeout=10)
+    coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     try:
         v1 = trained(tiny_llama, 1)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
@@ -416,7 +416,7 @@ def test_a_hung_target_fails_the_round_within_its_timeouts_and_after_sigcont_the
     lands."""
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=30)
-    coordinator = AgentClient(group.agents[0].url, timeout=10)
+    coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     harness = group.harness
     assert isinstance(harness, SglangEngines)
     try:

@@ -143,7 +143,9 @@ def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
 def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> None:
     plan = plan_for(spec(), group="g")
     (tmp_path / "plan.json").write_text(plan.to_json())
-    config = AgentConfig(group="g", role="trainer", pod_index=1, ranks=(1,), plan_file=str(tmp_path / "plan.json"))
+    config = AgentConfig(
+        group="g", role="trainer", pod_index=1, ranks=(1,), plan_file=str(tmp_path / "plan.json"), group_token="t0k"
+    )
     runtime = AgentRuntime(
         config,
         lambda: plan,
@@ -154,9 +156,8 @@ def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> No
     with BackgroundServer(build_app(runtime)) as server:
 
         def post(route: str, body: object) -> tuple[int, dict[str, object]]:
-            request = urllib.request.Request(
-                server.url + route, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-            )
+            headers = {"Content-Type": "application/json", "Authorization": "Bearer t0k"}
+            request = urllib.request.Request(server.url + route, json.dumps(body).encode(), headers, method="POST")
             try:
                 with urllib.request.urlopen(request, timeout=5) as answer:
                     return answer.status, json.loads(answer.read())
@@ -177,7 +178,8 @@ def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> No
         status, body = post("/v1/sources/3/committed", {"version": 1})
         assert status == 400 and "runs trainer ranks [1], not 3" in str(body["error"])
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(server.url + "/v1/rounds/1?wait=0", timeout=5)
+            get = urllib.request.Request(server.url + "/v1/rounds/1?wait=0", headers={"Authorization": "Bearer t0k"})
+            urllib.request.urlopen(get, timeout=5)
         assert refused.value.code == 404 and b"not the coordinator" in refused.value.read()
 
 

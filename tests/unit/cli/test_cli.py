@@ -49,7 +49,12 @@ def test_render_yaml_builds_every_object() -> None:
     assert result.exit_code == 0, result.output
     objects = list(yaml.safe_load_all(result.stdout))
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ConfigMap", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    assert kinds == [
+        "ConfigMap", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount",
+    ]  # fmt: skip
+    # The group's credential is shown without a token: the operator makes one when it creates the Secret.
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "demo-credentials" and "data" not in secret
     pods = {o["metadata"]["name"] for o in objects if o["kind"] == "Pod"}
     assert pods == {"demo-trainer-0", "demo-trainer-1", "demo-engine-0-0", "demo-engine-1-0"}
 

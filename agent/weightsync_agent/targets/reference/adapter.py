@@ -36,7 +36,7 @@ class ReferenceAdapter:
 
     def __init__(self, settings: AdapterSettings, *, pause_mode: PauseMode = "abort") -> None:
         self.settings = settings
-        self.client = EngineClient(settings.url, timeout=settings.call_timeout)
+        self.client = EngineClient(settings.url, timeout=settings.call_timeout, api_key=settings.api_key)
         self.name = f"engine {settings.engine} ({self.client.base_url})"
         self.pause_mode = pause_mode
 
@@ -125,7 +125,10 @@ def reference_adapter(
     ranks: int = 1,
     verify: bool = True,
     call_timeout: float = HTTP_CALL_SECONDS,
+    token: str | None = None,
 ) -> ReferenceAdapter:
     """A reference engine's adapter from its URL (tests, benchmarks and the testbed drive engines directly)."""
-    settings = AdapterSettings(engine, url, ranks, bucket_bytes, verify=verify, call_timeout=call_timeout)
+    settings = AdapterSettings(
+        engine, url, ranks, bucket_bytes, verify=verify, call_timeout=call_timeout, api_key=token
+    )
     return ReferenceAdapter(settings)

@@ -262,7 +262,9 @@ class SglangAdapter:
     def _fetch(self, rank: int) -> Manifest:
         if not self.settings.agent_url:
             raise ManifestError(f"{self.name}: no agent URL to fetch rank {rank}'s manifest from")
-        agent = JsonHttpClient(self.settings.agent_url, timeout=self.settings.call_timeout)
+        agent = JsonHttpClient(
+            self.settings.agent_url, timeout=self.settings.call_timeout, api_key=self.settings.api_key
+        )
         _, answer = agent.request("GET", MANIFEST_ROUTE, query={"rank": rank})
         try:
             manifest = Manifest.model_validate(answer)

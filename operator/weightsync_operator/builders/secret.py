@@ -1,0 +1,60 @@
+"""The group's credential: one Secret per group holding one random token (docs/security.md).
+
+The token is made once, when the Secret is created, and never rewritten by a later reconcile: a new token
+would lock every running agent and engine out of each other (they read it from their environment at start).
+The builder is pure; the token comes from :func:`new_token`, which the reconciler calls only to create.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import WeightSyncGroup
+from weightsync_operator.builders.common import JsonDict, object_meta
+
+#: 32 random bytes, URL-safe base64 (43 characters): fits a header and a command line unquoted.
+TOKEN_BYTES = 32
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def build_group_secret(group: WeightSyncGroup, token: str | None = None) -> JsonDict:
+    """The group's Secret ``<group>-credentials``, owned by the group; ``token`` None: the metadata only (what
+    a reconcile may patch on an existing Secret), never its data."""
+    secret: JsonDict = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": object_meta(group, names.group_secret(group.metadata.name)),
+        "type": "Opaque",
+    }
+    if token is not None:
+        if not token:
+            raise ValueError("the group token must not be empty")
+        secret["data"] = {names.SECRET_TOKEN_KEY: base64.b64encode(token.encode()).decode()}
+    return secret
+
+
+def secret_token(secret: Mapping[str, Any]) -> str | None:
+    """The token an existing Secret holds, or None when it holds none (or an unusable one)."""
+    raw = (secret.get("data") or {}).get(names.SECRET_TOKEN_KEY)
+    if not raw:
+        return None
+    try:
+        token = base64.b64decode(raw, validate=True).decode()
+    except ValueError:
+        return None
+    return token or None
+
+
+def token_env(group: WeightSyncGroup) -> JsonDict:
+    """``WEIGHTSYNC_GROUP_TOKEN`` from the group's Secret: what the agent and engine containers get."""
+    return {
+        "name": names.ENV_GROUP_TOKEN,
+        "valueFrom": {"secretKeyRef": {"name": names.group_secret(group.metadata.name), "key": names.SECRET_TOKEN_KEY}},
+    }
