@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import signal
@@ -120,7 +121,7 @@ class GatedSglangEngines(SglangEngines):
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, **options: Any) -> StartedEngine:
         started = super().start(engine, spec, seed, **options)
         gate = self.gates.setdefault(engine, Gate(started.url))
-        return StartedEngine(gate.url, started.stop, started.agent_env)
+        return dataclasses.replace(started, url=gate.url)
 
 
 def sglang_checksums(full: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -201,10 +202,10 @@ def group(request: pytest.FixtureRequest, sglang_py: Path, tiny_llama: Path, tmp
 class ForeignWriter:
     """Writes garbage into one published SGLang parameter over Mooncake, over and over, from this process."""
 
-    def __init__(self, engine_url: str, name: str) -> None:
-        from weightsync_agent.targets.engine_client import EngineClient
-
-        info = EngineClient(engine_url, timeout=10).transfer_engine_info(0)
+    def __init__(self, engine: EngineClient, name: str) -> None:
+        # Where to write is read with the group's credential (SGLang's admin key guards the route); Mooncake's
+        # data port itself takes no credential yet (docs/security.md).
+        info = engine.transfer_engine_info(0)
         self.session = info.session_id
         self.address, numel, size = (int(v) for v in info.weights_info[name])
         self.garbage = torch.full((numel * size,), 0x5A, dtype=torch.uint8)
@@ -273,7 +274,7 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
         with Load(group.engines[0].url) as load:
             first = publish_all(clients, trained(tiny_llama, 1), 1)
             assert all(getattr(o, "ok", False) for o in first), [getattr(o, "summary", o.__str__)() for o in first]
-            with ForeignWriter(group.engines[0].url, TARGET) as writer:
+            with ForeignWriter(group.engines[0].client(timeout=10), TARGET) as writer:
                 outcomes = publish_all(clients, trained(tiny_llama, 2), 2)
                 assert writer.writes > 0
             held_after_failure = engine.weight_version()
