@@ -229,7 +229,8 @@ def test_a_source_that_never_stages_fails_the_round_at_its_budget_without_pausin
     result = RoundDriver(plan, engines, sources, timeout_seconds=0.4).run(2)
     assert time.monotonic() - started < 2.0
     assert result.result == "Failed" and not result.started
-    assert "source 0 is not ready: trainer did not stage 2 before the deadline" in (result.reason or "")
+    # The source's own answer or the driver's deadline, whichever comes first: both name it, neither paused.
+    assert (result.reason or "").startswith("round not started: source 0 "), result.reason
     assert log.kinds("pause") == [] and log.kinds("publish") == []
 
 
