@@ -333,7 +333,7 @@ def _trace(tm: Any, sg: Any, model_dir: Path, sources: dict[str, Any], tp: int, 
     """The traced tensors of (tp, rank), or the first refusal as a string."""
     workarounds = tm.Workarounds()
     engine_model, _ = tm.build_model(sg, model_dir, tp, rank, "bfloat16", workarounds)
-    layout = {n: (tm.dtype_name(p.dtype), list(p.shape), p.is_contiguous()) for n, p in engine_model.named_parameters()}
+    layout = tm.param_layout(engine_model)
     del engine_model
     model, _ = tm.build_model(sg, model_dir, tp, rank, "float32", workarounds)
     tensors, refused, _ = tm.trace_replica(sg.torch, model, sources, layout, "bfloat16")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.sglang_env import SglangEnvError, SglangEnvUnavailable, sglang_python
 from weightsync_testing.sglang_models import ensure_tiny_model
+from weightsync_testing.trainer_ranks import publish_all
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -109,22 +109,12 @@ def test_sglang_engine_pods_sync_through_their_agents(admin: Kube, sglang_group:
 
     full = trained(model_dir, 1)
     clients = [agents.client(f"{GROUP}-trainer-{i}", timeout=120) for i in range(2)]
-    outcomes: list[Any] = [None, None]
-
-    def rank(i: int) -> None:
-        clients[i].stage_many(full)
-        outcomes[i] = clients[i].publish(1, check=False)
-
     try:
-        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
+        outcomes = publish_all(clients, full, 1)
     finally:
         for client in clients:
             client.close()
-    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
 
     final = wait_for("status.lastSync 1", lambda: (s := status(admin)).get("lastSync", {}).get("version") == 1 and s)
     assert final["lastSync"]["result"] == "Succeeded"
