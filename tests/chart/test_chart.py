@@ -59,6 +59,7 @@ NAMESPACED_RULES = (
     | _triples("", ["configmaps"], ["get", "list", "watch", "create", "patch"])
     | _triples("", ["services", "serviceaccounts"], ["get", "create", "patch"])
     | _triples("", ["secrets"], ["get", "create", "patch"])
+    | _triples("networking.k8s.io", ["networkpolicies"], ["get", "create", "patch", "delete"])
     | _triples("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["get", "create", "patch"])
 )
 

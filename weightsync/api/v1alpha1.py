@@ -187,6 +187,41 @@ class InferenceSpec(SpecModel):
         return self.ranks_per_engine // self.ranks_per_pod
 
 
+#: Mooncake refuses a port range that touches Linux's ephemeral range (32768-60999) and silently falls back to
+#: 15000-17000 instead (``ValidatePortRange`` in Mooncake's config.cpp): refused here, where users see why.
+EPHEMERAL_PORTS: Final = (32768, 60999)
+#: Most ports one Mooncake range may span: bounds what a NetworkPolicy opens.
+MAX_PORT_RANGE: Final = 4096
+
+
+class PortRange(SpecModel):
+    """An inclusive range of TCP ports."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            CelRule(rule="self.start <= self.end", message="start must not be greater than end", field_path=".start"),
+            CelRule(
+                rule=f"self.end - self.start < {MAX_PORT_RANGE}",
+                message=f"the range may span at most {MAX_PORT_RANGE} ports",
+                field_path=".end",
+            ),
+            CelRule(
+                rule=f"self.end < {EPHEMERAL_PORTS[0]} || self.start > {EPHEMERAL_PORTS[1]}",
+                message=f"the range must lie outside {EPHEMERAL_PORTS[0]}-{EPHEMERAL_PORTS[1]} (Linux's ephemeral "
+                "ports, which Mooncake refuses: it would silently fall back to 15000-17000)",
+                field_path=".start",
+            ),
+        )
+    )
+
+    start: int = Field(ge=1024, le=65535, description="First port (1024-65535).")
+    end: int = Field(ge=1024, le=65535, description="Last port, inclusive (1024-65535).")
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start + 1
+
+
 class TransferSpec(SpecModel):
     """How weights move."""
 
@@ -224,6 +259,14 @@ class TransferSpec(SpecModel):
         default="live",
         description="live: write into the engine's weights while it is paused. "
         "staged: write into a staging area, copy on commit; the engine keeps serving meanwhile.",
+    )
+    mooncake_ports: PortRange = Field(
+        default_factory=lambda: PortRange(start=15000, end=17000),
+        json_schema_extra={"default": {"start": 15000, "end": 17000}},
+        description="Where every Mooncake engine of the group listens (its handshake/RPC port and its TCP data "
+        "port, two per engine; an agent opens one engine per peer it writes to): the agents, the reference engine "
+        "and stock SGLang (through MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) bind inside it, and the group's NetworkPolicy "
+        "opens it to the group's pods only. Default: Mooncake's own 15000-17000.",
     )
 
     @property
@@ -309,6 +352,109 @@ class AgentSpec(SpecModel):
     port: int = Field(default=9470, ge=1, le=65535, description="Agent HTTP port (control, metrics).")
 
 
+# --- Network policy ------------------------------------------------------------------------------
+# A NetworkPolicyPeer as Kubernetes defines it, bounded: selectors of at most 16 labels/expressions.
+
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_LABEL_KEY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+LabelKey = Annotated[str, Field(min_length=1, max_length=317, pattern=_LABEL_KEY)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=_LABEL_VALUE)]
+
+
+class SelectorRequirement(SpecModel):
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[LabelValue] = Field(default_factory=list, json_schema_extra={"default": []}, max_length=64)
+
+
+class LabelSelector(SpecModel):
+    """metav1.LabelSelector; empty selects everything (every pod, or every namespace)."""
+
+    # Keys and values are checked by the API server when the operator applies the policy; here only sizes.
+    match_labels: Annotated[
+        dict[Annotated[str, Field(max_length=317)], Annotated[str, Field(max_length=63)]],
+        WithJsonSchema(
+            {
+                "type": "object",
+                "maxProperties": 16,
+                "additionalProperties": {"type": "string", "maxLength": 63},
+            }
+        ),
+    ] = Field(default_factory=dict, max_length=16)
+    match_expressions: list[SelectorRequirement] = Field(
+        default_factory=list, json_schema_extra={"default": []}, max_length=16
+    )
+
+
+#: The shape of an IPv4 or IPv6 CIDR; the API server checks the addresses when the operator applies the policy.
+Cidr = Annotated[str, Field(min_length=9, max_length=49, pattern=r"^[0-9a-fA-F:.]+/[0-9]{1,3}$")]
+
+
+class IpBlock(SpecModel):
+    cidr: Cidr = Field(description="e.g. 10.0.0.0/8")
+    except_: list[Cidr] = Field(default_factory=list, alias="except", json_schema_extra={"default": []}, max_length=16)
+
+
+class NetworkPeer(SpecModel):
+    """A networking.k8s.io/v1 NetworkPolicyPeer: pods (of this namespace, or of the selected namespaces) or an
+    IP block. ``podSelector: {}`` is every pod of the group's namespace; ``namespaceSelector: {}`` every pod."""
+
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    ip_block: IpBlock | None = None
+
+
+#: Every pod of the group's namespace: who may reach the engines' serving port unless the spec says otherwise.
+SAME_NAMESPACE: Final[dict[str, Any]] = {"podSelector": {}}
+
+
+def _peer_rules(field: str) -> list[CelRule]:
+    # On the list's parent, not on the peer: the local checker (weightsync.api.load) does not descend arrays.
+    return [
+        CelRule(
+            rule=f"self.{field}.all(p, has(p.podSelector) || has(p.namespaceSelector) || has(p.ipBlock))",
+            message=f"every entry of {field} needs podSelector, namespaceSelector or ipBlock",
+            field_path=f".{field}",
+        ),
+        CelRule(
+            rule=f"self.{field}.all(p, !has(p.ipBlock) || !(has(p.podSelector) || has(p.namespaceSelector)))",
+            message=f"{field}: ipBlock cannot be combined with podSelector or namespaceSelector in one entry",
+            field_path=f".{field}",
+        ),
+    ]
+
+
+class NetworkPolicySpec(SpecModel):
+    """The group's NetworkPolicy (ingress to the group's pods; docs/security.md, "The data plane")."""
+
+    model_config = ConfigDict(json_schema_extra=rules(*_peer_rules("agentPeers"), *_peer_rules("enginePeers")))
+
+    enabled: bool = Field(
+        default=True,
+        description="Create the group's NetworkPolicy. false: none (clusters whose users manage their own); "
+        "the operator then deletes the one it made.",
+    )
+    agent_peers: list[NetworkPeer] = Field(
+        default_factory=list,
+        json_schema_extra={"default": []},
+        max_length=16,
+        description="Who besides the group's own pods may reach the agent port (GET /metrics for Prometheus, "
+        "e.g. a namespaceSelector for the monitoring namespace). Every route but /healthz and /metrics needs "
+        "the group's credential anyway.",
+    )
+    engine_peers: list[NetworkPeer] = Field(
+        default_factory=lambda: [NetworkPeer.model_validate(SAME_NAMESPACE)],
+        json_schema_extra={"default": [{"podSelector": {}}]},  # SAME_NAMESPACE, as JSON
+        max_length=16,
+        description="Who besides the group's own pods may reach the engines' serving port (inference.port: "
+        "rollout routers calling /generate). Default: every pod of the group's namespace; "
+        "[{namespaceSelector: {}}] opens it to every pod of the cluster, [] to the group only. Admin routes need "
+        "the group's credential whatever this says.",
+    )
+
+
 _SPEC_RULES = rules(
     CelRule(
         rule="self.inference.ranksPerEngine % self.inference.ranksPerPod == 0",
@@ -354,6 +500,7 @@ class WeightSyncGroupSpec(SpecModel):
     transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
     rdma: RdmaSpec = Field(default_factory=RdmaSpec, json_schema_extra={"default": {}})
     agent: AgentSpec = Field(default_factory=AgentSpec, json_schema_extra={"default": {}})
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, json_schema_extra={"default": {}})
 
     @property
     def sources(self) -> int:

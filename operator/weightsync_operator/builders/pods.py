@@ -171,7 +171,9 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
         if position == 0 and rdma.resource_name:
             _add_resource(container, rdma.resource_name, rdma.resource_count)
         if position == 0 and who.role == "engine":
-            _add_env(container, token_env(group))
+            # Each goes first: the token ends first, then the Mooncake range, then the user's variables.
+            for item in (*reversed(mooncake_port_env(group)), token_env(group)):
+                _add_env(container, item)
     pod_spec["containers"] = containers
 
     # --- the agent sidecar ---------------------------------------------------------------------------
@@ -255,6 +257,16 @@ def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
         token_env(group),
     ]
     return env
+
+
+def mooncake_port_env(group: WeightSyncGroup) -> list[JsonDict]:
+    """``transfer.mooncakePorts`` as Mooncake's own variables, for the engine container: the reference engine's
+    and stock SGLang's Mooncake engines bind inside the range the group's NetworkPolicy opens."""
+    ports = group.spec.transfer.mooncake_ports
+    return [
+        {"name": names.ENV_MOONCAKE_MIN_PORT, "value": str(ports.start)},
+        {"name": names.ENV_MOONCAKE_MAX_PORT, "value": str(ports.end)},
+    ]
 
 
 def _existing_shm_volume(containers: Sequence[Mapping[str, Any]]) -> str | None:
