@@ -688,12 +688,16 @@ def make_transport(
     devices: str = "",
     force_tcp: bool = False,
     timeout_seconds: float = 30.0,
+    ports: tuple[int, int] | None = None,
 ) -> Transport:
-    """A fresh transport session of ``kind`` (``mooncake`` or ``memory``) for one engine rank."""
+    """A fresh transport session of ``kind`` (``mooncake`` or ``memory``) for one engine rank. ``ports``: Mooncake's
+    port range (None: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT from the environment, as the operator sets them)."""
     if kind == "mooncake":
         from weightsync_agent.transport.mooncake import MooncakeTransport
 
-        return MooncakeTransport(host, protocol, devices, force_tcp=force_tcp, timeout_seconds=timeout_seconds)
+        return MooncakeTransport(
+            host, protocol, devices, force_tcp=force_tcp, timeout_seconds=timeout_seconds, ports=ports
+        )
     if kind == "memory":
         from weightsync_agent.transport.memory import MemoryTransport
 
@@ -702,6 +706,13 @@ def make_transport(
 
 
 # ------------------------------------------------------------------------------------------------- main
+
+
+def port_range(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition("-")
+    if not sep or not start.isdigit() or not end.isdigit():
+        raise argparse.ArgumentTypeError(f"want START-END, got {text!r}")
+    return int(start), int(end)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -723,6 +734,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", default="", help="Mooncake device names (RDMA NICs), comma-separated")
     parser.add_argument("--force-tcp", action="store_true", help="TCP even where Mooncake finds RDMA NICs")
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="transport timeout, seconds")
+    parser.add_argument(
+        "--mooncake-ports",
+        type=port_range,
+        default=None,
+        metavar="START-END",
+        help="where Mooncake listens (default: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT, else Mooncake's 15000-17000)",
+    )
     parser.add_argument("--staged", action="store_true", help="start in staged mode")
     parser.add_argument("--layers", type=int, default=DEFAULT_CONFIG.num_layers, help="transformer blocks")
     parser.add_argument(
@@ -750,6 +768,7 @@ async def serve(args: argparse.Namespace) -> int:
                     devices=args.devices,
                     force_tcp=args.force_tcp,
                     timeout_seconds=args.transfer_timeout,
+                    ports=args.mooncake_ports,
                 )
             )
     except Exception:
