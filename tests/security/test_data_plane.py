@@ -11,6 +11,7 @@ range, and rounds land. A range with no free port fails with one clear line; a r
 
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 import sys
@@ -20,12 +21,15 @@ from contextlib import ExitStack
 from typing import cast
 
 import pytest
+import torch
 from listening import free_block, listening_ports
 
+from weightsync.api.engines import ENGINE_KINDS
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.transport.mooncake_config import MooncakeSettings, check_port_range
 from weightsync_testing.engine_harness import ReferenceEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.reference_engine.launch import launch_engine
 from weightsync_testing.reference_engine.model import full_state
 from weightsync_testing.trainer_ranks import publish_all
 
@@ -153,3 +157,69 @@ def test_a_range_mooncake_would_ignore_is_refused_before_it_sees_it(ports: tuple
     with pytest.raises(ValueError, match="Mooncake port range"):
         MooncakeSettings(30.0, True, "127.0.0.1", ports)
     assert MooncakeSettings(30.0, True, "127.0.0.1", (20000, 20001)).env()["MC_MIN_RPC_PORT"] == "20000"
+
+
+# --- Targets writable only inside an open round ---------------------------------------------------------------
+
+
+class ForeignWriter:
+    """A Mooncake peer with no part in the group: writes 0x5A bytes where the engine's manifest says its weights
+    live, with Mooncake's own call (its return code is the evidence), from this process."""
+
+    def __init__(self, session: str, address: int, nbytes: int) -> None:
+        from mooncake.engine import TransferEngine
+
+        self.session, self.address, self.nbytes = session, address, nbytes
+        self.garbage = torch.full((nbytes,), 0x5A, dtype=torch.uint8)
+        self.engine = TransferEngine()
+        assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert self.engine.register_memory(self.garbage.data_ptr(), nbytes) == 0
+
+    def write(self) -> int:
+        return int(self.engine.transfer_sync_write(self.session, self.garbage.data_ptr(), self.address, self.nbytes))
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["live", "staged"])
+def test_engine_memory_refuses_foreign_writes_outside_a_round_and_takes_them_inside(staged: bool) -> None:
+    """The engine's addresses are read here with the group's credential (an attacker might have learned them
+    earlier, or guessed them); Mooncake's port takes no credential. Outside a round the write is refused (rc < 0)
+    and the engine's bytes are unchanged; inside ``begin`` .. ``commit``/``abort`` the same write lands (the
+    window is what protects, not an unreachable port); after the abort it is refused again."""
+    assert ENGINE_KINDS["reference"].capabilities is not None
+    assert ENGINE_KINDS["reference"].capabilities.writable_only_in_round
+    token = secrets.token_urlsafe(16)
+    engine = launch_engine(0, 2, seed=7, staged=staged, token=token)
+    try:
+        client = engine.client()
+        manifest = client.manifest(0)
+        region = manifest.regions[0]
+        bucket = 1 << 20
+        before = client.checksums(0, bucket)
+        writer = ForeignWriter(manifest.session_id, region.address, region.nbytes)
+
+        assert client.status()["writable"] == [False, False]
+        rc = writer.write()
+        assert rc < 0, f"a write outside a round returned {rc}"
+        assert client.checksums(0, bucket) == before, "bytes landed outside a round"
+        assert client.weight_version() == "default"
+
+        if not staged:
+            client.pause_generation()
+        client.begin(2)
+        assert client.status()["writable"] == [True, True]
+        assert writer.write() == 0, "the window is open: the same write must land"
+        assert client.checksums(0, bucket) != before
+        client.abort(2)
+
+        assert client.status()["writable"] == [False, False]
+        after_round = client.checksums(0, bucket)
+        assert writer.write() < 0, "the window closed with the round"
+        assert client.checksums(0, bucket) == after_round
+    finally:
+        engine.stop()
+
+
+def test_stock_sglang_declares_its_memory_writable_for_its_whole_life() -> None:
+    """Stock SGLang registers its weights once, at start, and has no route to unregister them (docs/engines)."""
+    capabilities = ENGINE_KINDS["sglang"].capabilities
+    assert capabilities is not None and not capabilities.writable_only_in_round

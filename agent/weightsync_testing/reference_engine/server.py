@@ -44,6 +44,11 @@ partial write cannot be undone. In staged mode the engine keeps serving the prev
 weights during the round; commit copies staging over live and sets the version in one step of the event
 loop, so no request sees a mix.
 
+**Write window**: each rank's memory is registered with its transport only while a round is open (from
+``begin`` to ``commit`` or ``abort``; ``status`` reports it as ``writable``). Mooncake refuses a write into memory
+that is not registered, so between rounds a peer that learned the addresses still lands no byte (Mooncake's
+ports carry no credential; docs/security.md, "The data plane").
+
 Run: ``python -m weightsync_testing.reference_engine.server --engine E --tp 2 --port P --seed S
 --transport mooncake|memory --host 127.0.0.1``. Prints one JSON ready line on stdout; exits cleanly on
 SIGTERM/SIGINT.
@@ -56,6 +61,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -85,6 +91,9 @@ from weightsync_testing.reference_engine.model import (
 MODEL_PATH = "weightsync/reference-transformer"
 PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_TOKENS = 4096
+
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(Exception):
@@ -262,6 +271,8 @@ class ReferenceEngine:
                 "verified": {str(r): v.ok for r, v in sorted(self.round.verified.items())},
             },
             "sessions": [m.session_id for m in self.memory],
+            # Per rank: whether its memory accepts transport writes now (only inside a round).
+            "writable": [m.writable for m in self.memory],
             "broadcast": None if self.broadcast is None else self.broadcast.status(),
         }
 
@@ -299,6 +310,7 @@ class ReferenceEngine:
             if not self.paused:
                 raise EngineError(409, "live mode writes into the served weights: pause generation first")
             self.live_dirty = True
+        self._open_windows()
         self.round = Round(version, self.staged, verify=verify)
         resumed = current is not None and current.version == version
         superseded = current.version if current is not None and not resumed else None
@@ -346,7 +358,25 @@ class ReferenceEngine:
         self.weight_version = version
         self.live_dirty = False
         self.round = None
+        self._close_windows()
         return {"success": True, "weight_version": version}
+
+    def _open_windows(self) -> None:
+        """Writable from now until commit or abort (rank_memory's "Write window"): Mooncake refuses every
+        write into memory that is not registered, so between rounds no peer, credential or not, lands a byte."""
+        try:
+            for memory in self.memory:
+                memory.open_window()
+        except TransportError as exc:
+            self._close_windows()
+            raise EngineError(500, f"could not open the ranks' memory to writes: {exc}") from exc
+
+    def _close_windows(self) -> None:
+        for memory in self.memory:
+            try:
+                memory.close_window()
+            except TransportError:
+                log.exception("engine %d rank %d: could not unregister its memory", self.engine, memory.rank)
 
     def abort(self, version: str | None) -> dict[str, Any]:
         current = self.round
@@ -355,6 +385,7 @@ class ReferenceEngine:
         if version is not None and version != current.version:
             raise EngineError(409, f"open round is for version {current.version}, not {version}")
         self.round = None
+        self._close_windows()
         # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
         return {"aborted": current.version, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
 
