@@ -22,12 +22,12 @@ from typing import cast
 
 import pytest
 import torch
-from listening import free_block, listening_ports
 
 from weightsync.api.engines import ENGINE_KINDS
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.transport.mooncake_config import MooncakeSettings, check_port_range
 from weightsync_testing.engine_harness import ReferenceEngines
+from weightsync_testing.listening import free_block, listening_ports
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.reference_engine.launch import launch_engine
 from weightsync_testing.reference_engine.model import full_state
