@@ -411,15 +411,18 @@ SAME_NAMESPACE: Final[dict[str, Any]] = {"podSelector": {}}
 
 
 def _peer_rules(field: str) -> list[CelRule]:
-    # On the list's parent, not on the peer: the local checker (weightsync.api.load) does not descend arrays.
+    # On the list's parent, not on the peer: the local checker (weightsync.api.load) does not descend arrays. The
+    # API server also checks the rules against the parent's schema default ({}), where the lists are absent.
     return [
         CelRule(
-            rule=f"self.{field}.all(p, has(p.podSelector) || has(p.namespaceSelector) || has(p.ipBlock))",
+            rule=f"!has(self.{field}) || "
+            f"self.{field}.all(p, has(p.podSelector) || has(p.namespaceSelector) || has(p.ipBlock))",
             message=f"every entry of {field} needs podSelector, namespaceSelector or ipBlock",
             field_path=f".{field}",
         ),
         CelRule(
-            rule=f"self.{field}.all(p, !has(p.ipBlock) || !(has(p.podSelector) || has(p.namespaceSelector)))",
+            rule=f"!has(self.{field}) || "
+            f"self.{field}.all(p, !has(p.ipBlock) || !(has(p.podSelector) || has(p.namespaceSelector)))",
             message=f"{field}: ipBlock cannot be combined with podSelector or namespaceSelector in one entry",
             field_path=f".{field}",
         ),
