@@ -292,7 +292,7 @@ _OVERRIDES: dict[str, Any] = {
         optional={
             "add": st.lists(st.sampled_from(["IPC_LOCK", "NET_RAW", "SYS_NICE"]), max_size=3),
             "drop": st.lists(st.sampled_from(["ALL", "NET_RAW"]), max_size=2),
-        },  # fmt: skip
+        },
     ),
     "seccompProfile": st.sampled_from(
         [{"type": "RuntimeDefault"}, {"type": "Unconfined"}, {"type": "Localhost", "localhostProfile": "p.json"}]
