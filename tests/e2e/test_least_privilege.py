@@ -126,9 +126,18 @@ def test_only_the_agent_container_holds_api_credentials(baseline_group: dict[str
 
 
 def test_the_policy_is_installed(admin: Kube, chart: str) -> None:
-    policy = admin.json("get", "validatingadmissionpolicy", f"{chart}-agent-pod-writes")
+    name = f"{chart}-agent-pod-writes"
+    # The API server type-checks the CEL against the Pod and WeightSyncGroup schemas, in the background.
+    policy = wait_for(
+        "the policy's type check",
+        lambda: (
+            (p := admin.json("get", "validatingadmissionpolicy", name)).get("status", {}).get("typeChecking")
+            is not None
+            and p
+        ),
+    )
     assert policy["spec"]["failurePolicy"] == "Fail"
-    assert not (policy.get("status") or {}).get("typeChecking", {}).get("expressionWarnings"), policy["status"]
+    assert not policy["status"]["typeChecking"].get("expressionWarnings"), policy["status"]
     admin.json("get", "validatingadmissionpolicybinding", f"{chart}-agent-pod-writes")
 
 

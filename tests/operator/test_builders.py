@@ -681,3 +681,28 @@ def test_replanning_settles_after_each_change(steps: list[tuple[int, int]], poli
         cm = build_plan_config_map(builder.model(), decision.plan)
         again = decide_plan(spec, group="g", namespace="default", config_map=cm)
         assert not again.changed and again.plan == decision.plan
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts, st.sampled_from(["tcp", "auto"]))
+def test_a_tcp_group_adds_nothing_pod_security_baseline_forbids(
+    layout: tuple[int, int, int, tuple[int, int]], protocol: str
+) -> None:
+    """What weightsync adds to a group without RDMA: no capability, no host namespace, no privilege, no hostPath,
+    for every pod of any layout (the real API server's PodSecurity check: tests/e2e/test_least_privilege.py)."""
+    replicas, trainer_rpp, engines, (rpe, engine_rpp) = layout
+    builder = (
+        GroupBuilder("g")
+        .trainers(replicas, ranks_per_pod=trainer_rpp)
+        .engines(engines, tp=rpe, ranks_per_pod=engine_rpp)
+        .set("transfer.protocol", protocol)
+    )
+    for pod in state_for(builder).pods:
+        spec = pod["spec"]
+        assert not {"hostNetwork", "hostPID", "hostIPC", "securityContext"} & set(spec)
+        assert all(set(v) - {"name"} <= {"emptyDir", "projected"} for v in spec["volumes"])
+        for c in [*spec["initContainers"], *spec["containers"]]:
+            security = c.get("securityContext") or {}
+            assert not security.get("privileged") and not (security.get("capabilities") or {}).get("add"), c["name"]
+            assert not any("hostPort" in p for p in c.get("ports") or [])
+        assert agent_of(pod)["securityContext"] == HARDENED
