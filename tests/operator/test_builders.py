@@ -258,11 +258,16 @@ def test_only_the_agent_gets_api_credentials(role: str) -> None:
 
 
 def test_a_template_asking_for_the_token_still_gets_none() -> None:
-    tpl = template(container("trainer"), automountServiceAccountToken=True)
-    assert (
-        build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)["spec"]["automountServiceAccountToken"]
-        is False
+    sneaky = {"name": "weightsync-agent-api-access", "mountPath": "/creds"}
+    tpl = template(
+        container("trainer", volumeMounts=[sneaky]),
+        initContainers=[container("fetch", volumeMounts=[sneaky])],
+        automountServiceAccountToken=True,
     )
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert sneaky not in pod["spec"]["containers"][0]["volumeMounts"]
+    assert sneaky not in pod["spec"]["initContainers"][0]["volumeMounts"]
 
 
 def test_the_agent_is_hardened_by_default_and_writes_only_tmp_and_shm() -> None:

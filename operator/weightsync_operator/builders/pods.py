@@ -188,6 +188,7 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
     rdma = spec.rdma
     for position, container in enumerate(containers):
         _add_shm_mount(container, shm_volume)
+        _drop_mount(container, API_ACCESS_VOLUME)  # the agent's alone, even where a template names it
         if uses_rdma(spec):
             _add_capability(container, IPC_LOCK)
         if position == 0 and rdma.resource_name:
@@ -198,6 +199,8 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
 
     # --- the agent sidecar ---------------------------------------------------------------------------
     init_containers = [dict(c) for c in pod_spec.get("initContainers") or [] if c.get("name") != AGENT_CONTAINER]
+    for container in init_containers:
+        _drop_mount(container, API_ACCESS_VOLUME)
     init_containers.append(_agent_container(group, who, options, shm_volume))
     pod_spec["initContainers"] = init_containers
 
@@ -356,6 +359,11 @@ def _add_shm_mount(container: JsonDict, volume: str) -> None:
     if not any(m.get("mountPath") == names.SHM_PATH for m in mounts):
         mounts.append({"name": volume, "mountPath": names.SHM_PATH})
     container["volumeMounts"] = mounts
+
+
+def _drop_mount(container: JsonDict, volume: str) -> None:
+    if any(m.get("name") == volume for m in container.get("volumeMounts") or []):
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != volume]
 
 
 def _add_env(container: JsonDict, item: JsonDict) -> None:
