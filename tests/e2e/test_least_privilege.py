@@ -90,7 +90,11 @@ def test_baseline_is_enforced_here(admin: Kube, baseline_group: dict[str, Any]) 
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "host-net", "namespace": NS},
-        "spec": {"hostNetwork": True, "containers": [{"name": "c", "image": "python:3.11-slim"}]},
+        "spec": {
+            "hostNetwork": True,
+            "serviceAccountName": names.agent_service_account(GROUP),  # exists once the group's pods do
+            "containers": [{"name": "c", "image": "python:3.11-slim"}],
+        },
     }
     result = admin.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
     assert result.returncode != 0
