@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_example, token_kubeconfig, wait_for
+from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_example, wait_for
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import group_pods, secret_reader
+from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync.plan import Plan, plan_for
 from weightsync_operator.builders import build_network_policy
 from weightsync_testing.reference_engine.model import full_state, shard
@@ -149,8 +149,7 @@ def agents(cluster: Any, admin: Kube, group_ns: str, tmp_path_factory: pytest.Te
         "the agents' ServiceAccount",
         lambda: admin.kubectl("-n", NS, "get", "sa", "demo-agent", check=False).returncode == 0,
     )
-    kubeconfig = token_kubeconfig(state, admin, NS, "demo-agent", directory / "kubeconfig")
-    running = Agents(kubeconfig, directory, secrets=secret_reader(admin))
+    running = Agents(PodCredentials(state, admin, directory / "kubeconfigs"), directory, secrets=secret_reader(admin))
     try:
         yield running
     finally:

@@ -337,6 +337,46 @@ _RESOURCES_SCHEMA: dict[str, Any] = {
 }
 
 
+_CAPABILITY = r"^[A-Z][A-Z0-9_]{0,31}$"
+
+
+class Capabilities(SpecModel):
+    """Linux capabilities, as in a container's securityContext (``ALL``, ``IPC_LOCK``, ...)."""
+
+    add: list[Annotated[str, Field(pattern=_CAPABILITY)]] | None = Field(default=None, max_length=16)
+    drop: list[Annotated[str, Field(pattern=_CAPABILITY)]] | None = Field(default=None, max_length=16)
+
+
+class SeccompProfile(SpecModel):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            CelRule(
+                rule="(self.type == 'Localhost') == has(self.localhostProfile)",
+                message="seccompProfile.localhostProfile is required with type Localhost, and only with it",
+            )
+        )
+    )
+
+    type: Literal["RuntimeDefault", "Localhost", "Unconfined"]
+    localhost_profile: str | None = Field(default=None, min_length=1, max_length=253)
+
+
+class AgentSecurityContext(SpecModel):
+    """The agent container's securityContext: each field given replaces the operator's hardened default for it
+    (docs/security.md, "Least privilege"); the fields not listed here (``privileged``, ``procMount``, ...)
+    cannot be set, so the agent can be loosened only as far as these say."""
+
+    run_as_user: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    run_as_group: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    run_as_non_root: bool | None = None
+    allow_privilege_escalation: bool | None = None
+    read_only_root_filesystem: bool | None = None
+    capabilities: Capabilities | None = Field(
+        default=None, description="Replaces the default (drop ALL, add IPC_LOCK when the group uses RDMA) whole."
+    )
+    seccomp_profile: SeccompProfile | None = None
+
+
 class AgentSpec(SpecModel):
     """The weightsync agent sidecar."""
 
@@ -350,6 +390,11 @@ class AgentSpec(SpecModel):
         default=None, description="ResourceRequirements for the sidecar (requests/limits)."
     )
     port: int = Field(default=9470, ge=1, le=65535, description="Agent HTTP port (control, metrics).")
+    security_context: AgentSecurityContext | None = Field(
+        default=None,
+        description="Overrides of the agent container's hardened securityContext (non-root uid 65532, no privilege "
+        "escalation, drop ALL, RuntimeDefault seccomp, read-only root filesystem), field by field.",
+    )
 
 
 # --- Network policy ------------------------------------------------------------------------------
