@@ -270,9 +270,14 @@ def test_distinct_paths_add_no_metric_series(group: LoopbackGroup) -> None:
             assert answer.status in (401, 404)
     finally:
         connection.close()
+    # Ranks this agent does not run, named in the path: refused before they can become a rank label.
+    for rank in range(2, 202):
+        body = {"version": 1, "timeoutSeconds": 0}
+        status, answer, _ = send(f"{base}/v1/sources/{rank}/publish", token=group.token, body=body)
+        assert status == 400 and "not " + str(rank) in answer["error"]["message"], answer
     after = metric_series(base)
     assert len(after - before) <= 2, sorted(after - before)[:10]  # a counter's _created line may appear, no more
-    assert not any("probe-" in series for series in after)
+    assert not any("probe-" in series or 'rank="17"' in series for series in after)
 
 
 def test_long_polls_do_not_starve_publish(group: LoopbackGroup, clients: list[WeightSyncClient]) -> None:
