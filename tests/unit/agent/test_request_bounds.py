@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
+import urllib.error
+import urllib.request
 
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,6 +19,7 @@ from weightsync_agent.http.bounds import (
     parse_body,
     short,
 )
+from weightsync_agent.http.server import BackgroundServer, bounded_app, error_middleware
 from weightsync_agent.sidecar.requests import PublishRequest, RankQuery, RoundQuery, SourceCallRequest
 
 
@@ -58,3 +63,20 @@ def test_the_refusal_is_one_short_line_whatever_the_input() -> None:
     assert "\n" not in message and len(message) < 500
     assert "planHash" in message and "x: Extra inputs are not permitted" in message
     assert len(short("a" * 1000)) == 80 and short("a" * 1000).endswith("...")
+
+
+def test_a_handler_bug_is_a_500_in_the_one_error_shape_without_the_traceback() -> None:
+    async def broken(_: web.Request) -> web.Response:
+        raise RuntimeError("secret internals /etc/passwd")
+
+    app = bounded_app([error_middleware])
+    app.router.add_get("/broken", broken)
+    with BackgroundServer(app) as server:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(server.url + "/broken", timeout=5)
+        assert failed.value.code == 500
+        body = json.loads(failed.value.read())
+        assert body == {"error": {"message": "internal error (RuntimeError); see the server's log"}}
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(server.url + "/nothing", timeout=5)
+        assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["message"]
