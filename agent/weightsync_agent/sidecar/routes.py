@@ -13,8 +13,11 @@ hands trainer code through the replica folder.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -44,6 +47,18 @@ OPEN_ROUTES: tuple[str, ...] = ("/healthz", "/metrics")
 #: Also accept the pod-local trainer token: what trainer code needs (publish its rank, wait for the sidecar).
 TRAINER_ROUTES: tuple[str, ...] = ("/v1/publish", "/v1/state")
 
+#: The agent's own threads for blocking work (publishes, source calls, manifests), apart from the loop's default
+#: executor: on trainer rank 0's pod every other rank's publish waits in one for the round rank 0's runs, and
+#: with more ranks than the default executor's threads (min(32, cores + 4)) rank 0's publish would queue behind
+#: them until they timed out.
+WORK = web.AppKey("work", ThreadPoolExecutor)
+T = TypeVar("T")
+
+
+def work_threads(ranks: int) -> int:
+    """Enough for each rank's trainer publish and its coordinator's source call at once, plus manifests."""
+    return 2 * ranks + 8
+
 
 def build_app(runtime: AgentRuntime) -> web.Application:
     token = runtime.config.group_token
@@ -59,17 +74,26 @@ def build_app(runtime: AgentRuntime) -> web.Application:
     async def state(_: web.Request) -> web.Response:
         return web.json_response(runtime.state())
 
+    async def blocking(request: web.Request, work: Callable[..., T], *args: object) -> T:
+        """``work(*args)`` on the agent's own threads (:data:`WORK`)."""
+        call = functools.partial(work, *args)
+        return await asyncio.get_running_loop().run_in_executor(request.app[WORK], call)
+
     async def publish(request: web.Request) -> web.Response:
         asked = parse_body(PublishRequest, await json_object(request))
         timeout = runtime.round_timeout if asked.timeout_seconds is None else asked.timeout_seconds
-        result = await asyncio.to_thread(runtime.publish, asked.rank, asked.version, timeout)
+        result = await blocking(request, runtime.publish, asked.rank, asked.version, timeout)
         return web.json_response(round_result_to_json(result))
 
     waiters = Waiters(MAX_WAITERS)
 
-    async def wake_waiters_on_rounds(_: web.Application) -> None:
+    async def start_work(app: web.Application) -> None:
+        app[WORK] = ThreadPoolExecutor(work_threads(len(runtime.config.ranks)), thread_name_prefix="agent-work")
         if runtime.coordinator is not None:
             runtime.coordinator.on_finish.append(waiters.pulse_threadsafe)
+
+    async def stop_work(app: web.Application) -> None:
+        app[WORK].shutdown(wait=False, cancel_futures=True)
 
     async def round_result(request: web.Request) -> web.Response:
         asked = parse_body(RoundQuery, {**request.query, "version": request.match_info["version"]})
@@ -85,13 +109,13 @@ def build_app(runtime: AgentRuntime) -> web.Application:
     async def source_prepare(request: web.Request) -> web.Response:
         rank, version, timeout, scope = await source_call(request)
         sources = runtime.sources_or_fail()
-        report = await asyncio.to_thread(sources.prepare, rank, version, time.monotonic() + timeout, scope)
+        report = await blocking(request, sources.prepare, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))
 
     async def source_publish(request: web.Request) -> web.Response:
         rank, version, timeout, scope = await source_call(request)
         sources = runtime.sources_or_fail()
-        report = await asyncio.to_thread(sources.publish, rank, version, time.monotonic() + timeout, scope)
+        report = await blocking(request, sources.publish, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))
 
     async def source_call(request: web.Request) -> tuple[int, int, float, RoundScope]:
@@ -119,7 +143,7 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         if engine is None:
             raise LookupError("this agent runs no engine")
         try:
-            manifest = await asyncio.to_thread(engine.manifest, rank)
+            manifest = await blocking(request, engine.manifest, rank)
         except HttpCallError as exc:
             return error_response(503, f"the engine did not answer: {exc}")
         except ManifestError as exc:
@@ -131,7 +155,8 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         token, open_routes=OPEN_ROUTES, extra={route: (lambda: trainer_token) for route in TRAINER_ROUTES}
     )
     app = bounded_app([auth, error_middleware])
-    app.on_startup.append(wake_waiters_on_rounds)
+    app.on_startup.append(start_work)
+    app.on_cleanup.append(stop_work)
     app.add_routes(
         [
             web.get("/healthz", healthz),

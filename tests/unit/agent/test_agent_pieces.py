@@ -7,6 +7,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,41 @@ def test_a_source_refuses_a_target_whose_engine_publishes_elsewhere_and_asks_for
     assert "engine 0 rank 1 publishes its weights elsewhere" in report.error and "127.0.0.1:7000" in report.error
     agent.adopt(agent.plan, {(0, 1): now})  # the runtime's rebuild refetched the manifests
     assert not agent.stale
+
+
+def test_rank_0s_publish_is_not_queued_behind_its_pods_waiting_ranks(tmp_path: Path) -> None:
+    """40 ranks on rank 0's pod: 39 publishes wait for the round, more than the loop's default executor has threads
+    (min(32, cores + 4)); rank 0's publish must still run at once (here the round is refused: nothing is built)."""
+    ranks = 40
+    many = spec().model_copy(
+        update={"trainer": spec().trainer.model_copy(update={"replicas": 1, "ranks_per_pod": ranks})}
+    )
+    plan = plan_for(many, group="g")
+    config = AgentConfig(
+        group="g", role="trainer", pod_index=0, ranks=tuple(range(ranks)), plan_file="-", group_token="t0k"
+    )
+    runtime = AgentRuntime(
+        config,
+        lambda: plan,
+        StaticDirectory({}, {}),
+        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
+        replica_root=lambda rank: tmp_path / f"r{rank}",
+    )
+    with BackgroundServer(build_app(runtime)) as server:
+
+        def publish(rank: int) -> tuple[int, dict[str, object], float]:
+            body = json.dumps({"version": 1, "rank": rank, "timeoutSeconds": 60}).encode()
+            headers = {"Content-Type": "application/json", "Authorization": "Bearer t0k"}
+            request = urllib.request.Request(server.url + "/v1/publish", body, headers, method="POST")
+            start = time.monotonic()
+            with urllib.request.urlopen(request, timeout=90) as answer:
+                return answer.status, json.loads(answer.read()), time.monotonic() - start
+
+        with ThreadPoolExecutor(ranks) as pool:
+            waiting = [pool.submit(publish, rank) for rank in range(1, ranks)]
+            time.sleep(1.0)  # every other rank waits for the round
+            status, result, seconds = publish(0)
+            assert status == 200 and result["result"] == "Failed" and "not built yet" in str(result["reason"])
+            assert seconds < 5, f"rank 0's publish waited {seconds:.1f} s behind its pod's other ranks"
+            for future in waiting:  # and they all hear its result
+                assert future.result(timeout=30)[1]["version"] == 1
