@@ -392,3 +392,17 @@ def test_a_peer_that_never_ends_its_answer_is_cut_off_within_the_call_timeout() 
         assert time.monotonic() - start < 3.0
     finally:
         peer.close()
+
+
+def test_a_chunked_answer_under_the_cap_still_reads_whole() -> None:
+    """Stock engines (uvicorn) may answer chunked: reading in capped steps must still give the whole answer."""
+    payload = json.dumps({"weight_version": "7", "pad": "y" * 300_000}).encode()
+    pieces = [payload[i : i + 70_000] for i in range(0, len(payload), 70_000)]
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces] + [b"0\r\n\r\n"]
+    peer = BadPeer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n",
+                   iter(chunks), pause=0.05)  # fmt: skip
+    try:
+        status, body = JsonHttpClient(f"http://127.0.0.1:{peer.port}", timeout=10).request("GET", "/weight_version")
+        assert status == 200 and body["weight_version"] == "7" and len(body["pad"]) == 300_000
+    finally:
+        peer.close()

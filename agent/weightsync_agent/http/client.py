@@ -101,14 +101,20 @@ class JsonHttpClient:
             raise HttpCallError(route, None, f"answer of {declared} bytes is over the cap of {self.max_answer_bytes}")
         chunks: list[bytes] = []
         size = 0
+        late = PeerUnreachableError(route, None, f"{self.base_url}: answer not complete within {seconds:g} s")
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 if quiet:
                     break
-                raise PeerUnreachableError(route, None, f"{self.base_url}: answer not complete within {seconds:g} s")
+                raise late
             set_read_timeout(resp, left)
-            chunk = resp.read1(READ_STEP) if hasattr(resp, "read1") else resp.read(READ_STEP)
+            try:
+                chunk = resp.read1(READ_STEP) if hasattr(resp, "read1") else resp.read(READ_STEP)
+            except TimeoutError:  # the read waited out the rest of the deadline
+                if quiet:
+                    break
+                raise late from None
             if not chunk:
                 break
             chunks.append(chunk)
