@@ -8,6 +8,7 @@ YAML; Python code uses the snake_case attributes.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Field, WithJsonSchema
@@ -74,11 +75,21 @@ class SpecModel(ApiModel):
 # The full PodTemplateSpec schema is the API server's business; we check only what we rely on
 # (at least one container, named) and preserve the rest untouched.
 
+#: A container name, a label value: what the API server will demand of the pods, checked when the group is applied
+#: (not when the operator first creates a pod and the group is already accepted).
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: An image reference: registry/path:tag@digest characters only (no spaces, quotes or control characters).
+IMAGE_REF = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
+
 _CONTAINER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "x-kubernetes-preserve-unknown-fields": True,
     "required": ["name"],
-    "properties": {"name": {"type": "string", "minLength": 1}, "image": {"type": "string"}},
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": DNS_LABEL},
+        "image": {"type": "string", "maxLength": 512, "pattern": IMAGE_REF},
+    },
 }
 
 POD_TEMPLATE_SCHEMA: dict[str, Any] = {
@@ -90,7 +101,10 @@ POD_TEMPLATE_SCHEMA: dict[str, Any] = {
         "metadata": {
             "type": "object",
             "properties": {
-                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                "labels": {
+                    "type": "object",
+                    "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE},
+                },
                 "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
             },
         },
@@ -121,8 +135,19 @@ def _check_template(value: dict[str, Any]) -> dict[str, Any]:
     containers = spec.get("containers")
     if not isinstance(containers, list) or not containers:
         raise ValueError("template.spec.containers should have at least 1 items: the pod needs your container")
-    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] for c in containers):
-        raise ValueError("template.spec.containers: every container needs a name")
+    for key in ("containers", "initContainers"):
+        for container in spec.get(key) or []:
+            if not isinstance(container, dict) or not isinstance(container.get("name"), str) or not container["name"]:
+                raise ValueError(f"template.spec.{key}: every container needs a name")
+            name, image = container["name"], container.get("image")
+            if len(name) > 63 or not re.match(DNS_LABEL, name):
+                raise ValueError(f"template.spec.{key}: container name {name[:80]!r} should match {DNS_LABEL!r}")
+            if isinstance(image, str) and (len(image) > 512 or not re.match(IMAGE_REF, image)):
+                raise ValueError(f"template.spec.{key}: image {image[:80]!r} should match {IMAGE_REF!r}")
+    labels = (value.get("metadata") or {}).get("labels") or {}
+    for key, label in labels.items() if isinstance(labels, dict) else ():
+        if not isinstance(label, str) or len(label) > 63 or not re.match(LABEL_VALUE, label):
+            raise ValueError(f"template.metadata.labels.{key}: {str(label)[:80]!r} should match {LABEL_VALUE!r}")
     return value
 
 
@@ -383,6 +408,8 @@ class AgentSpec(SpecModel):
     image: str | None = Field(
         default=None,
         min_length=1,
+        max_length=512,
+        pattern=IMAGE_REF,
         description="Agent image; defaults to the one the operator was installed with.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -582,16 +609,16 @@ class ReplicaCounts(ApiModel):
 
 
 class PlanStatus(ApiModel):
-    hash: str = ""
+    hash: str = Field(default="", max_length=64)
     revision: int = Field(default=0, ge=0, description="Bumped every time the plan changes.")
-    policy: str = ""
+    policy: str = Field(default="", max_length=64)
     sources: int = Field(default=0, ge=0)
     targets: int = Field(default=0, ge=0)
     max_targets_per_source: int = Field(default=0, ge=0)
     max_shapes_per_source: int = Field(default=0, ge=0)
     balanced: bool = True
     moved_targets: int = Field(default=0, ge=0, description="Targets that changed source at the last replan.")
-    config_map: str = ""
+    config_map: str = Field(default="", max_length=253)
 
 
 class SyncStatus(ApiModel):
@@ -601,7 +628,9 @@ class SyncStatus(ApiModel):
     duration_seconds: float | None = Field(default=None, ge=0)
     bytes: int | None = Field(default=None, ge=0)
     gbps: float | None = Field(default=None, ge=0, description="Gigabits per second over the whole round.")
-    reason: str | None = Field(default=None, description="Why a round failed: which peer, which bucket.")
+    reason: str | None = Field(
+        default=None, max_length=32768, description="Why a round failed: which peer, which bucket."
+    )
 
 
 class WeightSyncGroupStatus(ApiModel):
