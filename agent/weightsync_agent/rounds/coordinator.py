@@ -9,6 +9,15 @@ into the group's ``status.lastSync``) and into its metrics.
 A catch-up round brings engines that hold another version than the last committed one (a joining
 engine, one that was restarted) to that version from the replicas, covering only them: the other
 engines are neither paused nor touched.
+
+Every round gets a fresh id (:func:`~weightsync_agent.rounds.driver.new_round_id`), carried by every message
+of the round to sources and engines; a call naming another round is refused there (docs/agent.md, "Round ids").
+
+The committed version is kept in memory, so a coordinator that starts (trainer rank 0's agent restarted) learns
+it from the engines before its first round: the newest integer version any engine holds (an engine changes its
+version only on a verified commit, so that version was committed; versions never go back below it). Engines
+that hold less are behind: a catch-up brings them up when the replicas still hold it, else the next round
+writes every engine. Until every engine answered, no round starts.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
-from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult
+from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult, new_round_id
 from weightsync_agent.rounds.remote import AgentClient, AgentError, HttpSourceControl
 from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
@@ -99,6 +108,8 @@ class Coordinator:
         self.retries = retries
         self.host = host
         self.committed: int | None = None
+        #: Whether ``committed`` was learnt from the engines (a fresh coordinator knows nothing until it asked).
+        self.recovered = False
         self.finished: dict[int, Finished] = {}
         self.mode: SyncMode | None = None
         self._agents: dict[int, AgentClient] = {}  # trainer pod -> its agent, for the round in progress
@@ -121,19 +132,29 @@ class Coordinator:
             refused = refusal(plan.layout.adapter, plan.transfer.request)
             if refused is not None:
                 return self._finish(self._refused(version, refused.message), "regular")
+            unknown = self._recover(plan)
+            if unknown is not None:
+                return self._finish(self._refused(version, unknown), "regular")
+            if self.committed is not None and version <= self.committed:  # learnt just now from the engines
+                return self._finish(
+                    self._refused(version, f"version {version} is not newer than committed {self.committed}"),
+                    "regular",
+                )
             mode = self._mode_for(plan)
             self._agents = {}
+            round_id = new_round_id()
             try:
                 engines = self.engines(plan, range(plan.layout.engines))
-                sources = mode.round_sources(self, plan, engines, RoundScope.of(plan.hash))
+                scope = RoundScope.of(plan.hash, round_id=round_id)
+                sources = mode.round_sources(self, plan, engines, scope)
                 driver = self._driver(mode.round_plan(plan), engines, sources, None)
             except NOT_STARTED as exc:
                 return self._finish(self._refused(version, str(exc)), "regular")
             try:
-                result = driver.run(version)
+                result = driver.run(version, round_id)
             finally:
                 driver.close()
-            if result.result == "Succeeded":
+            if result.committed:  # also a round whose resume failed: every engine holds v
                 self.committed = version
                 mode.committed(self, plan, version)
             else:
@@ -143,6 +164,8 @@ class Coordinator:
     def catch_up(self) -> RoundResult | None:
         """Bring engines that answer with another version than the committed one up to it."""
         with self._round:
+            if self._recover(self.own_sources.plan) is not None:
+                return None
             plan, version = self.own_sources.plan, self.committed
             if plan is None or version is None:
                 return None
@@ -154,15 +177,17 @@ class Coordinator:
                 return None
             log.info("engines %s do not hold committed version %d: catching them up", lagging, version)
             self._agents = {}
+            round_id = new_round_id()
             try:
                 engines = self.engines(plan, lagging)
-                sources = mode.round_sources(self, plan, engines, RoundScope.of(plan.hash, lagging, catch_up=True))
+                scope = RoundScope.of(plan.hash, lagging, catch_up=True, round_id=round_id)
+                sources = mode.round_sources(self, plan, engines, scope)
                 driver = self._driver(mode.round_plan(plan), engines, sources, lagging)
             except NOT_STARTED as exc:
                 log.warning("catch-up of engines %s not possible yet: %s", lagging, exc)
                 return None
             try:
-                result = driver.run(version)
+                result = driver.run(version, round_id)
             finally:
                 driver.close()
             if not result.started:
@@ -250,6 +275,36 @@ class Coordinator:
                 self.directory.trainer_url(pod), timeout=self.call_timeout, token=self.token
             )
         return self._agents[pod]
+
+    def _recover(self, plan: Plan | None) -> str | None:
+        """Learn the committed version from the engines once, before this coordinator's first round; why it cannot
+        yet (an engine that does not answer might hold a newer version than the others), else None."""
+        if self.recovered or plan is None:
+            return None
+        held: dict[int, str | None] = {}
+        for engine in range(plan.layout.engines):
+            try:
+                held[engine] = self._adapter(plan, engine).held_version(timeout=min(self.call_timeout, 5.0))
+            except (DirectoryError, HttpCallError, AdapterUnavailableError) as exc:
+                return (
+                    f"this coordinator has not learnt the committed version yet (it asks every engine what it holds "
+                    f"once, at its start) and engine {engine} did not answer: {exc}"
+                )
+        versions = {e: int(v) for e, v in held.items() if v is not None and v.isdigit()}
+        newest = max(versions.values(), default=None)
+        if newest is not None and (self.committed is None or newest > self.committed):
+            self.committed = newest
+        self.recovered = True
+        behind = sorted(e for e in held if versions.get(e) != self.committed)
+        log.info(
+            "committed version %s (learnt from the engines, which hold %s)%s",
+            self.committed,
+            {e: held[e] for e in sorted(held)},
+            f"; engines {behind} are behind and are caught up" if behind and self.committed is not None else "",
+        )
+        if self.committed is not None:
+            metrics.WEIGHT_VERSION.labels(self.group).set(self.committed)
+        return None
 
     def _lags(self, plan: Plan, engine: int, version: int) -> bool:
         try:

@@ -85,6 +85,8 @@ def round_result_to_json(result: RoundResult) -> dict[str, Any]:
         **result.as_status(),
         "attempts": result.attempts,
         "enginesPaused": result.engines_paused,
+        "roundId": result.round_id,
+        "committed": result.committed,
     }
 
 
@@ -105,6 +107,8 @@ def round_result_from_json(data: Any) -> RoundResult:
             attempts=int(data.get("attempts", 1)),
             reason=data.get("reason"),
             engines_paused=bool(data.get("enginesPaused", False)),
+            round_id=None if data.get("roundId") is None else str(data["roundId"]),
+            committed=bool(data.get("committed", outcome == "Succeeded")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, WireError):

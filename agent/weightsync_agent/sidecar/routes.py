@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 OPEN_ROUTES: tuple[str, ...] = ("/healthz", "/metrics")
 #: Also accept the pod-local trainer token: what trainer code needs (publish its rank, wait for the sidecar).
 TRAINER_ROUTES: tuple[str, ...] = ("/v1/publish", "/v1/state")
+#: A round id is the coordinator's uuid4 hex (32 characters); anything much longer is not one.
+MAX_ROUND_ID = 64
 
 
 def build_app(runtime: AgentRuntime) -> web.Application:
@@ -99,6 +101,9 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         if engines is not None and (not isinstance(engines, list) or not all(isinstance(e, int) for e in engines)):
             raise BadRequestError(f"engines must be a list of engine indexes or null, got {engines!r}")
         plan_hash = body.get("planHash")
+        round_id = body.get("roundId")
+        if round_id is not None and (not isinstance(round_id, str) or not 0 < len(round_id) <= MAX_ROUND_ID):
+            raise BadRequestError(f"roundId must be a string of 1 to {MAX_ROUND_ID} characters or null")
         try:
             placements = placements_from_json(body.get("placements"))
         except WireError as exc:
@@ -108,6 +113,7 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             engines,
             catch_up=bool(body.get("catchUp", False)),
             placements=placements,
+            round_id=round_id,
         )
         return rank, version, timeout, scope
 

@@ -64,24 +64,30 @@ class ReferenceAdapter:
 
     # --- The round ---------------------------------------------------------------------------------
 
-    def pause(self, timeout: float) -> None:
-        self.client.pause_generation(self.pause_mode, timeout=timeout)
+    # The engine holds the round id itself and refuses calls naming another round (409).
 
-    def resume(self, timeout: float) -> None:
-        self.client.continue_generation(timeout=timeout)
+    def pause(self, timeout: float, *, round_id: str) -> None:
+        self.client.pause_generation(self.pause_mode, timeout=timeout, round_id=round_id)
 
-    def begin(self, version: int, timeout: float) -> None:
-        self.client.begin(version, timeout=timeout, verify=self.settings.verify)
+    def resume(self, timeout: float, *, round_id: str) -> None:
+        self.client.continue_generation(timeout=timeout, round_id=round_id)
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
-        answer = self.client.verify(rank, version, self.settings.bucket_bytes, checksums, timeout=timeout)
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
+        self.client.begin(version, timeout=timeout, verify=self.settings.verify, round_id=round_id)
+
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
+        answer = self.client.verify(
+            rank, version, self.settings.bucket_bytes, checksums, timeout=timeout, round_id=round_id
+        )
         return TargetVerdict(ok=answer.ok, mismatched=answer.mismatched, error=answer.error)
 
-    def commit(self, version: int, timeout: float) -> None:
-        self.client.commit(version, timeout=timeout)
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
+        self.client.commit(version, timeout=timeout, round_id=round_id)
 
-    def abort(self, version: int, timeout: float) -> None:
-        self.client.abort(version, timeout=timeout)
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
+        self.client.abort(version, timeout=timeout, round_id=round_id, written=written)
 
     # --- Broadcast reception -----------------------------------------------------------------------
 
