@@ -407,6 +407,11 @@ class SyncStatus(ApiModel):
     bytes: int | None = Field(default=None, ge=0)
     gbps: float | None = Field(default=None, ge=0, description="Gigabits per second over the whole round.")
     reason: str | None = Field(default=None, description="Why a round failed: which peer, which bucket.")
+    engines_paused: bool | None = Field(
+        default=None,
+        description="The round left the engines paused (a failed live round, or a failed resume): they serve again "
+        "after the next successful round.",
+    )
 
 
 class WeightSyncGroupStatus(ApiModel):
