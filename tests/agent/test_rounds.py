@@ -108,6 +108,7 @@ class FakeSource:
     hang: float = 0.0
     staged_after: float = 0.0  # the trainer stages this long after the round starts
     not_ready: str | None = None
+    refuse: str | None = None  # refuses before its first write (a stale manifest)
 
     def prepare(self, version: int, deadline: float) -> SourceReport:
         self.log.add("prepare", str(self.source))
@@ -123,6 +124,8 @@ class FakeSource:
         self.log.add("publish", str(self.source))
         if self.hang:
             time.sleep(self.hang)
+        if self.refuse:
+            return SourceReport(self.source, False, error=self.refuse, failed_target=self.targets[0], wrote=False)
         if self.fail_with:
             return SourceReport(
                 self.source, False, error=self.fail_with, failed_target=self.targets[0], failed_bucket=3
@@ -325,3 +328,24 @@ def test_no_engine_commits_a_version_unless_every_target_verified_it(
         assert committed == []
     for engine in committed:
         assert engine.verified == dict.fromkeys(range(tp), 5)
+
+
+@pytest.mark.parametrize("others_write", [False, True], ids=["all-refuse", "one-wrote"])
+def test_a_live_round_where_every_source_refused_before_writing_resumes_the_engines(others_write: bool) -> None:
+    """Sources refuse before their first write (an engine restarted: their manifests are stale). Nothing touched
+    the live weights, so the engines serve v-1 again; if any source may have written, they stay paused."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    for source in sources.values():
+        source.refuse = "engine 0 rank 0 publishes its weights elsewhere than this source's manifest"
+    if others_write:
+        sources[1].refuse = None
+        sources[1].fail_with = "target 127.0.0.1:1 stalled"
+    result = RoundDriver(plan, engines, sources, retries=1).run(3)
+    assert result.result == "Failed" and not result.committed and log.kinds("commit") == []
+    if others_write:
+        assert result.engines_paused and log.kinds("resume") == []
+        assert all(e.aborts == [] for e in engines.values())
+    else:
+        assert not result.engines_paused and (result.reason or "").startswith("nothing written: source 0")
+        assert len(log.kinds("resume")) == 2 and all(e.aborts == [False] for e in engines.values())

@@ -133,6 +133,7 @@ class RoundDriver:
         self.clock = clock
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + len(self.sources)))
         self.round_id: str | None = None
+        self._written = False
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -143,6 +144,7 @@ class RoundDriver:
         """Run round ``version``; ``round_id`` (minted here when not given) goes with every engine call, so an
         engine refuses a call from another round, such as a late abort of an earlier round of the same version."""
         self.round_id = round_id or new_round_id()
+        self._written = False  # whether any source may have written in this round
         started = self.clock()
         started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         attempts = 0
@@ -185,6 +187,12 @@ class RoundDriver:
             return self._result(version, "Succeeded", started, started_at, moved, attempts, None, committed=True)
         if self.staging == "staged":
             return self._result(version, "Aborted", started, started_at, moved, attempts, reason)
+        if not self._written:
+            # Every source refused before its first write (a stale manifest, another plan): the live weights are
+            # untouched, so the engines serve v-1 again rather than wait paused for the next round.
+            self._abort_quietly(version, written=False)
+            self._resume_quietly()
+            return self._result(version, "Failed", started, started_at, 0, attempts, f"nothing written: {reason}")
         # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
         # they no longer fully hold for serving) until a later round succeeds.
         return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
@@ -235,7 +243,9 @@ class RoundDriver:
             # not answer by the deadline is not waited for (it may never answer: docs/replica.md).
             others = [f for s, f in futures.items() if s != current and not f.done()]
             wait(others, timeout=max(0.0, deadline - self.clock()) + self.settle_seconds)
+            self._written = self._written or any(_may_have_written(f) for f in futures.values())
             raise
+        self._written = True
         return reports
 
     def _verify(self, version: int, reports: Mapping[int, SourceReport], deadline: float) -> None:
@@ -332,6 +342,13 @@ class RoundDriver:
             round_id=self.round_id,
             committed=committed,
         )
+
+
+def _may_have_written(future: Future[SourceReport]) -> bool:
+    """Unless the source answered that it refused before its first write, it may have written."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return True
+    return future.result().wrote
 
 
 def new_round_id() -> str:

@@ -53,6 +53,7 @@ def source_report_to_json(report: SourceReport) -> dict[str, Any]:
         "error": report.error,
         "failedTarget": list(report.failed_target) if report.failed_target else None,
         "failedBucket": report.failed_bucket,
+        "wrote": report.wrote,
     }
 
 
@@ -73,6 +74,7 @@ def source_report_from_json(data: Any) -> SourceReport:
             error=data.get("error"),
             failed_target=(int(failed[0]), int(failed[1])) if failed else None,
             failed_bucket=None if data.get("failedBucket") is None else int(data["failedBucket"]),
+            wrote=bool(data.get("wrote", True)),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, WireError):

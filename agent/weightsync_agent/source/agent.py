@@ -169,7 +169,11 @@ class SourceAgent:
                 else:
                     self.wait_ready(rank, version, deadline)
                 result = source.publish(version, deadline, targets=targets, require_staged=not scope.catch_up)
-        except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, ReplicaError, TimeoutError) as exc:
+        except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, TimeoutError) as exc:
+            # Each is raised before the first write (source.publish checks the replica before it writes).
+            metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
+            return SourceReport(source=rank, ok=False, error=str(exc), wrote=False)
+        except ReplicaError as exc:  # not known to come before the first write
             metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
             return SourceReport(source=rank, ok=False, error=str(exc))
         metrics.SOURCE_BYTES.labels(self.group, str(rank)).inc(result.bytes)
@@ -234,7 +238,7 @@ class SourceAgent:
                 "or re-registered them; nothing written, the manifests are refetched for the next round"
             )
             log.warning("source %d: %s", source.source, error)
-            return SourceReport(source=source.source, ok=False, error=error, failed_target=target)
+            return SourceReport(source=source.source, ok=False, error=error, failed_target=target, wrote=False)
         return None
 
     def _check_round(self, rank: int, scope: RoundScope) -> None:
