@@ -17,7 +17,9 @@ The committed version is kept in memory, so a coordinator that starts (trainer r
 it from the engines before its first round: the newest integer version any engine holds (an engine changes its
 version only on a verified commit, so that version was committed; versions never go back below it). Engines
 that hold less are behind: a catch-up brings them up when the replicas still hold it, else the next round
-writes every engine. Until every engine answered, no round starts.
+writes every engine. Until every engine answered, no round starts. What the coordinator's pod reported before
+(its weight-version annotation, when it runs in a cluster) is a floor: if every engine restarted as well, the
+version still does not go back.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from weightsync_agent.transport.base import TransportError
 log = logging.getLogger("weightsync.agent.coordinator")
 
 Reporter = Callable[[RoundResult, int | None], None]  # (round, committed version)
+Recall = Callable[[], int | None]  # the committed version this coordinator's pod last reported, if any
 
 #: Why a round could not even start (nothing was paused or written).
 NOT_STARTED = (
@@ -97,8 +100,13 @@ class Coordinator:
         retries: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        recall: Recall | None = None,
     ) -> None:
+        """``recall``: the committed version the coordinator's pod reported before a restart (its
+        ``weightsync.io/weight-version`` annotation), a floor under what the engines say (they may all have
+        restarted too)."""
         self.group = group
+        self.recall = recall
         #: The group's credential, sent to every agent and engine of a round.
         self.token = token
         self.own_sources = own_sources
@@ -291,7 +299,8 @@ class Coordinator:
                     f"once, at its start) and engine {engine} did not answer: {exc}"
                 )
         versions = {e: int(v) for e, v in held.items() if v is not None and v.isdigit()}
-        newest = max(versions.values(), default=None)
+        floor = self._recalled()
+        newest = max([*versions.values(), *([] if floor is None else [floor])], default=None)
         if newest is not None and (self.committed is None or newest > self.committed):
             self.committed = newest
         self.recovered = True
@@ -305,6 +314,15 @@ class Coordinator:
         if self.committed is not None:
             metrics.WEIGHT_VERSION.labels(self.group).set(self.committed)
         return None
+
+    def _recalled(self) -> int | None:
+        if self.recall is None:
+            return None
+        try:
+            return self.recall()
+        except Exception as exc:  # the engines remain the authority; the pod's word is only a floor
+            log.warning("could not read the committed version this coordinator's pod reported: %s", exc)
+            return None
 
     def _lags(self, plan: Plan, engine: int, version: int) -> bool:
         try:
