@@ -148,8 +148,9 @@ class EngineAdapter(EngineRound, Protocol):
         """Broadcast mode: join the trainer's torch.distributed group ``group_name`` as ``members``."""
         ...
 
-    def arm_broadcast(self, version: int, timeout: float) -> None:
-        """Broadcast mode, ``weightsync-buckets``: expect the buckets of ``version`` on the group."""
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
+        """Broadcast mode, ``weightsync-buckets``: expect the buckets of ``version`` on the group (in round
+        ``round_id``: the engine refuses to arm another round than its open one)."""
         ...
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:

@@ -77,6 +77,8 @@ def test_a_late_abort_of_an_earlier_round_of_the_same_version_does_not_cancel_th
         refused(client.verify, rank, "1", BUCKET, sums[rank], round_id="A")
     rig.verify_all("1", sums, "B")
     refused(client.commit, "1", round_id="A")
+    arm = refused(client.request, "POST", "/weightsync/broadcast/receive", body={"version": "1", "round_id": "A"})
+    assert "round id mismatch" in arm.message  # a broadcast round is armed only by its own round
     assert client.weight_version() == "default"
     client.commit("1", round_id="B")
     assert client.weight_version() == "1"

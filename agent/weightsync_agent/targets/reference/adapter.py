@@ -111,8 +111,9 @@ class ReferenceAdapter:
         # Joining blocks until the whole group formed: allow the collective's timeout plus one call.
         self.client.request("POST", JOIN_BROADCAST_ROUTE, body=body, timeout=timeout + self.settings.call_timeout)
 
-    def arm_broadcast(self, version: int, timeout: float) -> None:
-        self.client.request("POST", ARM_BROADCAST_ROUTE, body={"version": str(version)}, timeout=timeout)
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
+        body = {"version": str(version)} if round_id is None else {"version": str(version), "round_id": round_id}
+        self.client.request("POST", ARM_BROADCAST_ROUTE, body=body, timeout=timeout)
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
         raise HttpCallError(

@@ -256,7 +256,7 @@ class SglangAdapter:
         }
         self._post(INIT_GROUP_ROUTE, body, timeout + self.settings.call_timeout)
 
-    def arm_broadcast(self, version: int, timeout: float) -> None:
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
         raise HttpCallError(UPDATE_ROUTE, None, "SGLang is told each chunk's tensors (receive_broadcast), not armed")
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
