@@ -425,8 +425,12 @@ def test_a_restarted_coordinator_agent_goes_on_from_the_committed_version(
         return bool((state.get("sources") or {}).get("built")) and state.get("committed") == 1
 
     wait_for("the restarted coordinator to learn committed version 1", learnt, timeout=60)
+    for name in ("demo-trainer-0", "demo-trainer-1"):
+        code = agents.processes[name].poll()
+        assert code is None, f"{name}'s agent exited ({code}):\n{agents.log(name)[-3000:]}"
     again = publish_everywhere(agents, 1, seed=5)
-    assert all(o is not None and not o.ok for o in again)
+    alive = {name: agents.processes[name].poll() for name in ("demo-trainer-0", "demo-trainer-1")}
+    assert all(o is not None and not o.ok for o in again), (alive, agents.log("demo-trainer-1")[-2000:])
     assert "version 1 is not newer than committed 1" in (again[0].round.reason or "")
     assert engine_annotation(admin, "demo-engine-0-0") == "1"
     outcomes = publish_everywhere(agents, 2, seed=6)
