@@ -214,12 +214,18 @@ class Coordinator:
         with self._cond:
             while True:
                 done = self.finished.get(version)
-                if done is not None and done.at >= after:
+                if done is not None and (done.at >= after or self._final_refusal(version, done.result)):
                     return done.result
                 left = end - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
+
+    def _final_refusal(self, version: int, result: RoundResult) -> bool:
+        """A refused round of a version not newer than the committed one is final: no round of it runs again, so a
+        trainer rank that asks only after rank 0's publish was refused (nothing waited for it: a refusal needs no
+        prepare) gets that refusal instead of waiting out its timeout."""
+        return not result.started and self.committed is not None and version <= self.committed
 
     def close(self) -> None:
         if self.mode is not None:

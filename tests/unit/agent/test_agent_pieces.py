@@ -139,6 +139,10 @@ def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
     result = coordinator.run_round(4)
     assert result.result == "Failed" and "not newer than committed 4" in (result.reason or "")
     assert coordinator.wait(4, 0.0) == result  # the trainer ranks waiting for v4 hear about it
+    # A rank that asks only after the refusal (a refusal waits for no rank) still hears it, at once.
+    started = time.monotonic()
+    assert coordinator.wait(4, 5.0, after=time.time() + 60) == result
+    assert time.monotonic() - started < 1.0
 
 
 def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> None:
