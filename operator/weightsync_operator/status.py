@@ -6,15 +6,23 @@ turns those pods, the plan and any configuration problem into counters, conditio
 
 Conditions (``metav1.Condition``; ``lastTransitionTime`` moves only when ``status`` flips):
 
-- ``Ready``: every desired pod is Ready (so every agent reported ready) and the spec is usable.
+- ``Ready``: every desired pod is Ready (so every agent reported ready), the spec is usable, and the engines
+  serve the committed version: not while the last round left them paused (reason ``EnginesPaused``, after a
+  failed live round or a failed resume), nor while an engine holds less than the committed version (reason
+  ``EnginesBehind``: a restarted engine serving its initial weights, until a catch-up or the next round).
 - ``Progressing``: pods are being created, scheduled or started, or run an outdated pod spec (the
   operator never kills a running pod to apply a template change: deleting it does).
 - ``Degraded``: a configuration problem, an API error, or pods that failed or crash-loop.
 - ``PlanReady``: a plan for the current spec exists and is published.
 
-Phase, first match wins: ``Failed`` (configuration problem the user must fix), ``Degraded``,
-``Syncing`` (all ready and trainers published a version the engines do not hold yet), ``Ready``,
-``Provisioning`` (some pod is scheduled), ``Pending``.
+Phase, first match wins: ``Failed`` (configuration problem the user must fix), ``Degraded`` (also: engines
+left paused), ``Syncing`` (all ready and trainers published a version the engines do not hold yet, or an engine
+is behind the committed version), ``Ready``, ``Provisioning`` (some pod is scheduled), ``Pending``.
+
+Versions: an engine's version is what its **first pod**'s agent reports (only that pod hosts the engine's HTTP
+server and annotates ``weightsync.io/weight-version``; an engine split over several pods has no version on the
+others). ``weightVersion`` is the lowest over engines, and absent while any engine reports none (initial
+weights). The committed version is what the coordinator (trainer pod 0) reports.
 """
 
 from __future__ import annotations
@@ -299,11 +307,19 @@ def fold_status(obs: Observation) -> Folded:
     failures = tuple(f for f in (pod_failure(p) for p in present) if f is not None)
 
     # --- versions --------------------------------------------------------------------------------
-    engine_versions = [parse_version(by_name[n]) if n in by_name else None for n in engine_names]
+    heads = _engine_heads(obs, engine_names, by_name)
+    engine_versions = {e: parse_version(by_name[n]) if n in by_name else None for e, n in heads.items()}
     weight_version: int | None = None
-    if engine_versions and all(v is not None for v in engine_versions):
-        weight_version = min(v for v in engine_versions if v is not None)
+    if engine_versions and all(v is not None for v in engine_versions.values()):
+        weight_version = min(v for v in engine_versions.values() if v is not None)
     published = [v for v in (parse_version(by_name[n]) for n in trainer_names if n in by_name) if v is not None]
+    coordinator_pod = by_name.get(names.trainer_pod(obs.name, 0))
+    committed = parse_version(coordinator_pod) if coordinator_pod is not None else None
+    behind = (
+        {}
+        if committed is None
+        else {e: v for e, v in engine_versions.items() if heads[e] in by_name and (v is None or v < committed)}
+    )
 
     last_sync: dict[str, Any] | None = previous.get("lastSync") if isinstance(previous.get("lastSync"), dict) else None
     last_round: SyncStatus | None = None
@@ -336,7 +352,8 @@ def fold_status(obs: Observation) -> Folded:
         and newest is not None
         and (weight_version is None or newest > weight_version)
         and not (last_round is not None and last_round.version >= newest and last_round.result != "Succeeded")
-    )
+    ) or (all_ready and bool(behind))
+    paused = last_round is not None and last_round.result != "Succeeded" and bool(last_round.engines_paused)
 
     # --- phase and conditions ----------------------------------------------------------------------
     problem = obs.problem
@@ -344,7 +361,7 @@ def fold_status(obs: Observation) -> Folded:
     phase: Phase
     if problem is not None and problem.fatal:
         phase = "Failed"
-    elif problem is not None or failures:
+    elif problem is not None or failures or (all_ready and paused):
         phase = "Degraded"
     elif all_ready:
         phase = "Syncing" if syncing else "Ready"
@@ -362,7 +379,21 @@ def fold_status(obs: Observation) -> Folded:
         updates.append((READY, "False", problem.reason, problem.message))
         updates.append((PROGRESSING, "False", problem.reason, "waiting for the spec to be fixed"))
     elif all_ready:
-        updates.append((READY, "True", "AllPodsReady", counts))
+        if paused and last_round is not None:
+            message = (
+                f"round of version {last_round.version} {last_round.result.lower()} and left the engines paused "
+                f"(they serve again after the next successful round): {last_round.reason or 'no reason given'}"
+            )
+            updates.append((READY, "False", "EnginesPaused", message))
+        elif behind:
+            held = ", ".join(f"engine {e} holds {'its initial weights' if v is None else v}" for e, v in behind.items())
+            message = (
+                f"engines {sorted(behind)} do not hold committed version {committed} ({held}); a catch-up or the "
+                "next round brings them up"
+            )
+            updates.append((READY, "False", "EnginesBehind", message))
+        else:
+            updates.append((READY, "True", "AllPodsReady", counts))
         if obs.outdated:
             updates.append(
                 (
@@ -384,6 +415,8 @@ def fold_status(obs: Observation) -> Folded:
     elif failures:
         more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
         updates.append((DEGRADED, "True", "PodFailures", "; ".join(f.message for f in failures[:3]) + more))
+    elif all_ready and paused and last_round is not None:
+        updates.append((DEGRADED, "True", "EnginesPaused", f"engines paused since round {last_round.version}"))
     else:
         updates.append((DEGRADED, "False", "AsExpected", ""))
 
@@ -416,6 +449,19 @@ def fold_status(obs: Observation) -> Folded:
         failures=failures,
         warnings=tuple(warnings),
     )
+
+
+def _engine_heads(obs: Observation, engine_names: Sequence[str], by_name: Mapping[str, Any]) -> dict[int, str]:
+    """Per engine, the pod whose agent reports its version: the engine's first pod (pod 0)."""
+    if obs.spec is not None:
+        return {e: names.engine_pod(obs.name, e, 0) for e in range(obs.spec.inference.engines)}
+    heads: dict[int, str] = {}
+    for name in engine_names:  # an unusable spec: the engines whose first pod is there
+        rank = str((_meta(by_name[name]).get("labels") or {}).get(names.LABEL_RANK, ""))
+        engine, _, pod = rank.partition("-")
+        if engine.isdigit() and pod == "0":
+            heads[int(engine)] = name
+    return dict(sorted(heads.items()))
 
 
 def _valid(model: type[Condition] | type[PlanStatus], value: Any) -> dict[str, Any] | None:

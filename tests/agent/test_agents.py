@@ -19,7 +19,8 @@ import torch
 from sync_helpers import TOKENS, expected_checksums, group_spec, training_step
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync_agent.rounds.remote import AgentClient
+from weightsync_agent.rounds.remote import AgentClient, AgentError
+from weightsync_agent.source.writer import PublishError
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.reference_engine.model import forward_full, full_state
 from weightsync_testing.trainer_ranks import publish_all
@@ -100,6 +101,78 @@ def test_a_source_agent_killed_while_the_round_waits_fails_it_untouched_and_a_re
         outcomes = publish_all(clients, full2, 2)
         assert all(getattr(o, "ok", False) for o in outcomes), outcomes
         assert_engines_hold(group, full2, 2)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def wait_committed(group: LoopbackGroup, version: int, within: float = 60.0) -> None:
+    """Until rank 0's agent (the coordinator) says ``version`` is committed."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if AgentClient(group.agents[0].url, timeout=5.0, token=group.token).state()["committed"] == version:
+                return
+        except AgentError:
+            pass
+        assert time.monotonic() < deadline, f"the coordinator did not learn committed version {version}"
+        time.sleep(0.2)
+
+
+def test_a_restarted_coordinator_goes_on_from_the_committed_version(group: LoopbackGroup) -> None:
+    """Trainer rank 0's agent (the coordinator) is killed between rounds and again mid-round; each time it comes
+    back it learns the committed version from the engines: an old version is refused with every engine untouched,
+    and the next version lands (issue 11: versions went backwards after a coordinator restart)."""
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        full = training_step(full_state(seed=3), 1)
+        for version in (1, 2):
+            full = training_step(full, version)
+            assert all(getattr(o, "ok", False) for o in publish_all(clients, full, version))
+        # Between rounds.
+        group.agents[0].stop(kill=True)
+        group.start_agent(0)
+        group.wait_built(60)
+        wait_committed(group, 2)
+        clients[0].close()
+        clients[0] = group.client(0)  # a fresh trainer process: it knows no version of its own
+        clients[0].stage_many(full)
+        for old in (1, 2):
+            outcome = clients[0].publish(old, check=False)
+            assert not outcome.ok and f"version {old} is not newer than committed 2" in (outcome.round.reason or "")  # type: ignore[attr-defined]
+        for engine in group.engines.values():
+            status = engine.client().status()
+            assert status["weight_version"] == "2" and status["round"] is None and not status["paused"]
+        # Mid-round: rank 0 publishes v3 and the round waits for rank 1, which has not staged it yet.
+        full3 = training_step(full, 3)
+        clients[0].stage_many(full3)
+        failures: list[BaseException] = []
+
+        def publish_3() -> None:
+            try:
+                clients[0].publish(3, check=False)
+            except PublishError as exc:  # its agent dies under it
+                failures.append(exc)
+
+        publisher = threading.Thread(target=publish_3)
+        publisher.start()
+        time.sleep(1.0)
+        assert publisher.is_alive(), "the round did not wait for rank 1"
+        group.agents[0].stop(kill=True)
+        publisher.join(60)
+        assert failures and "could not run the round" in str(failures[0])
+        for engine in group.engines.values():  # never paused: it waited for rank 1 before anything else
+            assert engine.client().status()["round"] is None
+        group.start_agent(0)
+        group.wait_built(60)
+        wait_committed(group, 2)
+        clients[0].close()
+        clients[0] = group.client(0)
+        outcomes: list[object] = publish_all(clients, full3, 3)
+        assert all(getattr(o, "ok", False) for o in outcomes), outcomes
+        assert_engines_hold(group, full3, 3)
+        state = AgentClient(group.agents[0].url, token=group.token).state()
+        assert state["committed"] == 3
     finally:
         for client in clients:
             client.close()

@@ -52,36 +52,51 @@ class FakeEngine:
     fail: set[str] = field(default_factory=set)
     version: int = 0
     verified: dict[int, int] = field(default_factory=dict)  # rank -> version verified
+    round_ids: list[tuple[str, str]] = field(default_factory=list)  # (call, round id) as the engine got them
+    aborts: list[bool] = field(default_factory=list)  # each abort's ``written``
 
     @property
     def name(self) -> str:
         return f"engine-{self.index}"
 
-    def pause(self, timeout: float) -> None:
+    def pause(self, timeout: float, *, round_id: str) -> None:
         self.log.add("pause", self.name)
+        self.round_ids.append(("pause", round_id))
         if "pause" in self.fail:
             raise RuntimeError("pause refused")
 
-    def resume(self, timeout: float) -> None:
+    def resume(self, timeout: float, *, round_id: str) -> None:
         self.log.add("resume", self.name)
+        self.round_ids.append(("resume", round_id))
+        if "resume" in self.fail:
+            raise RuntimeError("continue_generation: HTTP 500")
 
-    def begin(self, version: int, timeout: float) -> None:
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
         self.log.add("begin", self.name)
+        self.round_ids.append(("begin", round_id))
+        if "begin" in self.fail:
+            raise RuntimeError("begin refused")
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
         self.log.add("verify", self.name, str(rank))
+        self.round_ids.append(("verify", round_id))
         if self.fail_verify_times > 0 and rank in self.bad_buckets:
             self.fail_verify_times -= 1
             return TargetVerdict(ok=False, mismatched=self.bad_buckets[rank])
         self.verified[rank] = version
         return TargetVerdict(ok=True)
 
-    def commit(self, version: int, timeout: float) -> None:
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
         self.log.add("commit", self.name)
+        self.round_ids.append(("commit", round_id))
         self.version = version
 
-    def abort(self, version: int, timeout: float) -> None:
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
         self.log.add("abort", self.name)
+        self.round_ids.append(("abort", round_id))
+        self.aborts.append(written)
 
 
 @dataclass
@@ -93,6 +108,7 @@ class FakeSource:
     hang: float = 0.0
     staged_after: float = 0.0  # the trainer stages this long after the round starts
     not_ready: str | None = None
+    refuse: str | None = None  # refuses before its first write (a stale manifest)
 
     def prepare(self, version: int, deadline: float) -> SourceReport:
         self.log.add("prepare", str(self.source))
@@ -108,6 +124,8 @@ class FakeSource:
         self.log.add("publish", str(self.source))
         if self.hang:
             time.sleep(self.hang)
+        if self.refuse:
+            return SourceReport(self.source, False, error=self.refuse, failed_target=self.targets[0], wrote=False)
         if self.fail_with:
             return SourceReport(
                 self.source, False, error=self.fail_with, failed_target=self.targets[0], failed_bucket=3
@@ -195,6 +213,48 @@ def test_a_failed_pause_writes_nothing_and_resumes_the_others() -> None:
     assert log.kinds("publish") == [] and len(log.kinds("resume")) == 2
 
 
+def test_a_refused_begin_aborts_saying_nothing_was_written_and_resumes_every_engine() -> None:
+    """Engine 0 began (a reference engine then counts its live weights dirty), engine 1 refused: no source was
+    asked to write, so the abort says so and every engine serves again."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[1].fail.add("begin")
+    result = RoundDriver(plan, engines, sources).run(1)
+    assert result.result == "Failed" and not result.committed and not result.engines_paused
+    assert log.kinds("publish") == [] and len(log.kinds("resume")) == 2
+    assert all(e.aborts == [False] for e in engines.values())
+
+
+def test_every_engine_call_of_a_round_names_the_round_and_each_round_has_its_own_id() -> None:
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    engines[1].bad_buckets = {0: [2]}
+    engines[1].fail_verify_times = 1  # a retry inside the round keeps the round's id
+    driver = RoundDriver(plan, engines, sources)
+    first = driver.run(1, "round-a")
+    second = driver.run(2)  # minted by the driver when the caller gives none
+    assert first.round_id == "round-a" and second.result == "Succeeded"
+    assert second.round_id and second.round_id != first.round_id
+    for engine in engines.values():
+        calls = {call for call, _ in engine.round_ids}
+        assert calls == {"pause", "begin", "verify", "commit", "resume"}
+        ids = [rid for _, rid in engine.round_ids]
+        split = len(ids) - ids[::-1].index("round-a")
+        assert set(ids[:split]) == {"round-a"} and set(ids[split:]) == {second.round_id}
+
+
+def test_a_failed_resume_is_a_failed_round_that_still_committed() -> None:
+    """Every engine verified and committed v, one does not serve: not Succeeded (resume is part of the round),
+    but the committed version moved, so the coordinator goes on from v."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[0].fail.add("resume")
+    result = RoundDriver(plan, engines, sources).run(4)
+    assert result.result == "Failed" and result.committed and result.engines_paused
+    assert (result.reason or "").startswith("committed version 4, but resume failed: engine 0 resume")
+    assert all(e.version == 4 for e in engines.values()) and len(log.kinds("resume")) == 2
+
+
 def test_nothing_is_paused_until_every_source_can_write_the_version() -> None:
     """A slow trainer rank: the engines are paused only once it staged, so they serve meanwhile."""
     plan = make_plan()
@@ -261,9 +321,31 @@ def test_no_engine_commits_a_version_unless_every_target_verified_it(
             engine.fail_verify_times = 99
     result = RoundDriver(plan, fake_engines, fake_sources, staging=staging, retries=1).run(5)  # type: ignore[arg-type]
     committed = [e for e in fake_engines.values() if e.version == 5]
+    assert result.committed == (result.result == "Succeeded")  # these fakes always resume
     if result.result == "Succeeded":
         assert len(committed) == engines
     else:
         assert committed == []
     for engine in committed:
         assert engine.verified == dict.fromkeys(range(tp), 5)
+
+
+@pytest.mark.parametrize("others_write", [False, True], ids=["all-refuse", "one-wrote"])
+def test_a_live_round_where_every_source_refused_before_writing_resumes_the_engines(others_write: bool) -> None:
+    """Sources refuse before their first write (an engine restarted: their manifests are stale). Nothing touched
+    the live weights, so the engines serve v-1 again; if any source may have written, they stay paused."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    for source in sources.values():
+        source.refuse = "engine 0 rank 0 publishes its weights elsewhere than this source's manifest"
+    if others_write:
+        sources[1].refuse = None
+        sources[1].fail_with = "target 127.0.0.1:1 stalled"
+    result = RoundDriver(plan, engines, sources, retries=1).run(3)
+    assert result.result == "Failed" and not result.committed and log.kinds("commit") == []
+    if others_write:
+        assert result.engines_paused and log.kinds("resume") == []
+        assert all(e.aborts == [] for e in engines.values())
+    else:
+        assert not result.engines_paused and (result.reason or "").startswith("nothing written: source 0")
+        assert len(log.kinds("resume")) == 2 and all(e.aborts == [False] for e in engines.values())

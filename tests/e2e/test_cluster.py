@@ -19,6 +19,7 @@ from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync.plan import Plan, plan_for
+from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_operator.builders import build_network_policy
 from weightsync_testing.reference_engine.model import full_state, shard
 
@@ -462,8 +463,10 @@ def test_scaling_engines_replans_and_creates_pods(admin: Kube, group_ns: str, ag
         timeout=90,
     )
     assert final["plan"]["revision"] == 2 and final["plan"]["targets"] == 6
-    # The joiner gets the committed version from the trainers' replicas, on its own.
-    wait_for("the joining engine to hold version 1", lambda: engine_annotation(admin, "demo-engine-2-0") == "1")
+    # The joiner gets the committed version from the trainers' replicas, on its own; the group is Ready only once
+    # it holds it (before, Ready=False with reason EnginesBehind: it served its initial weights).
+    assert engine_annotation(admin, "demo-engine-2-0") == "1" and final["weightVersion"] == 1
+    assert next(c for c in final["conditions"] if c["type"] == "Ready")["reason"] == "AllPodsReady"
     events = admin.kubectl(
         "-n", NS, "get", "events", "--field-selector", "involvedObject.name=demo", "-o", "jsonpath={.items[*].reason}"
     ).stdout.split()
@@ -495,6 +498,40 @@ def test_a_deleted_pod_is_recreated(admin: Kube, group_ns: str, agents: Agents) 
     )
     agents.start(recreated)
     wait_for("the group Ready again", lambda: status(admin, "demo").get("phase") == "Ready", timeout=90)
+
+
+def test_a_restarted_coordinator_agent_goes_on_from_the_committed_version(
+    admin: Kube, group_ns: str, agents: Agents
+) -> None:
+    """Trainer rank 0's agent restarts (issue 11: the committed version was forgotten and versions could go back):
+    it learns version 1 from the engine (and its pod's own annotation), refuses 1 again, and 2 lands."""
+    agents.start(pods(admin, "demo")["demo-trainer-0"])  # stops the running agent first: a restart
+    env = agents.envs["demo-trainer-0"]
+    coordinator = AgentClient(f"http://127.0.0.1:{env[names.ENV_AGENT_PORT]}", token=env[names.ENV_GROUP_TOKEN])
+
+    def learnt() -> bool:
+        try:
+            state = coordinator.state(timeout=5)
+        except AgentError:
+            return False
+        return bool((state.get("sources") or {}).get("built")) and state.get("committed") == 1
+
+    wait_for("the restarted coordinator to learn committed version 1", learnt, timeout=60)
+    for name in ("demo-trainer-0", "demo-trainer-1"):
+        code = agents.processes[name].poll()
+        assert code is None, f"{name}'s agent exited ({code}):\n{agents.log(name)[-3000:]}"
+    again = publish_everywhere(agents, 1, seed=5)
+    alive = {name: agents.processes[name].poll() for name in ("demo-trainer-0", "demo-trainer-1")}
+    assert all(o is not None and not o.ok for o in again), (alive, agents.log("demo-trainer-1")[-2000:])
+    assert "version 1 is not newer than committed 1" in (again[0].round.reason or "")
+    assert engine_annotation(admin, "demo-engine-0-0") == "1"
+    outcomes = publish_everywhere(agents, 2, seed=6)
+    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    final = wait_for(
+        "the group Ready at version 2",
+        lambda: (s := status(admin, "demo")).get("weightVersion") == 2 and s.get("phase") == "Ready" and s,
+    )
+    assert final["lastSync"]["version"] == 2 and final["lastSync"]["result"] == "Succeeded"
 
 
 def test_operator_restart_resumes_without_duplicates(admin: Kube, group_ns: str, operator: OperatorProcess) -> None:

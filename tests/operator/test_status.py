@@ -153,28 +153,81 @@ def test_set_conditions_keeps_unknown_types_and_stamps_generation() -> None:
     assert out[1] == previous[0]
 
 
-def test_weight_version_is_the_minimum_over_engine_pods() -> None:
+def test_weight_version_is_the_minimum_over_engines_each_reported_by_its_first_pod() -> None:
+    """Engines split over several pods: only each engine's first pod hosts its server and reports a version (issue
+    11: these groups showed no weightVersion and Syncing forever); annotations elsewhere are not the engine's."""
     _, _, pods = group_and_pods(BUILDER)
-    trainers, engines = pods[:2], pods[2:]
+    trainers, engines = pods[:2], pods[2:]  # engine-major: g-engine-0-0, g-engine-0-1, g-engine-1-0, g-engine-1-1
     observed = [PodState(p).ready().weight_version(9).build() for p in trainers] + [
-        PodState(p).ready().weight_version(v).build() for p, v in zip(engines, [7, 5, 6, 7], strict=True)
+        PodState(engines[0]).ready().weight_version(7).build(),
+        PodState(engines[1]).ready().build(),  # no version: it hosts no server
+        PodState(engines[2]).ready().weight_version(6).build(),
+        PodState(engines[3]).ready().weight_version(1).build(),  # not the engine's reporter: ignored
     ]
     status = observe(BUILDER, observed)
-    assert status["weightVersion"] == 5
-    assert status["phase"] == "Syncing"  # trainers published 9, engines hold 5..7
+    assert status["weightVersion"] == 6
+    assert status["phase"] == "Syncing"  # trainers published 9, the engines hold 6 and 7
 
 
-def test_weight_version_needs_every_engine_pod() -> None:
+def test_weight_version_needs_every_engine() -> None:
     _, _, pods = group_and_pods(BUILDER)
     observed = [PodState(p).ready().weight_version(3).build() for p in pods]
-    observed[-1] = PodState(pods[-1]).ready().build()  # no annotation yet
+    head_of_engine_1 = 4
+    observed[head_of_engine_1] = PodState(pods[head_of_engine_1]).ready().build()  # no annotation yet
     assert observe(BUILDER, observed)["weightVersion"] is None
-    observed[-1] = PodState(pods[-1]).ready().annotate(names.ANNOTATION_WEIGHT_VERSION, "garbage").build()
-    assert observe(BUILDER, observed)["weightVersion"] is None
-    assert observe(BUILDER, observed[:-1])["weightVersion"] is None  # a missing pod
-    observed[-1] = PodState(pods[-1]).ready().weight_version(3).build()
+    observed[head_of_engine_1] = (
+        PodState(pods[head_of_engine_1]).ready().annotate(names.ANNOTATION_WEIGHT_VERSION, "default").build()
+    )
+    assert observe(BUILDER, observed)["weightVersion"] is None  # initial weights: no version
+    missing = [p for i, p in enumerate(observed) if i != head_of_engine_1]
+    assert observe(BUILDER, missing)["weightVersion"] is None  # a missing pod
+    observed[head_of_engine_1] = PodState(pods[head_of_engine_1]).ready().weight_version(3).build()
     status = observe(BUILDER, observed)
     assert status["weightVersion"] == 3 and status["phase"] == "Ready"  # all hold what was published
+    assert cond(status, "Ready")["reason"] == "AllPodsReady"
+
+
+def test_a_restarted_engine_serving_its_initial_weights_is_not_ready_until_it_holds_the_committed_version() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().weight_version(4).build() for p in pods]
+    observed[4] = PodState(pods[4]).ready().annotate(names.ANNOTATION_WEIGHT_VERSION, "default").build()
+    status = observe(BUILDER, observed)
+    ready = cond(status, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "EnginesBehind"
+    assert "engines [1] do not hold committed version 4 (engine 1 holds its initial weights)" in ready["message"]
+    assert status["phase"] == "Syncing" and status["weightVersion"] is None
+    observed[4] = PodState(pods[4]).ready().weight_version(3).build()  # an older version: behind as well
+    assert "engine 1 holds 3" in cond(observe(BUILDER, observed), "Ready")["message"]
+    observed[4] = PodState(pods[4]).ready().weight_version(4).build()  # caught up
+    status = observe(BUILDER, observed)
+    assert cond(status, "Ready")["status"] == "True" and status["phase"] == "Ready" and status["weightVersion"] == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason_part"),
+    [
+        ({"result": "Failed", "reason": "engine 1 rank 0 failed verification", "enginesPaused": True}, "verification"),
+        (
+            {"result": "Failed", "reason": "committed version 5, but resume failed: engine 0", "enginesPaused": True},
+            "resume failed",
+        ),
+    ],
+    ids=["failed-live-round", "failed-resume"],
+)
+def test_engines_left_paused_by_the_last_round_are_not_ready(fields: dict[str, Any], reason_part: str) -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().weight_version(4).build() for p in pods]
+    observed[0] = PodState(pods[0]).ready().weight_version(4).last_round(version=5, **fields).build()
+    status = observe(BUILDER, observed)
+    ready = cond(status, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "EnginesPaused" and reason_part in ready["message"]
+    assert cond(status, "Degraded")["reason"] == "EnginesPaused" and status["phase"] == "Degraded"
+    assert status["lastSync"]["result"] == "Failed" and status["lastSync"]["enginesPaused"] is True
+    # The next round succeeds: ready again.
+    observed = [PodState(p).ready().weight_version(6).build() for p in pods]
+    observed[0] = PodState(pods[0]).ready().weight_version(6).last_round(version=6, result="Succeeded").build()
+    status = observe(BUILDER, observed)
+    assert cond(status, "Ready")["status"] == "True" and status["phase"] == "Ready"
 
 
 def test_last_sync_comes_from_the_coordinator() -> None:
@@ -215,16 +268,17 @@ def test_a_bad_last_round_annotation_is_ignored_with_a_warning(annotation: str) 
 
 
 def test_a_failed_round_is_not_syncing_forever() -> None:
+    """A staged round of v6 aborted (the engines kept serving v5, unpaused; the committed version stays 5)."""
     _, _, pods = group_and_pods(BUILDER)
     observed = [PodState(p).ready().weight_version(5).build() for p in pods[2:]]
     observed = [
-        PodState(pods[0]).ready().weight_version(6).last_round(version=6, result="Failed", reason="peer lost").build(),
+        PodState(pods[0]).ready().weight_version(5).last_round(version=6, result="Aborted", reason="peer lost").build(),
         PodState(pods[1]).ready().weight_version(6).build(),
         *observed,
     ]
     status = observe(BUILDER, observed)
     assert status["phase"] == "Ready" and status["weightVersion"] == 5
-    assert status["lastSync"]["result"] == "Failed"
+    assert status["lastSync"]["result"] == "Aborted" and cond(status, "Ready")["status"] == "True"
 
 
 def test_plan_status() -> None:
@@ -345,3 +399,69 @@ def test_garbage_in_the_previous_status_does_not_wedge_the_fold() -> None:
     WeightSyncGroupStatus.model_validate(status)
     assert status["plan"] is None and status["lastSync"] is None
     assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "PlanReady"]
+
+
+ENGINE_VERSION = st.one_of(st.none(), st.just("default"), st.integers(0, 6))
+LAST_ROUND = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {
+            "version": st.integers(0, 7),
+            "result": st.sampled_from(["Succeeded", "Failed", "Aborted"]),
+            "enginesPaused": st.booleans(),
+        }
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    engines=st.integers(1, 3),
+    pods_per_engine=st.integers(1, 3),
+    heads=st.lists(ENGINE_VERSION, min_size=3, max_size=3),
+    others=st.lists(st.integers(0, 6), min_size=9, max_size=9),
+    committed=st.one_of(st.none(), st.integers(0, 6)),
+    last=LAST_ROUND,
+)
+def test_the_version_fold_over_any_engines_and_pods(
+    engines: int,
+    pods_per_engine: int,
+    heads: list[object],
+    others: list[int],
+    committed: int | None,
+    last: dict[str, Any] | None,
+) -> None:
+    """Every pod ready; each engine's first pod reports ``heads[e]`` (None: no annotation), other pods carry noise.
+    weightVersion, Ready (and its reason) and the phase follow from the engines' first pods, the committed version
+    and the last round alone."""
+    builder = GroupBuilder("g").trainers(1).engines(engines, tp=pods_per_engine, ranks_per_pod=1)
+    _, _, pods = group_and_pods(builder)
+    coordinator = PodState(pods[0]).ready()
+    if committed is not None:
+        coordinator = coordinator.weight_version(committed)
+    if last is not None:
+        coordinator = coordinator.last_round(**last)
+    observed = [coordinator.build()]
+    for index, pod in enumerate(pods[1:]):
+        engine, slot = divmod(index, pods_per_engine)
+        state = PodState(pod).ready()
+        version = heads[engine] if slot == 0 else others[index]
+        if version is not None:
+            state = state.annotate(names.ANNOTATION_WEIGHT_VERSION, str(version))
+        observed.append(state.build())
+    status = observe(builder, observed)
+    WeightSyncGroupStatus.model_validate(status)
+
+    held = [v if isinstance(v, int) else None for v in heads[:engines]]
+    assert status["weightVersion"] == (None if None in held else min(v for v in held if v is not None))
+    paused = last is not None and last["result"] != "Succeeded" and last["enginesPaused"]
+    behind = committed is not None and any(v is None or v < committed for v in held)
+    ready = cond(status, "Ready")
+    assert (ready["status"] == "True") == (not paused and not behind)
+    if paused:
+        assert ready["reason"] == "EnginesPaused" and status["phase"] == "Degraded"
+    elif behind:
+        assert ready["reason"] == "EnginesBehind" and status["phase"] == "Syncing"
+        assert f"committed version {committed}" in ready["message"]
+    else:
+        assert ready["reason"] == "AllPodsReady" and status["phase"] in ("Ready", "Syncing")

@@ -631,6 +631,11 @@ class SyncStatus(ApiModel):
     reason: str | None = Field(
         default=None, max_length=32768, description="Why a round failed: which peer, which bucket."
     )
+    engines_paused: bool | None = Field(
+        default=None,
+        description="The round left the engines paused (a failed live round, or a failed resume): they serve again "
+        "after the next successful round.",
+    )
 
 
 class WeightSyncGroupStatus(ApiModel):

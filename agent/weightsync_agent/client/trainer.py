@@ -375,10 +375,11 @@ class WeightSyncClient:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         result = self.publisher.publish(version, deadline)
         self.last_result = result
-        if result.ok:
+        if result.ok or (isinstance(result, RoundOutcome) and result.round.committed):
+            # A round whose resume failed is not ok, but every engine committed v: the next publish is v+1.
             self.committed = version
             self.replicas.reset()
-        elif check:
+        if not result.ok and check:
             raise PublishError(result)
         return result
 

@@ -31,6 +31,8 @@ MAX_POLL_SECONDS: Final = 60.0
 MAX_WAITERS: Final = 4096
 #: A version label (engines take strings: SGLang's ``weight_version``).
 MAX_LABEL_CHARS: Final = 128
+#: A round id is the coordinator's uuid4 hex (32 characters); anything much longer is not one.
+MAX_ROUND_ID: Final = 64
 #: Smallest bucket a checksum request may ask for. One 64-bit checksum (about 19 bytes of JSON) per bucket:
 #: ``bucket_bytes=1`` made a 6.7 MB answer for a 345 KB rank; from 64 bytes on an answer is at most a third of the
 #: bytes it describes (groups use ``bucketSizeMiB`` >= 1; tests use buckets of 100 bytes and up).

@@ -9,6 +9,17 @@ into the group's ``status.lastSync``) and into its metrics.
 A catch-up round brings engines that hold another version than the last committed one (a joining
 engine, one that was restarted) to that version from the replicas, covering only them: the other
 engines are neither paused nor touched.
+
+Every round gets a fresh id (:func:`~weightsync_agent.rounds.driver.new_round_id`), carried by every message
+of the round to sources and engines; a call naming another round is refused there (docs/agent.md, "Round ids").
+
+The committed version is kept in memory, so a coordinator that starts (trainer rank 0's agent restarted) learns
+it from the engines before its first round: the newest integer version any engine holds (an engine changes its
+version only on a verified commit, so that version was committed; versions never go back below it). Engines
+that hold less are behind: a catch-up brings them up when the replicas still hold it, else the next round
+writes every engine. Until every engine answered, no round starts. What the coordinator's pod reported before
+(its weight-version annotation, when it runs in a cluster) is a floor: if every engine restarted as well, the
+version still does not go back.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
-from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult
+from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult, new_round_id
 from weightsync_agent.rounds.remote import AgentClient, AgentError, HttpSourceControl
 from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
@@ -42,6 +53,7 @@ from weightsync_agent.transport.base import TransportError
 log = logging.getLogger("weightsync.agent.coordinator")
 
 Reporter = Callable[[RoundResult, int | None], None]  # (round, committed version)
+Recall = Callable[[], int | None]  # the committed version this coordinator's pod last reported, if any
 
 #: Results of the last this many regular rounds are kept for ``GET /v1/rounds/{v}`` (trainer ranks that wait
 #: for the round their rank 0 runs ask within seconds); older ones are forgotten, so a training run of a million
@@ -94,8 +106,13 @@ class Coordinator:
         retries: int = 1,
         host: str = "127.0.0.1",
         token: str | None = None,
+        recall: Recall | None = None,
     ) -> None:
+        """``recall``: the committed version the coordinator's pod reported before a restart (its
+        ``weightsync.io/weight-version`` annotation), a floor under what the engines say (they may all have
+        restarted too)."""
         self.group = group
+        self.recall = recall
         #: The group's credential, sent to every agent and engine of a round.
         self.token = token
         self.own_sources = own_sources
@@ -108,6 +125,8 @@ class Coordinator:
         self.finished: OrderedDict[int, Finished] = OrderedDict()  # the last HISTORY regular rounds
         #: Called (from the round's thread) after every round: the HTTP routes wake their long polls with it.
         self.on_finish: list[Callable[[], None]] = []
+        #: Whether ``committed`` was learnt from the engines (a fresh coordinator knows nothing until it asked).
+        self.recovered = False
         self.mode: SyncMode | None = None
         self._agents: dict[int, AgentClient] = {}  # trainer pod -> its agent, for the round in progress
         self._round = threading.Lock()
@@ -129,19 +148,29 @@ class Coordinator:
             refused = refusal(plan.layout.adapter, plan.transfer.request)
             if refused is not None:
                 return self._finish(self._refused(version, refused.message), "regular")
+            unknown = self._recover(plan)
+            if unknown is not None:
+                return self._finish(self._refused(version, unknown), "regular")
+            if self.committed is not None and version <= self.committed:  # learnt just now from the engines
+                return self._finish(
+                    self._refused(version, f"version {version} is not newer than committed {self.committed}"),
+                    "regular",
+                )
             mode = self._mode_for(plan)
             self._agents = {}
+            round_id = new_round_id()
             try:
                 engines = self.engines(plan, range(plan.layout.engines))
-                sources = mode.round_sources(self, plan, engines, RoundScope.of(plan.hash))
+                scope = RoundScope.of(plan.hash, round_id=round_id)
+                sources = mode.round_sources(self, plan, engines, scope)
                 driver = self._driver(mode.round_plan(plan), engines, sources, None)
             except NOT_STARTED as exc:
                 return self._finish(self._refused(version, str(exc)), "regular")
             try:
-                result = driver.run(version)
+                result = driver.run(version, round_id)
             finally:
                 driver.close()
-            if result.result == "Succeeded":
+            if result.committed:  # also a round whose resume failed: every engine holds v
                 self.committed = version
                 mode.committed(self, plan, version)
             else:
@@ -151,6 +180,8 @@ class Coordinator:
     def catch_up(self) -> RoundResult | None:
         """Bring engines that answer with another version than the committed one up to it."""
         with self._round:
+            if self._recover(self.own_sources.plan) is not None:
+                return None
             plan, version = self.own_sources.plan, self.committed
             if plan is None or version is None:
                 return None
@@ -162,15 +193,17 @@ class Coordinator:
                 return None
             log.info("engines %s do not hold committed version %d: catching them up", lagging, version)
             self._agents = {}
+            round_id = new_round_id()
             try:
                 engines = self.engines(plan, lagging)
-                sources = mode.round_sources(self, plan, engines, RoundScope.of(plan.hash, lagging, catch_up=True))
+                scope = RoundScope.of(plan.hash, lagging, catch_up=True, round_id=round_id)
+                sources = mode.round_sources(self, plan, engines, scope)
                 driver = self._driver(mode.round_plan(plan), engines, sources, lagging)
             except NOT_STARTED as exc:
                 log.warning("catch-up of engines %s not possible yet: %s", lagging, exc)
                 return None
             try:
-                result = driver.run(version)
+                result = driver.run(version, round_id)
             finally:
                 driver.close()
             if not result.started:
@@ -189,12 +222,18 @@ class Coordinator:
         with self._cond:
             while True:
                 done = self.finished.get(version)
-                if done is not None and done.at >= after:
+                if done is not None and (done.at >= after or self._final_refusal(version, done.result)):
                     return done.result
                 left = end - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
+
+    def _final_refusal(self, version: int, result: RoundResult) -> bool:
+        """A refused round of a version not newer than the committed one is final: no round of it runs again, so a
+        trainer rank that asks only after rank 0's publish was refused (nothing waited for it: a refusal needs no
+        prepare) gets that refusal instead of waiting out its timeout."""
+        return not result.started and self.committed is not None and version <= self.committed
 
     def close(self) -> None:
         if self.mode is not None:
@@ -258,6 +297,46 @@ class Coordinator:
                 self.directory.trainer_url(pod), timeout=self.call_timeout, token=self.token
             )
         return self._agents[pod]
+
+    def _recover(self, plan: Plan | None) -> str | None:
+        """Learn the committed version from the engines once, before this coordinator's first round; why it cannot
+        yet (an engine that does not answer might hold a newer version than the others), else None."""
+        if self.recovered or plan is None:
+            return None
+        held: dict[int, str | None] = {}
+        for engine in range(plan.layout.engines):
+            try:
+                held[engine] = self._adapter(plan, engine).held_version(timeout=min(self.call_timeout, 5.0))
+            except (DirectoryError, HttpCallError, AdapterUnavailableError) as exc:
+                return (
+                    f"this coordinator has not learnt the committed version yet (it asks every engine what it holds "
+                    f"once, at its start) and engine {engine} did not answer: {exc}"
+                )
+        versions = {e: int(v) for e, v in held.items() if v is not None and v.isdigit()}
+        floor = self._recalled()
+        newest = max([*versions.values(), *([] if floor is None else [floor])], default=None)
+        if newest is not None and (self.committed is None or newest > self.committed):
+            self.committed = newest
+        self.recovered = True
+        behind = sorted(e for e in held if versions.get(e) != self.committed)
+        log.info(
+            "committed version %s (learnt from the engines, which hold %s)%s",
+            self.committed,
+            {e: held[e] for e in sorted(held)},
+            f"; engines {behind} are behind and are caught up" if behind and self.committed is not None else "",
+        )
+        if self.committed is not None:
+            metrics.WEIGHT_VERSION.labels(self.group).set(self.committed)
+        return None
+
+    def _recalled(self) -> int | None:
+        if self.recall is None:
+            return None
+        try:
+            return self.recall()
+        except Exception as exc:  # the engines remain the authority; the pod's word is only a floor
+            log.warning("could not read the committed version this coordinator's pod reported: %s", exc)
+            return None
 
     def _lags(self, plan: Plan, engine: int, version: int) -> bool:
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+import uuid
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -59,6 +60,11 @@ class RoundResult:
     attempts: int
     reason: str | None = None
     engines_paused: bool = False
+    #: The id the coordinator minted for the round; every message of the round carries it.
+    round_id: str | None = None
+    #: Every engine committed ``version`` (true for Succeeded; also for a round whose resume then failed,
+    #: which is Failed, since an engine does not serve, but still moves the committed version).
+    committed: bool = False
 
     @property
     def started(self) -> bool:
@@ -76,6 +82,8 @@ class RoundResult:
         }
         if self.reason:
             status["reason"] = self.reason
+        if self.engines_paused:
+            status["enginesPaused"] = True
         return status
 
 
@@ -124,13 +132,19 @@ class RoundDriver:
         self.retries = retries
         self.clock = clock
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + len(self.sources)))
+        self.round_id: str | None = None
+        self._written = False
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- The round -----------------------------------------------------------------------------------
 
-    def run(self, version: int) -> RoundResult:
+    def run(self, version: int, round_id: str | None = None) -> RoundResult:
+        """Run round ``version``; ``round_id`` (minted here when not given) goes with every engine call, so an
+        engine refuses a call from another round, such as a late abort of an earlier round of the same version."""
+        self.round_id = round_id or new_round_id()
+        self._written = False  # whether any source may have written in this round
         started = self.clock()
         started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         attempts = 0
@@ -142,11 +156,12 @@ class RoundDriver:
             return self._result(version, "Failed", started, started_at, 0, 0, f"round not started: {not_ready}")
         try:
             if pausing:
-                self._each_engine("pause", lambda e: e.pause(self.call_timeout))
-            self._each_engine("begin", lambda e: e.begin(version, self.call_timeout))
+                self._each_engine("pause", lambda e: e.pause(self.call_timeout, round_id=self._rid))
+            self._each_engine("begin", lambda e: e.begin(version, self.call_timeout, round_id=self._rid))
         except RoundError as exc:
-            # Nothing was written; whichever engines did pause must serve again.
-            self._abort_quietly(version)
+            # Nothing was written; whichever engines did pause must serve again (an engine that began tracks
+            # its live weights as dirty until told no source was asked to write).
+            self._abort_quietly(version, written=False)
             if pausing:
                 self._resume_quietly()
             return self._result(version, "Failed", started, started_at, 0, 1, f"could not start the round: {exc}")
@@ -160,16 +175,24 @@ class RoundDriver:
                     self._abort_quietly(version)
                     break
                 continue  # live: the replicas still hold v; write again
-            note = None
             try:
                 if pausing:
-                    self._each_engine("resume", lambda e: e.resume(self.call_timeout))
+                    self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
             except RoundError as exc:
-                # Every engine holds and reports verified v; one is just not serving yet.
-                note = f"committed, but resume failed: {exc}"
-            return self._result(version, "Succeeded", started, started_at, moved, attempts, note)
+                # Every engine holds and reports verified v (the committed version moves), but one does not
+                # serve: the round did not fully complete, and says so.
+                reason = f"committed version {version}, but resume failed: {exc}"
+                return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True,
+                                    committed=True)  # fmt: skip
+            return self._result(version, "Succeeded", started, started_at, moved, attempts, None, committed=True)
         if self.staging == "staged":
             return self._result(version, "Aborted", started, started_at, moved, attempts, reason)
+        if not self._written:
+            # Every source refused before its first write (a stale manifest, another plan): the live weights are
+            # untouched, so the engines serve v-1 again rather than wait paused for the next round.
+            self._abort_quietly(version, written=False)
+            self._resume_quietly()
+            return self._result(version, "Failed", started, started_at, 0, attempts, f"nothing written: {reason}")
         # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
         # they no longer fully hold for serving) until a later round succeeds.
         return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
@@ -192,7 +215,7 @@ class RoundDriver:
         reports = self._publish(version, deadline)
         if self.verify:
             self._verify(version, reports, deadline)
-        self._each_engine("commit", lambda e: e.commit(version, self.call_timeout))
+        self._each_engine("commit", lambda e: e.commit(version, self.call_timeout, round_id=self._rid))
         return sum(r.bytes for r in reports.values())
 
     def _publish(self, version: int, deadline: float) -> dict[int, SourceReport]:
@@ -220,7 +243,9 @@ class RoundDriver:
             # not answer by the deadline is not waited for (it may never answer: docs/replica.md).
             others = [f for s, f in futures.items() if s != current and not f.done()]
             wait(others, timeout=max(0.0, deadline - self.clock()) + self.settle_seconds)
+            self._written = self._written or any(_may_have_written(f) for f in futures.values())
             raise
+        self._written = True
         return reports
 
     def _verify(self, version: int, reports: Mapping[int, SourceReport], deadline: float) -> None:
@@ -237,7 +262,9 @@ class RoundDriver:
                     )
                 engine = self.engines[target[0]]
                 sums = report.checksums[target]
-                jobs[target] = self.pool.submit(engine.verify, target[1], version, sums, self.call_timeout)
+                jobs[target] = self.pool.submit(
+                    engine.verify, target[1], version, sums, self.call_timeout, round_id=self._rid
+                )
         for target, future in sorted(jobs.items()):
             result = self._result_by(future, deadline, f"engine {target[0]} rank {target[1]} verify")
             if not result.ok:
@@ -266,17 +293,25 @@ class RoundDriver:
         for index, future in futures.items():
             self._result_by(future, deadline, f"engine {index} {step}")
 
-    def _resume_quietly(self) -> None:
-        self._each_engine_quietly(lambda e: e.resume(self.call_timeout))
+    @property
+    def _rid(self) -> str:
+        assert self.round_id is not None, "engine calls happen only inside run()"
+        return self.round_id
 
-    def _abort_quietly(self, version: int) -> None:
-        self._each_engine_quietly(lambda e: e.abort(version, self.call_timeout))
+    def _resume_quietly(self) -> None:
+        rid = self._rid  # bound now: a late call must name its own round, not whichever runs when it lands
+        self._each_engine_quietly(lambda e: e.resume(self.call_timeout, round_id=rid))
+
+    def _abort_quietly(self, version: int, *, written: bool = True) -> None:
+        rid = self._rid  # bound now, as above
+        self._each_engine_quietly(lambda e: e.abort(version, self.call_timeout, round_id=rid, written=written))
 
     def _each_engine_quietly(self, action: Callable[[EngineRound], None]) -> None:
         """Best effort, every engine at once, so a hung engine costs one ``call_timeout``, not one each.
 
         Errors are dropped: the failure already being reported matters more, and an engine that missed an
-        abort has its round superseded by the next begin.
+        abort has its round superseded by the next begin. One that arrives late, after a newer round began, names
+        this round's id and is refused by the engine (it never cancels the newer round).
         """
         wait([self.pool.submit(action, engine) for engine in self.engines.values()], timeout=self.call_timeout)
 
@@ -291,6 +326,7 @@ class RoundDriver:
         reason: str | None,
         *,
         paused: bool = False,
+        committed: bool = False,
     ) -> RoundResult:
         seconds = max(self.clock() - started, 1e-9)
         return RoundResult(
@@ -303,4 +339,18 @@ class RoundDriver:
             attempts=attempts,
             reason=reason,
             engines_paused=paused,
+            round_id=self.round_id,
+            committed=committed,
         )
+
+
+def _may_have_written(future: Future[SourceReport]) -> bool:
+    """Unless the source answered that it refused before its first write, it may have written."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return True
+    return future.result().wrote
+
+
+def new_round_id() -> str:
+    """A round id: unique per round (uuid4), opaque to every peer, which only compares it."""
+    return uuid.uuid4().hex

@@ -7,7 +7,7 @@ Routes (served by :mod:`weightsync_agent.sidecar.routes`):
 * ``GET /v1/rounds/{version}?wait=S&after=T`` — the coordinator's result of round ``version`` if one
   finished after T (unix time), waiting up to S s.
 * ``POST /v1/sources/{rank}/publish {"version", "timeoutSeconds", "planHash", "engines", "catchUp",
-  "placements"}`` —
+  "placements", "roundId"}`` —
   the coordinator asks rank ``rank`` to write its targets; answers a source report.
 * ``POST /v1/sources/{rank}/prepare`` (the same body) — whether rank ``rank`` can publish ``version`` (it
   waits for the trainer to stage it); answers a source report, writes nothing.
@@ -95,6 +95,7 @@ class AgentClient:
             "engines": None if scope.engines is None else sorted(scope.engines),
             "catchUp": scope.catch_up,
             "placements": placements_to_json(scope.placements),
+            "roundId": scope.round_id,
         }
         data = self._call("POST", f"/v1/sources/{rank}/{step}", body, timeout=timeout + SLACK_SECONDS)
         try:

@@ -53,6 +53,7 @@ def source_report_to_json(report: SourceReport) -> dict[str, Any]:
         "error": report.error,
         "failedTarget": list(report.failed_target) if report.failed_target else None,
         "failedBucket": report.failed_bucket,
+        "wrote": report.wrote,
     }
 
 
@@ -73,6 +74,7 @@ def source_report_from_json(data: Any) -> SourceReport:
             error=data.get("error"),
             failed_target=(int(failed[0]), int(failed[1])) if failed else None,
             failed_bucket=None if data.get("failedBucket") is None else int(data["failedBucket"]),
+            wrote=bool(data.get("wrote", True)),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, WireError):
@@ -85,6 +87,8 @@ def round_result_to_json(result: RoundResult) -> dict[str, Any]:
         **result.as_status(),
         "attempts": result.attempts,
         "enginesPaused": result.engines_paused,
+        "roundId": result.round_id,
+        "committed": result.committed,
     }
 
 
@@ -105,6 +109,8 @@ def round_result_from_json(data: Any) -> RoundResult:
             attempts=int(data.get("attempts", 1)),
             reason=data.get("reason"),
             engines_paused=bool(data.get("enginesPaused", False)),
+            round_id=None if data.get("roundId") is None else str(data["roundId"]),
+            committed=bool(data.get("committed", outcome == "Succeeded")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, WireError):

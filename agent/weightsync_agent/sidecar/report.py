@@ -12,6 +12,9 @@ from typing import Any
 
 from weightsync.api import names
 
+#: Bound on reading the agent's own pod (a hung API server must not hold the coordinator's start).
+READ_TIMEOUT_SECONDS = 10.0
+
 
 def ready_condition(ready: bool, reason: str, message: str = "") -> dict[str, Any]:
     return {
@@ -36,6 +39,12 @@ class PodReporter:
         # kubelet's (or kwok's) own conditions alone.
         body = {"status": {"conditions": [ready_condition(ready, reason, message)]}}
         self.api.patch_namespaced_pod_status(self.pod, self.namespace, body)
+
+    def annotation(self, key: str) -> str | None:
+        """One annotation of the agent's own pod, as the API server has it now."""
+        found = self.api.read_namespaced_pod(self.pod, self.namespace, _request_timeout=READ_TIMEOUT_SECONDS)
+        value = (found.metadata.annotations or {}).get(key)
+        return None if value is None else str(value)
 
     def annotate(self, values: dict[str, str | dict[str, Any] | int | None]) -> None:
         encoded = {

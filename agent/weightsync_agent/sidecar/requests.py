@@ -15,6 +15,7 @@ from weightsync.api.v1alpha1 import MAX_RANKS
 from weightsync_agent.http.bounds import (
     MAX_POLL_SECONDS,
     MAX_RANK,
+    MAX_ROUND_ID,
     MAX_VERSION,
     Rank,
     RequestModel,
@@ -45,6 +46,7 @@ class SourceCallRequest(RequestModel):
     plan_hash: str | None = Field(default=None, alias="planHash", min_length=1, max_length=128)
     catch_up: bool = Field(default=False, alias="catchUp")
     placements: dict[TargetKey, PlacementId] | None = Field(default=None, max_length=MAX_RANKS)
+    round_id: str | None = Field(default=None, alias="roundId", min_length=1, max_length=MAX_ROUND_ID)
 
 
 class CommittedRequest(RequestModel):

@@ -128,7 +128,9 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             placements = placements_from_json(asked.placements)
         except WireError as exc:
             raise ValueError(str(exc)) from exc
-        scope = RoundScope.of(asked.plan_hash, asked.engines, catch_up=asked.catch_up, placements=placements)
+        scope = RoundScope.of(
+            asked.plan_hash, asked.engines, catch_up=asked.catch_up, placements=placements, round_id=asked.round_id
+        )
         return rank, asked.version, min(asked.timeout_seconds, runtime.round_timeout), scope
 
     async def source_committed(request: web.Request) -> web.Response:

@@ -99,6 +99,7 @@ class AgentRuntime:
                     call_timeout=self.call_timeout,
                     host=config.host,
                     token=self.token,
+                    recall=self._recall_committed if reporter is not None else None,
                 )
         else:
             if engine_url is None:
@@ -212,6 +213,12 @@ class AgentRuntime:
             return
         self.reporter.set_ready(ready, reason, message)
         self._ready_reported = ready
+
+    def _recall_committed(self) -> int | None:
+        """The committed version this pod reported before the agent (re)started, if it reported one."""
+        assert self.reporter is not None
+        value = self.reporter.annotation(names.ANNOTATION_WEIGHT_VERSION)
+        return int(value) if value is not None and value.isdigit() else None
 
     def _report_round(self, result: RoundResult, committed: int | None) -> None:
         if self.reporter is None:

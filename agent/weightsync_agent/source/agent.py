@@ -60,6 +60,8 @@ class SourceAgent:
         self.replicas: dict[int, ReplicaSet] = {}
         self.held: dict[int, int | None] = dict.fromkeys(self.ranks)  # committed version the replica holds
         self.ready_version: dict[int, int] = {}
+        #: The round each rank last prepared (the coordinator's round id): a publish naming another is refused.
+        self.prepared_round: dict[int, str] = {}
         #: Every target manifest fetched for the plan (broadcast mode: all targets, on rank 0's pod).
         self.manifests: dict[Target, Manifest] = {}
         #: A round found an engine publishing other addresses than a manifest here (it restarted): the
@@ -142,6 +144,8 @@ class SourceAgent:
             moved = self._moved(source, scope, targets)
             if moved is not None:
                 return moved
+            if scope.round_id is not None:
+                self.prepared_round[rank] = scope.round_id
             if scope.catch_up:
                 with self._locks[rank]:
                     self._check_holds(rank, source, version)
@@ -163,12 +167,17 @@ class SourceAgent:
             if moved is not None:
                 return moved
             with self._locks[rank]:
+                self._check_round(rank, scope)
                 if scope.catch_up:
                     self._check_holds(rank, source, version)
                 else:
                     self.wait_ready(rank, version, deadline)
                 result = source.publish(version, deadline, targets=targets, require_staged=not scope.catch_up)
-        except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, ReplicaError, TimeoutError) as exc:
+        except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, TimeoutError) as exc:
+            # Each is raised before the first write (source.publish checks the replica before it writes).
+            metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
+            return SourceReport(source=rank, ok=False, error=str(exc), wrote=False)
+        except ReplicaError as exc:  # not known to come before the first write
             metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
             return SourceReport(source=rank, ok=False, error=str(exc))
         metrics.SOURCE_BYTES.labels(self.group, str(rank)).inc(result.bytes)
@@ -233,8 +242,18 @@ class SourceAgent:
                 "or re-registered them; nothing written, the manifests are refetched for the next round"
             )
             log.warning("source %d: %s", source.source, error)
-            return SourceReport(source=source.source, ok=False, error=error, failed_target=target)
+            return SourceReport(source=source.source, ok=False, error=error, failed_target=target, wrote=False)
         return None
+
+    def _check_round(self, rank: int, scope: RoundScope) -> None:
+        """A coordinator prepares each round before it publishes; a publish from another round (one a dead or
+        superseded coordinator started, arriving late) must not write while a newer round owns the engines."""
+        prepared = self.prepared_round.get(rank)
+        if scope.round_id is not None and prepared is not None and scope.round_id != prepared:
+            raise SourceConfigError(
+                f"source {rank} was asked to publish for round {scope.round_id}, but the round it prepared last is "
+                f"{prepared}: a late call from an older round writes nothing"
+            )
 
     def _check_holds(self, rank: int, source: Source, version: int) -> None:
         if self.held.get(rank) != version:

@@ -18,13 +18,16 @@ class RoundScope:
     ``engines``: the engines the round covers (None: all of them); ``catch_up``: bring engines to the
     committed version the replica still holds, instead of writing a newly staged one; ``placements``: per
     target, the :attr:`~weightsync_agent.layout.manifest.Manifest.placement` its engine publishes at the
-    round's start (a source whose manifest says otherwise refuses to write it, and refetches: docs/architecture.md).
+    round's start (a source whose manifest says otherwise refuses to write it, and refetches: docs/architecture.md);
+    ``round_id``: the id the coordinator minted for this round (a publish naming another round than the one the
+    source last prepared is refused: a dead round's late call writes nothing).
     """
 
     plan_hash: str | None = None
     engines: frozenset[int] | None = None
     catch_up: bool = False
     placements: Mapping[Target, str] | None = field(default=None, hash=False)
+    round_id: str | None = None
 
     @classmethod
     def of(
@@ -34,8 +37,9 @@ class RoundScope:
         *,
         catch_up: bool = False,
         placements: Mapping[Target, str] | None = None,
+        round_id: str | None = None,
     ) -> RoundScope:
-        return cls(plan_hash, None if engines is None else frozenset(engines), catch_up, placements)
+        return cls(plan_hash, None if engines is None else frozenset(engines), catch_up, placements, round_id)
 
     def covers(self, engine: int) -> bool:
         return self.engines is None or engine in self.engines

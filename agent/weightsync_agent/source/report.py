@@ -20,3 +20,6 @@ class SourceReport:
     error: str | None = None
     failed_target: Target | None = None
     failed_bucket: int | None = None
+    #: False only when the source is sure it wrote nothing in this attempt (it refused before its first write:
+    #: another plan or round, a stale manifest, nothing staged); the driver then knows live weights are clean.
+    wrote: bool = True

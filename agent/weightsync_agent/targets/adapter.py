@@ -87,23 +87,33 @@ class AdapterSettings:
 
 
 class EngineRound(Protocol):
-    """An engine's part of a round, as the driver runs it (test fakes implement just this)."""
+    """An engine's part of a round, as the driver runs it (test fakes implement just this).
+
+    Every call names the round (``round_id``, minted by the coordinator): an engine that can hold it (the reference
+    engine) refuses a call naming another round than the open one; one that cannot (stock SGLang) has its adapter
+    keep the id and refuse client-side.
+    """
 
     name: str
 
-    def pause(self, timeout: float) -> None: ...
+    def pause(self, timeout: float, *, round_id: str) -> None: ...
 
-    def resume(self, timeout: float) -> None: ...
+    def resume(self, timeout: float, *, round_id: str) -> None: ...
 
-    def begin(self, version: int, timeout: float) -> None:
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
         """Open round ``version``: from here until commit or abort the engine expects writes."""
         ...
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict: ...
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict: ...
 
-    def commit(self, version: int, timeout: float) -> None: ...
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None: ...
 
-    def abort(self, version: int, timeout: float) -> None: ...
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
+        """Close round ``version`` without committing. ``written=False``: no source was asked to write in it, so
+        the engine's live weights are as they were before its begin (it may serve again)."""
+        ...
 
 
 class EngineAdapter(EngineRound, Protocol):
@@ -138,8 +148,9 @@ class EngineAdapter(EngineRound, Protocol):
         """Broadcast mode: join the trainer's torch.distributed group ``group_name`` as ``members``."""
         ...
 
-    def arm_broadcast(self, version: int, timeout: float) -> None:
-        """Broadcast mode, ``weightsync-buckets``: expect the buckets of ``version`` on the group."""
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
+        """Broadcast mode, ``weightsync-buckets``: expect the buckets of ``version`` on the group (in round
+        ``round_id``: the engine refuses to arm another round than its open one)."""
         ...
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:

@@ -114,11 +114,16 @@ class EngineClient(JsonHttpClient):
             )
         return manifest
 
-    def pause_generation(self, mode: PauseMode = "abort", timeout: float | None = None) -> dict[str, Any]:
-        return _object(self._post("/pause_generation", {"mode": mode}, timeout), "/pause_generation")
+    def pause_generation(
+        self, mode: PauseMode = "abort", timeout: float | None = None, *, round_id: str | None = None
+    ) -> dict[str, Any]:
+        """``round_id``: the reference engine's extension field; never sent to stock SGLang (its adapter keeps
+        the round id client-side)."""
+        body = _with_round({"mode": mode}, round_id)
+        return _object(self._post("/pause_generation", body, timeout), "/pause_generation")
 
-    def continue_generation(self, timeout: float | None = None) -> dict[str, Any]:
-        return _object(self._post("/continue_generation", {}, timeout), "/continue_generation")
+    def continue_generation(self, timeout: float | None = None, *, round_id: str | None = None) -> dict[str, Any]:
+        return _object(self._post("/continue_generation", _with_round({}, round_id), timeout), "/continue_generation")
 
     def update_weight_version(
         self, new_version: str | int, *, abort_all_requests: bool = False, timeout: float | None = None
@@ -165,8 +170,10 @@ class EngineClient(JsonHttpClient):
         answer = _object(self._post("/weightsync/stage", {"enabled": enabled}, timeout), "/weightsync/stage")
         return bool(answer.get("staged"))
 
-    def begin(self, version: str | int, timeout: float | None = None, *, verify: bool = True) -> dict[str, Any]:
-        body = {"version": str(version), "verify": verify}
+    def begin(
+        self, version: str | int, timeout: float | None = None, *, verify: bool = True, round_id: str | None = None
+    ) -> dict[str, Any]:
+        body = _with_round({"version": str(version), "verify": verify}, round_id)
         return _object(self._post("/weightsync/begin", body, timeout), "/weightsync/begin")
 
     def verify(
@@ -176,8 +183,11 @@ class EngineClient(JsonHttpClient):
         bucket_bytes: int,
         checksums: Sequence[str],
         timeout: float | None = None,
+        *,
+        round_id: str | None = None,
     ) -> RankVerification:
         body = {"rank": rank, "version": str(version), "bucket_bytes": bucket_bytes, "checksums": list(checksums)}
+        body = _with_round(body, round_id)
         answer = _object(self._post("/weightsync/verify", body, timeout), "/weightsync/verify")
         try:
             return RankVerification(
@@ -191,12 +201,25 @@ class EngineClient(JsonHttpClient):
         except (KeyError, TypeError, ValueError) as exc:
             raise HttpCallError("/weightsync/verify", 200, f"unexpected answer: {exc!r}", answer) from exc
 
-    def commit(self, version: str | int, timeout: float | None = None) -> dict[str, Any]:
-        return _object(self._post("/weightsync/commit", {"version": str(version)}, timeout), "/weightsync/commit")
+    def commit(
+        self, version: str | int, timeout: float | None = None, *, round_id: str | None = None
+    ) -> dict[str, Any]:
+        body = _with_round({"version": str(version)}, round_id)
+        return _object(self._post("/weightsync/commit", body, timeout), "/weightsync/commit")
 
-    def abort(self, version: str | int | None = None, timeout: float | None = None) -> dict[str, Any]:
-        body = {} if version is None else {"version": str(version)}
-        return _object(self._post("/weightsync/abort", body, timeout), "/weightsync/abort")
+    def abort(
+        self,
+        version: str | int | None = None,
+        timeout: float | None = None,
+        *,
+        round_id: str | None = None,
+        written: bool = True,
+    ) -> dict[str, Any]:
+        """``written=False``: no source was asked to write in the round (the engine may serve again)."""
+        body: dict[str, Any] = {} if version is None else {"version": str(version)}
+        if not written:
+            body["written"] = False
+        return _object(self._post("/weightsync/abort", _with_round(body, round_id), timeout), "/weightsync/abort")
 
     def checksums(self, rank: int, bucket_bytes: int, timeout: float | None = None) -> list[str]:
         """Per-bucket checksums of what ``rank``'s target memory holds now (reference engine)."""
@@ -214,6 +237,11 @@ class EngineClient(JsonHttpClient):
         if not isinstance(logits, list):
             raise HttpCallError("/weightsync/forward", 200, "answer has no logits", answer)
         return logits
+
+
+def _with_round(body: dict[str, Any], round_id: str | None) -> dict[str, Any]:
+    """``body`` naming round ``round_id`` (the reference engine refuses a call naming another than its open one)."""
+    return body if round_id is None else {**body, "round_id": round_id}
 
 
 def _object(payload: Any, route: str) -> dict[str, Any]:

@@ -56,6 +56,17 @@ field is checked (versions: integers in [0, 2^53) or labels of at most 128 chara
 ``MIN_BUCKET_BYTES`` and at most ``MAX_BUCKETS`` buckets per answer; lists and strings capped), and every refusal,
 aiohttp's own included, is a 4xx in the one error shape.
 
+**Round ids**: the coordinator names each round with an id (``round_id`` in the bodies of pause, continue,
+begin, verify, commit, abort and broadcast/receive). ``begin`` records it; a verify, commit, abort or receive
+naming another id than the open round's is refused (409, naming both), so a late abort of an earlier round of
+the same version never cancels the round that superseded it; a continue naming another round than the pause
+that holds the engine is refused likewise. Calls without an id (tests, an operator by hand) are taken as before.
+An abort saying ``"written": false`` (the coordinator asked no source to write) puts back whether the live
+weights were dirty before the round's begin, so generation can continue.
+
+**Versions only move forward**: a begin or commit of an integer version not newer than the integer version the
+engine holds is refused (409); ``"default"`` (the initial weights) is older than every integer.
+
 Run: ``python -m weightsync_testing.reference_engine.server --engine E --tp 2 --port P --seed S
 --transport mooncake|memory --host 127.0.0.1``. Prints one JSON ready line on stdout; exits cleanly on
 SIGTERM/SIGINT.
@@ -121,6 +132,8 @@ MAX_TOKENS = 4096  # prompt and completion together: greedy decoding recomputes 
 MAX_QUEUED_FORWARDS = 32
 #: ``init_method`` (``tcp://host:port``) and ``backend`` of a broadcast join.
 MAX_INIT_METHOD_CHARS = 512
+#: A round id is the coordinator's uuid4 hex; anything much longer is not one.
+MAX_ROUND_ID = 64
 
 
 log = logging.getLogger(__name__)
@@ -143,6 +156,8 @@ class Round:
     verified: dict[int, VerifyResult] = field(default_factory=dict)
     reception: Reception | None = None  # broadcast mode: the latest receive of this round
     verify: bool = True  # False: the group set transfer.verify false; commit needs no checksums
+    round_id: str | None = None  # the coordinator's id for the round; calls naming another are refused
+    dirty_before: bool = False  # live_dirty before this round's begin (restored by an abort with nothing written)
 
 
 class ReferenceEngine:
@@ -182,6 +197,7 @@ class ReferenceEngine:
         self.weight_version = weight_version
         self.paused = False
         self.pause_mode: str | None = None
+        self.paused_by: str | None = None  # the round id of the pause that holds the engine, if it named one
         self.live_dirty = False
         self.round: Round | None = None
         self.broadcast: BroadcastReceiver | None = None
@@ -204,14 +220,21 @@ class ReferenceEngine:
         manifest = memory.manifest().model_dump(mode="json", by_alias=True)
         return {"rank": rank, "remote_instance_transfer_engine_info": [memory.session_id, manifest]}
 
-    def pause(self, mode: str) -> dict[str, Any]:
+    def pause(self, mode: str, round_id: str | None = None) -> dict[str, Any]:
         if mode not in PAUSE_MODES:
             raise EngineError(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
         # Requests here are synchronous, so nothing is in flight: abort, retract and in_place coincide.
-        self.paused, self.pause_mode = True, mode
+        self.paused, self.pause_mode, self.paused_by = True, mode, round_id
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def resume(self) -> dict[str, Any]:
+    def resume(self, round_id: str | None = None) -> dict[str, Any]:
+        if round_id is not None and self.paused_by is not None and round_id != self.paused_by:
+            # A round that is over (its coordinator late or dead) must not unpause the round now writing.
+            raise EngineError(
+                409,
+                f"round {round_id} cannot continue generation: round {self.paused_by} paused it",
+                round=self.paused_by,
+            )
         if self.live_dirty:
             raise EngineError(
                 409,
@@ -219,7 +242,7 @@ class ReferenceEngine:
                 "commit a verified version before continuing generation",
                 weight_version=self.weight_version,
             )
-        self.paused, self.pause_mode = False, None
+        self.paused, self.pause_mode, self.paused_by = False, None, None
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     def update_weight_version(self, new_version: str) -> dict[str, Any]:
@@ -326,6 +349,7 @@ class ReferenceEngine:
             "weight_version": self.weight_version,
             "paused": self.paused,
             "pause_mode": self.pause_mode,
+            "paused_by": self.paused_by,
             "staged": self.staged,
             "live_dirty": self.live_dirty,
             "round": None
@@ -333,6 +357,7 @@ class ReferenceEngine:
             else {
                 "version": self.round.version,
                 "staged": self.round.staged,
+                "round_id": self.round.round_id,
                 "verified": {str(r): v.ok for r, v in sorted(self.round.verified.items())},
             },
             "sessions": [m.session_id for m in self.memory],
@@ -355,7 +380,7 @@ class ReferenceEngine:
                 memory.disable_staging()
         return {"staged": self.staged}
 
-    def begin(self, version: str, verify: bool = True) -> dict[str, Any]:
+    def begin(self, version: str, verify: bool = True, round_id: str | None = None) -> dict[str, Any]:
         """Open round ``version``, superseding any open round.
 
         A begin comes from the coordinator about to write. One that died mid-round leaves its round open
@@ -371,25 +396,27 @@ class ReferenceEngine:
             raise EngineError(409, f"version {current.version} is still being received over the broadcast group")
         if version == self.weight_version and not self.live_dirty:
             raise EngineError(409, f"engine already holds version {version}")
+        self._check_newer(version)
+        dirty_before = self.live_dirty
         if not self.staged:
             if not self.paused:
                 raise EngineError(409, "live mode writes into the served weights: pause generation first")
             self.live_dirty = True
         self._open_windows()
-        self.round = Round(version, self.staged, verify=verify)
+        self.round = Round(version, self.staged, verify=verify, round_id=round_id, dirty_before=dirty_before)
         resumed = current is not None and current.version == version
         superseded = current.version if current is not None and not resumed else None
         return {"version": version, "staged": self.staged, "resumed": resumed, "superseded": superseded}
 
-    def verify(self, rank: int, version: str, bucket_bytes: int, checksums: list[str]) -> dict[str, Any]:
+    def verify(
+        self, rank: int, version: str, bucket_bytes: int, checksums: list[str], round_id: str | None = None
+    ) -> dict[str, Any]:
         if not 0 <= rank < self.tp:
             raise EngineError(400, f"rank {rank} outside tp={self.tp}")
         check_buckets(bucket_bytes, self.weights[rank].nbytes)
         if len(checksums) > MAX_BUCKETS:
             raise EngineError(400, f"at most {MAX_BUCKETS} checksums per verify, got {len(checksums)}")
-        current = self.round
-        if current is None or current.version != version:
-            raise self._no_round(version)
+        current = self._open_round(version, round_id)
         received = None if current.reception is None else current.reception.error_for(rank)
         if received is not None:  # broadcast: this rank does not hold the round, whatever its bytes hash to
             result = VerifyResult(rank, bucket_bytes, 0, error=received, staged=current.staged)
@@ -402,10 +429,33 @@ class ReferenceEngine:
         open_version = None if self.round is None else self.round.version
         return EngineError(409, f"no open round for version {version}", round=open_version)
 
-    def commit(self, version: str) -> dict[str, Any]:
+    def _open_round(self, version: str, round_id: str | None) -> Round:
+        """The open round a call for ``version`` (from round ``round_id``, if it names one) addresses."""
         current = self.round
         if current is None or current.version != version:
             raise self._no_round(version)
+        if round_id is not None and round_id != current.round_id:
+            raise EngineError(
+                409,
+                f"round id mismatch: the open round of version {version} is {current.round_id}, this call is from "
+                f"round {round_id} (an earlier or foreign round)",
+                round=current.version,
+                round_id=current.round_id,
+            )
+        return current
+
+    def _check_newer(self, version: str) -> None:
+        """Versions only move forward: refuse an integer version not newer than the integer one held (the held one
+        again only to repair live weights a failed round left dirty)."""
+        held = self.weight_version
+        if not (version.isdigit() and held.isdigit()):
+            return
+        if int(version) < int(held) or (int(version) == int(held) and not self.live_dirty):
+            raise EngineError(409, f"version {version} is not newer than the version this engine holds ({held})")
+
+    def commit(self, version: str, round_id: str | None = None) -> dict[str, Any]:
+        current = self._open_round(version, round_id)
+        self._check_newer(version)
         if current.reception is not None and current.reception.running:
             raise EngineError(409, f"version {version} is still being received over the broadcast group")
         unverified = [r for r in range(self.tp) if r not in current.verified] if current.verify else []
@@ -444,12 +494,24 @@ class ReferenceEngine:
             except TransportError:
                 log.exception("engine %d rank %d: could not unregister its memory", self.engine, memory.rank)
 
-    def abort(self, version: str | None) -> dict[str, Any]:
+    def abort(self, version: str | None, round_id: str | None = None, *, written: bool = True) -> dict[str, Any]:
+        """Close the open round. ``written=False``: the coordinator asked no source to write in it, so the live
+        weights are as dirty as they were before its begin (a clean engine may continue generating)."""
         current = self.round
         if current is None:
             return {"aborted": None, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
         if version is not None and version != current.version:
             raise EngineError(409, f"open round is for version {current.version}, not {version}")
+        if round_id is not None and round_id != current.round_id:
+            raise EngineError(
+                409,
+                f"round id mismatch: the open round of version {current.version} is {current.round_id}, this abort "
+                f"is from round {round_id}; the open round goes on",
+                round=current.version,
+                round_id=current.round_id,
+            )
+        if not written and current.reception is None:
+            self.live_dirty = current.dirty_before
         self.round = None
         self._close_windows()
         # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
@@ -482,11 +544,9 @@ class ReferenceEngine:
         self.broadcast = receiver
         return {"joined": True, **receiver.status()}
 
-    def receive_broadcast(self, version: str) -> dict[str, Any]:
+    def receive_broadcast(self, version: str, round_id: str | None = None) -> dict[str, Any]:
         """Start receiving the open round's version over the broadcast group (returns at once)."""
-        current = self.round
-        if current is None or current.version != version:
-            raise self._no_round(version)
+        current = self._open_round(version, round_id)
         if self.broadcast is None:
             raise EngineError(409, "not in a broadcast group: POST /weightsync/broadcast first")
         try:
@@ -566,6 +626,15 @@ def _version(value: Any, what: str = "version") -> str:
     return value
 
 
+def _round_id(body: dict[str, Any]) -> str | None:
+    value = body.get("round_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ROUND_ID:
+        raise EngineError(400, f"round_id must be a string of 1 to {MAX_ROUND_ID} characters")
+    return value
+
+
 def _token_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not value or len(value) > MAX_TOKENS:
         raise EngineError(400, f"{what} must be a non-empty list of at most {MAX_TOKENS} token ids")
@@ -630,14 +699,14 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise EngineError(400, f"Invalid mode: {short(mode)}. Expected one of {list(PAUSE_MODES)}.")
-        answer = engine.pause(mode)
+        answer = engine.pause(mode, _round_id(body))
         async with engine.exclusive():  # a running generation stops at its next token: then nothing runs
             pass
         return web.json_response(answer)
 
     async def resume(request: web.Request) -> web.Response:
-        await _body(request)
-        return web.json_response(engine.resume())
+        body = await _body(request)
+        return web.json_response(engine.resume(_round_id(body)))
 
     async def update_version(request: web.Request) -> web.Response:
         body = await _body(request)
@@ -683,7 +752,7 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
         verify = body.get("verify", True)
         if not isinstance(verify, bool):
             raise EngineError(400, "verify must be true or false")
-        return web.json_response(engine.begin(_version(body.get("version")), verify))
+        return web.json_response(engine.begin(_version(body.get("version")), verify, _round_id(body)))
 
     async def verify(request: web.Request) -> web.Response:
         body = await _body(request)
@@ -703,19 +772,24 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
             _version(body.get("version")),
             _int(body.get("bucket_bytes"), "bucket_bytes", 1),
             checksums,
+            _round_id(body),
         )
         return web.json_response(result)
 
     async def commit(request: web.Request) -> web.Response:
         body = await _body(request)
         version = _version(body.get("version"))
+        round_id = _round_id(body)
         async with engine.exclusive():  # staged: the promotion never lands under a running forward
-            return web.json_response(engine.commit(version))
+            return web.json_response(engine.commit(version, round_id))
 
     async def abort(request: web.Request) -> web.Response:
         body = await _body(request)
         raw = body.get("version")
-        return web.json_response(engine.abort(None if raw is None else _version(raw)))
+        written = body.get("written", True)
+        if not isinstance(written, bool):
+            raise EngineError(400, "written must be true or false")
+        return web.json_response(engine.abort(None if raw is None else _version(raw), _round_id(body), written=written))
 
     async def join_broadcast(request: web.Request) -> web.Response:
         body = await _body(request)
@@ -746,7 +820,7 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
 
     async def receive_broadcast(request: web.Request) -> web.Response:
         body = await _body(request)
-        return web.json_response(engine.receive_broadcast(_version(body.get("version"))))
+        return web.json_response(engine.receive_broadcast(_version(body.get("version")), _round_id(body)))
 
     async def checksums(request: web.Request) -> web.Response:
         rank = _query_rank(request)

@@ -196,16 +196,18 @@ class ChecksumEngine:
         self.flip_once = False
         self.events: list[str] = []
 
-    def pause(self, timeout: float) -> None:
+    def pause(self, timeout: float, *, round_id: str) -> None:
         self.events.append("pause")
 
-    def resume(self, timeout: float) -> None:
+    def resume(self, timeout: float, *, round_id: str) -> None:
         self.events.append("resume")
 
-    def begin(self, version: int, timeout: float) -> None:
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
         self.events.append("begin")
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
         self.events.append("verify")
         mem = self.rig.memory[(self.index, rank)]
         if self.flip_once:  # a bit flips in flight, once
@@ -215,11 +217,11 @@ class ChecksumEngine:
         bad = [b.index for b, want in zip(buckets, checksums, strict=True) if target_checksum(b) != want]
         return TargetVerdict(ok=not bad and len(buckets) == len(checksums), mismatched=bad)
 
-    def commit(self, version: int, timeout: float) -> None:
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
         self.events.append("commit")
         self.version = version
 
-    def abort(self, version: int, timeout: float) -> None:
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
         self.events.append("abort")
 
 

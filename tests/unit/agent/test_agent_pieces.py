@@ -18,6 +18,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
 from weightsync_agent.config import AgentConfig
 from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDirectory
+from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.server import BackgroundServer
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.rounds.coordinator import HISTORY, Coordinator
@@ -139,6 +140,10 @@ def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
     result = coordinator.run_round(4)
     assert result.result == "Failed" and "not newer than committed 4" in (result.reason or "")
     assert coordinator.wait(4, 0.0) == result  # the trainer ranks waiting for v4 hear about it
+    # A rank that asks only after the refusal (a refusal waits for no rank) still hears it, at once.
+    started = time.monotonic()
+    assert coordinator.wait(4, 5.0, after=time.time() + 60) == result
+    assert time.monotonic() - started < 1.0
 
 
 def test_the_coordinator_keeps_the_last_rounds_only_and_wakes_its_listeners() -> None:
@@ -315,3 +320,48 @@ def test_rank_0s_publish_is_not_queued_behind_its_pods_waiting_ranks(tmp_path: P
             assert seconds < 5, f"rank 0's publish waited {seconds:.1f} s behind its pod's other ranks"
             for future in waiting:  # and they all hear its result
                 assert future.result(timeout=30)[1]["version"] == 1
+
+
+class HoldingEngine:
+    """Just what recovery asks of an engine: the version it holds (None: it does not answer)."""
+
+    def __init__(self, held: str | None) -> None:
+        self.held = held
+
+    def held_version(self, timeout: float | None = None) -> str | None:
+        if self.held is None:
+            raise HttpCallError("/model_info", None, "connection refused")
+        return self.held
+
+
+@pytest.mark.parametrize(
+    ("held", "recalled", "committed"),
+    [
+        (["3", "default"], None, 3),  # the newest any engine holds; engine 1 restarted and is behind
+        (["2", "3"], None, 3),
+        (["default", "default"], None, None),  # a fresh group
+        (["default", "default"], 5, 5),  # every engine restarted too: the pod's last report is a floor
+        (["6", "4"], 5, 6),
+    ],
+)
+def test_a_starting_coordinator_learns_the_committed_version(
+    monkeypatch: pytest.MonkeyPatch, held: list[str], recalled: int | None, committed: int | None
+) -> None:
+    coordinator = _coordinator("reference")
+    coordinator.recall = lambda: recalled
+    monkeypatch.setattr(coordinator, "_adapter", lambda plan, engine: HoldingEngine(held[engine]))
+    assert coordinator._recover(coordinator.own_sources.plan) is None
+    assert coordinator.committed == committed and coordinator.recovered
+
+
+def test_a_starting_coordinator_starts_no_round_until_every_engine_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    coordinator = _coordinator("reference")
+    engines = [HoldingEngine("3"), HoldingEngine(None)]
+    monkeypatch.setattr(coordinator, "_adapter", lambda plan, engine: engines[engine])
+    result = coordinator.run_round(2)
+    assert result.result == "Failed" and result.attempts == 0
+    assert "has not learnt the committed version yet" in (result.reason or "") and "engine 1" in (result.reason or "")
+    assert not coordinator.recovered and coordinator.committed is None
+    engines[1].held = "default"  # it answers now
+    result = coordinator.run_round(2)
+    assert "version 2 is not newer than committed 3" in (result.reason or "") and coordinator.committed == 3

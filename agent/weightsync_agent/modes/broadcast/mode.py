@@ -28,9 +28,10 @@ class SidecarBroadcast:
 
     source = SENDER
 
-    def __init__(self, agent: SourceAgent, sender: BroadcastSource) -> None:
+    def __init__(self, agent: SourceAgent, sender: BroadcastSource, round_id: str | None = None) -> None:
         self.agent = agent
         self.sender = sender
+        self.round_id = round_id
 
     def prepare(self, version: int, deadline: float) -> SourceReport:
         if self.agent.replicas.get(SENDER) is None:
@@ -58,7 +59,7 @@ class SidecarBroadcast:
         except (TimeoutError, ReplicaError, BroadcastStageError) as exc:
             return SourceReport(source=SENDER, ok=False, error=str(exc))
         with replicas.publishing():  # the trainer cannot restage while the bytes are on the wire
-            return self.sender.publish(version, deadline)
+            return self.sender.publish(version, deadline, round_id=self.round_id)
 
 
 class BroadcastMode:
@@ -90,7 +91,7 @@ class BroadcastMode:
         if self.sender is None or self.plan_hash != plan.hash or self.sender.group is None:
             self._form(peers, plan, engines)
         assert self.sender is not None
-        return {SENDER: SidecarBroadcast(peers.own_sources, self.sender)}
+        return {SENDER: SidecarBroadcast(peers.own_sources, self.sender, scope.round_id)}
 
     def _form(self, peers: RoundPeers, plan: Plan, engines: Mapping[int, EngineAdapter]) -> None:
         self.close()

@@ -226,7 +226,8 @@ class BroadcastSource:
             )
         return SourceReport(source=self.source, ok=True)
 
-    def publish(self, version: int, deadline: float) -> SourceReport:
+    def publish(self, version: int, deadline: float, *, round_id: str | None = None) -> SourceReport:
+        """``round_id``: the coordinator's round, named when arming each engine (which refuses another round's)."""
         started = time.monotonic()
         group = self.group
         if group is None or group.broken is not None:
@@ -245,7 +246,7 @@ class BroadcastSource:
             if isinstance(group, CustomGroupSender):
                 nbytes = self._send_announced(group, version, deadline)
             else:
-                refused = self._arm(version, deadline)
+                refused = self._arm(version, deadline, round_id)
                 if refused is not None:
                     engine, why = refused
                     error = f"engine {engine} could not be armed for version {version}: {why}"
@@ -331,10 +332,10 @@ class BroadcastSource:
                 self.progress(index, sum(t.numel() * t.element_size() for t in (self.staged[n] for n in chunk)))
         return sent
 
-    def _arm(self, version: int, deadline: float) -> tuple[int, str] | None:
+    def _arm(self, version: int, deadline: float, round_id: str | None) -> tuple[int, str] | None:
         timeout = max(0.1, min(self.call_timeout, deadline - time.monotonic()))
         arms = {
-            engine: self._pool.submit(adapter.arm_broadcast, version, timeout)
+            engine: self._pool.submit(adapter.arm_broadcast, version, timeout, round_id=round_id)
             for engine, adapter in self.engines.items()
         }
         for engine, future in arms.items():

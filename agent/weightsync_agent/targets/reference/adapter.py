@@ -64,24 +64,30 @@ class ReferenceAdapter:
 
     # --- The round ---------------------------------------------------------------------------------
 
-    def pause(self, timeout: float) -> None:
-        self.client.pause_generation(self.pause_mode, timeout=timeout)
+    # The engine holds the round id itself and refuses calls naming another round (409).
 
-    def resume(self, timeout: float) -> None:
-        self.client.continue_generation(timeout=timeout)
+    def pause(self, timeout: float, *, round_id: str) -> None:
+        self.client.pause_generation(self.pause_mode, timeout=timeout, round_id=round_id)
 
-    def begin(self, version: int, timeout: float) -> None:
-        self.client.begin(version, timeout=timeout, verify=self.settings.verify)
+    def resume(self, timeout: float, *, round_id: str) -> None:
+        self.client.continue_generation(timeout=timeout, round_id=round_id)
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
-        answer = self.client.verify(rank, version, self.settings.bucket_bytes, checksums, timeout=timeout)
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
+        self.client.begin(version, timeout=timeout, verify=self.settings.verify, round_id=round_id)
+
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
+        answer = self.client.verify(
+            rank, version, self.settings.bucket_bytes, checksums, timeout=timeout, round_id=round_id
+        )
         return TargetVerdict(ok=answer.ok, mismatched=answer.mismatched, error=answer.error)
 
-    def commit(self, version: int, timeout: float) -> None:
-        self.client.commit(version, timeout=timeout)
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
+        self.client.commit(version, timeout=timeout, round_id=round_id)
 
-    def abort(self, version: int, timeout: float) -> None:
-        self.client.abort(version, timeout=timeout)
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
+        self.client.abort(version, timeout=timeout, round_id=round_id, written=written)
 
     # --- Broadcast reception -----------------------------------------------------------------------
 
@@ -105,8 +111,9 @@ class ReferenceAdapter:
         # Joining blocks until the whole group formed: allow the collective's timeout plus one call.
         self.client.request("POST", JOIN_BROADCAST_ROUTE, body=body, timeout=timeout + self.settings.call_timeout)
 
-    def arm_broadcast(self, version: int, timeout: float) -> None:
-        self.client.request("POST", ARM_BROADCAST_ROUTE, body={"version": str(version)}, timeout=timeout)
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
+        body = {"version": str(version)} if round_id is None else {"version": str(version), "round_id": round_id}
+        self.client.request("POST", ARM_BROADCAST_ROUTE, body=body, timeout=timeout)
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
         raise HttpCallError(

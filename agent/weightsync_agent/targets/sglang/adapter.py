@@ -68,6 +68,18 @@ NOT_PUBLISHING = (
 )
 
 
+class RoundMismatchError(HttpCallError):
+    """A call from another round than the one this process last opened on the engine (never sent to SGLang)."""
+
+
+#: Per SGLang URL, the round this process last paused or began there. Stock SGLang has no round-id field, so
+#: the id is kept here, client-side: a late call of an earlier round (its driver's abort or resume, still in
+#: flight after the round gave up) is refused before it reaches the engine. It lives in the coordinator's
+#: process only: a call from a coordinator process that died is not stopped (docs/engines/sglang.md).
+_OPEN_ROUNDS: dict[str, str] = {}
+_OPEN_ROUNDS_LOCK = threading.Lock()
+
+
 class SglangAdapter:
     kind: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = ENGINE_KINDS["sglang"].capabilities  # type: ignore[assignment]
@@ -119,7 +131,21 @@ class SglangAdapter:
 
     # --- The round ---------------------------------------------------------------------------------
 
-    def pause(self, timeout: float) -> None:
+    def _open(self, round_id: str) -> None:
+        with _OPEN_ROUNDS_LOCK:
+            _OPEN_ROUNDS[self.client.base_url] = round_id
+
+    def _check_round(self, route: str, round_id: str) -> None:
+        with _OPEN_ROUNDS_LOCK:
+            current = _OPEN_ROUNDS.get(self.client.base_url)
+        if current is not None and current != round_id:
+            raise RoundMismatchError(
+                route, 409, f"round id mismatch: round {current} is open on {self.client.base_url}, this call is "
+                f"from round {round_id} (kept client-side: SGLang has no round id); not sent"
+            )  # fmt: skip
+
+    def pause(self, timeout: float, *, round_id: str) -> None:
+        self._open(round_id)
         # retract: running requests go back to the queue and are recomputed after resume (abort would lose
         # them, in_place would keep KV that the flush below must drop).
         self.client.pause_generation("retract", timeout=timeout)
@@ -136,7 +162,13 @@ class SglangAdapter:
                     raise
             time.sleep(FLUSH_RETRY_SECONDS)
 
-    def begin(self, version: int, timeout: float) -> None:
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
+        self._open(round_id)
+        held = self.client.weight_version(timeout=timeout)
+        if held is not None and held.isdigit() and version <= int(held):
+            raise HttpCallError(
+                "/begin_weight_update", 409, f"version {version} is not newer than the version SGLang holds ({held})"
+            )
         self._checksums = None
         try:
             self._post("/begin_weight_update", {}, timeout)
@@ -147,7 +179,10 @@ class SglangAdapter:
             self._post("/end_weight_update", {}, timeout)
             self._post("/begin_weight_update", {}, timeout)
 
-    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
+        self._check_round("/weights_checker", round_id)
         manifest = self._manifests.get(rank) or self.manifest(rank)
         if len(checksums) != len(manifest.tensors):
             return TargetVerdict(
@@ -163,15 +198,24 @@ class SglangAdapter:
             return TargetVerdict(ok=False, mismatched=mismatched, error=f"parameters {names} differ")
         return TargetVerdict(ok=True)
 
-    def commit(self, version: int, timeout: float) -> None:
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
+        self._check_round("/end_weight_update", round_id)
+        held = self.client.weight_version(timeout=timeout)
+        if held is not None and held.isdigit() and version <= int(held):
+            raise HttpCallError(
+                "/update_weight_version", 409, f"version {version} is not newer than the version SGLang holds ({held})"
+            )
         # The version moves only here, after every rank verified; end first, so post-processing has run.
         self._post("/end_weight_update", {}, timeout)
         self.client.update_weight_version(str(version), abort_all_requests=False, timeout=timeout)
 
-    def resume(self, timeout: float) -> None:
+    def resume(self, timeout: float, *, round_id: str) -> None:
+        self._check_round("/continue_generation", round_id)
         self.client.continue_generation(timeout=timeout)
 
-    def abort(self, version: int, timeout: float) -> None:
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
+        # SGLang tracks no dirty weights: after an abort with nothing written the driver's resume serves again.
+        self._check_round("/end_weight_update", round_id)
         # Close the weight-update session only: never relabel; the engine stays paused until a round lands.
         try:
             self._post("/end_weight_update", {}, timeout)
@@ -212,7 +256,7 @@ class SglangAdapter:
         }
         self._post(INIT_GROUP_ROUTE, body, timeout + self.settings.call_timeout)
 
-    def arm_broadcast(self, version: int, timeout: float) -> None:
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
         raise HttpCallError(UPDATE_ROUTE, None, "SGLang is told each chunk's tensors (receive_broadcast), not armed")
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
