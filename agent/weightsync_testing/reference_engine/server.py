@@ -59,6 +59,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,11 @@ class ReferenceEngine:
         self.weight_version = weight_version
         self.paused = False
         self.pause_mode: str | None = None
+        #: When the current pause began (monotonic), and how long the last finished one lasted: what a
+        #: rollout client lost to a round, measured where it happens.
+        self.paused_since: float | None = None
+        self.last_pause_seconds: float | None = None
+        self.pauses = 0
         self.live_dirty = False
         self.round: Round | None = None
         self.broadcast: BroadcastReceiver | None = None
@@ -164,6 +170,9 @@ class ReferenceEngine:
         if mode not in PAUSE_MODES:
             raise EngineError(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
         # Requests here are synchronous, so nothing is in flight: abort, retract and in_place coincide.
+        if not self.paused:
+            self.paused_since = time.monotonic()
+            self.pauses += 1
         self.paused, self.pause_mode = True, mode
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -175,6 +184,9 @@ class ReferenceEngine:
                 "commit a verified version before continuing generation",
                 weight_version=self.weight_version,
             )
+        if self.paused_since is not None:
+            self.last_pause_seconds = time.monotonic() - self.paused_since
+            self.paused_since = None
         self.paused, self.pause_mode = False, None
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -252,6 +264,8 @@ class ReferenceEngine:
             "weight_version": self.weight_version,
             "paused": self.paused,
             "pause_mode": self.pause_mode,
+            "pauses": self.pauses,
+            "last_pause_seconds": self.last_pause_seconds,
             "staged": self.staged,
             "live_dirty": self.live_dirty,
             "round": None
