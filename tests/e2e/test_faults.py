@@ -175,3 +175,35 @@ def test_a_slow_trainer_rank_keeps_the_engines_serving(agents: Agents) -> None:
     for pod in ENGINES:
         info = agents.engines[pod].client().status()
         assert not info["paused"] and info["last_pause_seconds"] < 1.0, info
+
+
+def restart_pod(admin: Kube, agents: Agents, name: str) -> None:
+    """What a node does when a pod is deleted: its containers stop; the operator makes a new pod; its agent starts."""
+    old = group_pods(admin, NS, GROUP)[name]["metadata"]["uid"]
+    agents.stop(name)
+    admin.kubectl("-n", NS, "delete", "pod", name, "--wait=false")
+    new = wait_for(
+        f"{name} recreated",
+        lambda: (pod := group_pods(admin, NS, GROUP).get(name)) and pod["metadata"]["uid"] != old and pod,
+        timeout=60,
+    )
+    agents.start(new)
+
+
+def test_a_restarted_trainer_pod_rebuilds_its_replica_and_rounds_go_on(admin: Kube, agents: Agents) -> None:
+    restart_pod(admin, agents, TRAINERS[1])
+    wait_for("the group to be Ready again", lambda: status(admin).get("phase") == "Ready", timeout=90)
+    assert engine_versions(agents) == dict.fromkeys(ENGINES, 9)  # nothing moved while it was away
+    assert_round(*publish(agents, 10), 10, agents)
+    reported(admin, 10)
+
+
+def test_a_restarted_coordinator_keeps_the_committed_version(admin: Kube, agents: Agents) -> None:
+    """Trainer pod 0 runs the coordinator: a new one learns the committed version, and versions never go back."""
+    restart_pod(admin, agents, TRAINERS[0])
+    wait_for("the group to be Ready again", lambda: status(admin).get("phase") == "Ready", timeout=90)
+    outcomes, _ = publish(agents, 4)
+    assert not any(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    assert engine_versions(agents) == dict.fromkeys(ENGINES, 10)
+    assert_round(*publish(agents, 11), 11, agents)
+    reported(admin, 11)
