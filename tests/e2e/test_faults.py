@@ -38,10 +38,13 @@ def status(admin: Kube) -> dict[str, Any]:
     return admin.json("-n", NS, "get", "wsg", GROUP).get("status") or {}
 
 
-def engine_versions(agents: Agents) -> dict[str, int | None]:
+def engine_versions(agents: Agents) -> dict[str, str | None]:
     """What each engine itself says it serves, asked directly (not through the API server)."""
-    versions = {pod: agents.engines[pod].client().weight_version() for pod in ENGINES}
-    return {pod: None if v is None else int(v) for pod, v in versions.items()}
+    return {pod: agents.engines[pod].client().weight_version() for pod in ENGINES}
+
+
+def everywhere(version: int) -> dict[str, str | None]:
+    return dict.fromkeys(ENGINES, str(version))
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,19 @@ def agents(
         admin.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
+def ready_again(admin: Kube, timeout: float = 90, cluster: tuple[LocalCluster, ClusterState] | None = None) -> None:
+    """The group back to Ready; on timeout, what each pod's gate says (the fold's inputs)."""
+    try:
+        wait_for("the group to be Ready again", lambda: status(admin).get("phase") == "Ready", timeout=timeout)
+    except AssertionError as exc:
+        gates = {
+            name: (pod.get("status", {}).get("phase"), pod.get("status", {}).get("conditions", []))
+            for name, pod in group_pods(admin, NS, GROUP).items()
+        }
+        dead = cluster[0].dead(cluster[1]) if cluster else "?"
+        raise AssertionError(f"{exc}\nstatus: {status(admin)}\ngates: {gates}\nexited components: {dead}") from None
+
+
 def publish(agents: Agents, version: int, *, late_rank: float = 0.0) -> tuple[list[Any], float]:
     """Trainer code on both pods stages the weights for ``version`` and publishes; returns outcomes and seconds."""
     full = full_state(seed=version)
@@ -102,7 +118,7 @@ def publish(agents: Agents, version: int, *, late_rank: float = 0.0) -> tuple[li
 def assert_round(outcomes: list[Any], seconds: float, version: int, agents: Agents) -> None:
     assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
     assert seconds < BUDGET, f"round {version} took {seconds:.1f} s, over its {BUDGET} s budget"
-    assert engine_versions(agents) == dict.fromkeys(ENGINES, version)
+    assert engine_versions(agents) == everywhere(version)
 
 
 def reported(admin: Kube, version: int) -> dict[str, Any]:
@@ -162,7 +178,7 @@ def test_an_operator_restart_during_rounds_changes_nothing(
     for version in (7, 8):
         assert_round(*publish(agents, version), version, agents)
     restarter.join(60)
-    wait_for("the group to be Ready again", lambda: status(admin).get("phase") == "Ready", timeout=60)
+    ready_again(admin, 60)
     reported(admin, 8)
     after = {name: pod["metadata"]["uid"] for name, pod in group_pods(admin, NS, GROUP).items()}
     assert after == before  # no pod recreated
@@ -190,20 +206,38 @@ def restart_pod(admin: Kube, agents: Agents, name: str) -> None:
     agents.start(new)
 
 
-def test_a_restarted_trainer_pod_rebuilds_its_replica_and_rounds_go_on(admin: Kube, agents: Agents) -> None:
+def test_a_restarted_trainer_pod_rebuilds_its_replica_and_rounds_go_on(
+    control_plane: tuple[LocalCluster, ClusterState, Kube], admin: Kube, agents: Agents
+) -> None:
     restart_pod(admin, agents, TRAINERS[1])
-    wait_for("the group to be Ready again", lambda: status(admin).get("phase") == "Ready", timeout=90)
-    assert engine_versions(agents) == dict.fromkeys(ENGINES, 9)  # nothing moved while it was away
+    ready_again(admin, 90, control_plane[:2])
+    assert engine_versions(agents) == everywhere(9)  # nothing moved while it was away
     assert_round(*publish(agents, 10), 10, agents)
     reported(admin, 10)
 
 
-def test_a_restarted_coordinator_keeps_the_committed_version(admin: Kube, agents: Agents) -> None:
-    """Trainer pod 0 runs the coordinator: a new one learns the committed version, and versions never go back."""
-    restart_pod(admin, agents, TRAINERS[0])
-    wait_for("the group to be Ready again", lambda: status(admin).get("phase") == "Ready", timeout=90)
-    outcomes, _ = publish(agents, 4)
-    assert not any(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
-    assert engine_versions(agents) == dict.fromkeys(ENGINES, 10)
+def test_a_restarted_engine_is_caught_up_and_rounds_go_on(
+    control_plane: tuple[LocalCluster, ClusterState, Kube], admin: Kube, agents: Agents
+) -> None:
+    """Engine 1's pod is recreated: its new engine starts from its initial weights, is caught up to the committed
+    version by the coordinator (no publish needed), and the next round reaches both engines."""
+    restart_pod(admin, agents, ENGINES[1])
+    wait_for("the restarted engine to be caught up", lambda: engine_versions(agents) == everywhere(10),
+             timeout=60)  # fmt: skip
+    ready_again(admin, 90, control_plane[:2])
+    reported(admin, 10)
     assert_round(*publish(agents, 11), 11, agents)
     reported(admin, 11)
+
+
+def test_a_restarted_coordinator_keeps_the_committed_version(
+    control_plane: tuple[LocalCluster, ClusterState, Kube], admin: Kube, agents: Agents
+) -> None:
+    """Trainer pod 0 runs the coordinator: a new one learns the committed version, and versions never go back."""
+    restart_pod(admin, agents, TRAINERS[0])
+    ready_again(admin, 90, control_plane[:2])
+    outcomes, _ = publish(agents, 4)
+    assert not any(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    assert engine_versions(agents) == everywhere(11)
+    assert_round(*publish(agents, 12), 12, agents)
+    reported(admin, 12)

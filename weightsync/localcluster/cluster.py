@@ -257,6 +257,20 @@ class LocalCluster:
         self._start(state, name, Path(process.binary), process.args)
         if name == "kube-apiserver":
             self._wait_apiserver(state, timeout)
+        self.revive(state)
+
+    def revive(self, state: ClusterState) -> list[str]:
+        """Start again every component that exited (what a kubelet does for a control plane's static pods):
+        a controller that lost the API server for long enough may exit; the cluster must not stay without it."""
+        revived = []
+        for process in list(state.processes):
+            if not _alive(process):
+                self._start(state, process.name, Path(process.binary), process.args)
+                revived.append(process.name)
+        return revived
+
+    def dead(self, state: ClusterState) -> list[str]:
+        return [p.name for p in state.processes if not _alive(p)]
 
     # --- Pieces ------------------------------------------------------------------------------------
 
