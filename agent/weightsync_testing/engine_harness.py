@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
@@ -48,6 +49,12 @@ class EngineHarness(Protocol):
         ...
 
 
+def mooncake_port_env(spec: WeightSyncGroupSpec) -> dict[str, str]:
+    """``transfer.mooncakePorts`` as the operator hands it to the engine container: Mooncake's own variables."""
+    ports = spec.transfer.mooncake_ports
+    return {names.ENV_MOONCAKE_MIN_PORT: str(ports.start), names.ENV_MOONCAKE_MAX_PORT: str(ports.end)}
+
+
 class ReferenceEngines:
     def __init__(self) -> None:
         self.processes: dict[int, EngineProcess] = {}
@@ -63,6 +70,7 @@ class ReferenceEngines:
             staged=spec.transfer.target_staging == "staged",
             extra=("--transfer-timeout", str(spec.transfer.timeout_seconds)),
             token=token,
+            env=mooncake_port_env(spec),
         )
         self.processes[engine] = process
         return StartedEngine(process.url, process.stop, {}, token)
@@ -98,6 +106,7 @@ class SglangEngines:
             log_dir=self.log_dir,
             healthy=healthy,
             admin_api_key=token,
+            extra_env=mooncake_port_env(spec),  # SGLang's own Mooncake engine reads them, as in its pod
         )
         self.servers[engine] = server
         return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python}, token)

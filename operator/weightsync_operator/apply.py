@@ -268,6 +268,8 @@ class Reconciler:
         uid = group.metadata.uid
         for obj in desired.supporting_objects():
             await self._ensure(obj, uid)
+        if desired.network_policy is None:
+            await self._remove_network_policy(group)
         await self._ensure_secret(group, desired.secret)
         if decision.changed:
             await self._plan_event(body, decision)
@@ -371,6 +373,15 @@ class Reconciler:
         patch["metadata"]["ownerReferences"] = [r for r in owners if r.get("uid") != uid] + ours
         if not _is_subset(patch, current):
             await self.api.merge_patch(path, patch)
+
+    async def _remove_network_policy(self, group: WeightSyncGroup) -> None:
+        """``networkPolicy.enabled: false``: delete the policy this group made, never one it does not control
+        (the users' own, under the same name, is theirs)."""
+        meta = group.metadata
+        path = KINDS["NetworkPolicy"].item(meta.namespace, names.network_policy(meta.name))
+        current = await self.api.get(path)
+        if current is not None and _controlled_by(current, meta.uid):
+            await self.api.delete(path, uid=(current.get("metadata") or {}).get("uid"))
 
     async def _ensure_secret(self, group: WeightSyncGroup, secret: Mapping[str, Any]) -> None:
         """The group's credential: created with a fresh token when missing; afterwards only its metadata (owner,

@@ -73,6 +73,7 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("v1", "events"),
     "Role": Kind("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "WeightSyncGroup": Kind("weightsync.io/v1alpha1", "weightsyncgroups"),
 }
 

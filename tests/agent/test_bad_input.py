@@ -57,6 +57,9 @@ class Engine:
 
     def __init__(self, transports: list[Transport]) -> None:
         self.engine = ReferenceEngine(engine=0, tp=TP, seed=3, transports=transports)
+        # Round 1 open, as the driver opens it before any write: outside a round the memory refuses every write.
+        self.engine.pause("abort")
+        self.engine.begin("1")
         self.initial = [w.buffer.clone() for w in self.engine.weights]
         self.server = serve_in_thread(self.engine).start()
         self.client = EngineClient(self.server.url, timeout=10)
@@ -290,6 +293,7 @@ def test_a_tensor_missing_at_publish_over_mooncake_writes_nothing_then_the_full_
 
 def test_a_coordinator_handed_peers_the_plan_does_not_know_is_refused(engine: Engine) -> None:
     plan = make_plan()
+    engine.engine.abort(None)  # no round open: the driver must not open one either
     with MemoryTransport() as sender, reference_source(engine, sender) as source:
         control = reference_adapter(0, engine.client.base_url, bucket_bytes=BUCKET_BYTES)
         sources = {0: InProcessSourceControl(source)}

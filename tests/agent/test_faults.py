@@ -258,6 +258,9 @@ def fence_rig() -> Iterator[tuple[list[ReferenceEngine], Source, RecordingTransp
     """Two in-process reference engines (TP1, memory transport) and one source writing both."""
     plan = one_source_two_engines()
     engines = [ReferenceEngine(engine=e, tp=1, seed=engine_seed(e), transports=[MemoryTransport()]) for e in range(2)]
+    for engine in engines:  # round 1 open, as the driver opens it before any write: only then is memory writable
+        engine.pause("abort")
+        engine.begin("1")
     transport = RecordingTransport(MemoryTransport(timeout_seconds=10))
     manifests = {(e.engine, 0): e.memory[0].manifest() for e in engines}
     source = Source(transport, plan, 0, manifests, BUCKET_BYTES, pin=False, max_inflight=2)

@@ -59,6 +59,7 @@ NAMESPACED_RULES = (
     | _triples("", ["configmaps"], ["get", "list", "watch", "create", "patch"])
     | _triples("", ["services", "serviceaccounts"], ["get", "create", "patch"])
     | _triples("", ["secrets"], ["get", "create", "patch"])
+    | _triples("networking.k8s.io", ["networkpolicies"], ["get", "create", "patch", "delete"])
     | _triples("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["get", "create", "patch"])
 )
 
@@ -201,11 +202,13 @@ def test_validation_is_actually_strict(render: Renderer) -> None:
 
 
 def test_rendered_kinds(render: Renderer) -> None:
+    policy = ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     kinds = sorted(d["kind"] for d in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount", *policy])
     kinds = sorted(d["kind"] for d in render(*VALUE_SETS["both"]))
     assert kinds == sorted(
         [
+            *policy,
             "ClusterRole",
             "ClusterRoleBinding",
             "Deployment",
@@ -227,7 +230,16 @@ def test_namespaced_objects_go_to_release_namespace(render: Renderer) -> None:
 
 
 def test_kube_version_floor(helm_bin: str, helm_env: dict[str, str]) -> None:
-    ok = _helm(helm_bin, helm_env, "template", RELEASE, str(CHART), "--kube-version", "1.30.0")
+    no_policy = ("--set", "agentPodPolicy.enabled=false")
+    ok = _helm(helm_bin, helm_env, "template", RELEASE, str(CHART), "--kube-version", "1.30.0", *no_policy)
+    assert ok.returncode == 0, ok.stderr
+    # The agents' pod policy checks the pod a token is bound to, which the API server names from 1.32 on.
+    policy = _helm(helm_bin, helm_env, "template", RELEASE, str(CHART), "--kube-version", "1.31.9")
+    assert policy.returncode != 0
+    assert (
+        "agentPodPolicy needs Kubernetes >= 1.32" in policy.stderr and "agentPodPolicy.enabled=false" in policy.stderr
+    )
+    ok = _helm(helm_bin, helm_env, "template", RELEASE, str(CHART), "--kube-version", "1.32.0")
     assert ok.returncode == 0, ok.stderr
     old = _helm(helm_bin, helm_env, "template", RELEASE, str(CHART), "--kube-version", "1.29.9")
     assert old.returncode != 0
@@ -536,3 +548,34 @@ def test_crd_installed_by_helm(helm_bin: str, helm_env: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stderr
     kinds = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(proc.stdout) if d]
     assert ("CustomResourceDefinition", "weightsyncgroups.weightsync.io") in kinds
+
+
+# ---------------------------------------------------------------------------------------------------
+# The agents' pod policy (its behaviour is tested on the real API server: tests/e2e/test_least_privilege.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_agent_pod_policy_names_what_agents_write(render: Renderer) -> None:
+    from weightsync.api import names
+
+    policy = _one(render(), "ValidatingAdmissionPolicy")
+    binding = _one(render(), "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Allow"}
+    assert policy["spec"]["paramKind"] == {"apiVersion": "weightsync.io/v1alpha1", "kind": "WeightSyncGroup"}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["UPDATE"] and rule["resources"] == ["pods", "pods/status"]
+    text = json.dumps(policy)
+    # The names the agents use (weightsync.api.names), spelled the same in the policy's CEL.
+    assert f"'{names.CONDITION_AGENT_READY}'" in text
+    assert f"'{names.ANNOTATION_SPEC_HASH}'" in text
+    for annotation in (names.ANNOTATION_WEIGHT_VERSION, names.ANNOTATION_LAST_ROUND, names.ANNOTATION_AGENT_URL):
+        assert annotation.startswith("weightsync.io/") and "startsWith('weightsync.io/')" in text
+    assert "+ '-agent'" in text and names.agent_service_account("g") == "g-agent"
+
+
+def test_agent_pod_policy_can_be_turned_off(render: Renderer) -> None:
+    kinds = {d["kind"] for d in render("--set", "agentPodPolicy.enabled=false")}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}

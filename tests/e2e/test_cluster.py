@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_example, token_kubeconfig, wait_for
+from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_example, wait_for
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import group_pods, secret_reader
+from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync.plan import Plan, plan_for
+from weightsync_operator.builders import build_network_policy
 from weightsync_testing.reference_engine.model import full_state, shard
 
 INVALID = sorted((ROOT / "tests" / "fixtures" / "invalid").glob("*.yaml"))
@@ -148,8 +149,7 @@ def agents(cluster: Any, admin: Kube, group_ns: str, tmp_path_factory: pytest.Te
         "the agents' ServiceAccount",
         lambda: admin.kubectl("-n", NS, "get", "sa", "demo-agent", check=False).returncode == 0,
     )
-    kubeconfig = token_kubeconfig(state, admin, NS, "demo-agent", directory / "kubeconfig")
-    running = Agents(kubeconfig, directory, secrets=secret_reader(admin))
+    running = Agents(PodCredentials(state, admin, directory / "kubeconfigs"), directory, secrets=secret_reader(admin))
     try:
         yield running
     finally:
@@ -286,6 +286,98 @@ def test_the_group_credential_is_a_secret_the_group_owns_held_by_agents_and_engi
         assert all(r == {"name": "demo-credentials", "key": names.SECRET_TOKEN_KEY} for r in refs), refs
 
 
+def network_policy(admin: Kube, group: str) -> dict[str, Any] | None:
+    result = admin.kubectl("-n", NS, "get", "networkpolicy", names.network_policy(group), "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def expected_policy_spec(admin: Kube, group: str) -> dict[str, Any]:
+    built = build_network_policy(parse_group(admin.json("-n", NS, "get", "wsg", group)))
+    assert built is not None
+    return dict(built["spec"])
+
+
+def test_the_group_network_policy_fences_its_pods(admin: Kube, group_ns: str) -> None:
+    """The policy's *content* on the real API server: this local cluster has no CNI, so nothing enforces
+    NetworkPolicies here (kwok pods have no network at all); what a policy engine would do with it is
+    tested by tests/operator/test_network_policy.py's evaluator."""
+    uid = admin.json("-n", NS, "get", "wsg", "demo")["metadata"]["uid"]
+    policy = wait_for("the group's NetworkPolicy", lambda: network_policy(admin, "demo"))
+    (owner,) = policy["metadata"]["ownerReferences"]
+    assert owner["uid"] == uid and owner["kind"] == "WeightSyncGroup" and owner["controller"] is True
+    spec = policy["spec"]
+    assert spec == expected_policy_spec(admin, "demo")
+    assert spec["podSelector"] == {"matchLabels": {names.LABEL_GROUP: "demo"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    own, engine_clients = spec["ingress"]
+    assert own["from"] == [{"podSelector": {"matchLabels": {names.LABEL_GROUP: "demo"}}}]
+    assert own["ports"] == [
+        {"protocol": "TCP", "port": 9470},
+        {"protocol": "TCP", "port": 30000},
+        {"protocol": "TCP", "port": 15000, "endPort": 17000},
+    ]
+    assert engine_clients == {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 30000}]}
+    # Every pod of the group is selected by it, and its engine container knows the range the policy opens.
+    for pod in pods(admin, "demo").values():
+        assert pod["metadata"]["labels"][names.LABEL_GROUP] == "demo"
+        if "-engine-" in pod["metadata"]["name"]:
+            env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
+            assert (env[names.ENV_MOONCAKE_MIN_PORT], env[names.ENV_MOONCAKE_MAX_PORT]) == ("15000", "17000")
+    FIRST_POLICY.update(policy)
+
+
+#: The group's NetworkPolicy as first seen: reconciles must not rewrite it needlessly.
+FIRST_POLICY: dict[str, Any] = {}
+
+
+def test_an_edited_or_deleted_network_policy_is_restored(admin: Kube, group_ns: str) -> None:
+    name = names.network_policy("demo")
+    # Someone opens the group to everyone: the next reconcile (a resync, 5 s here) puts the rules back.
+    admin.kubectl("-n", NS, "patch", "networkpolicy", name, "--type", "merge", "-p", '{"spec": {"ingress": [{}]}}')
+    wait_for(
+        "the edited policy restored",
+        lambda: (p := network_policy(admin, "demo")) and p["spec"] == expected_policy_spec(admin, "demo"),
+        timeout=45,
+    )
+    old_uid = FIRST_POLICY["metadata"]["uid"]
+    admin.kubectl("-n", NS, "delete", "networkpolicy", name, "--wait=true")
+    restored = wait_for(
+        "the deleted policy recreated",
+        lambda: (p := network_policy(admin, "demo")) and p["metadata"]["uid"] != old_uid and p,
+        timeout=45,
+    )
+    assert restored["spec"] == expected_policy_spec(admin, "demo")
+    FIRST_POLICY.clear()
+    FIRST_POLICY.update(restored)
+
+
+def test_a_broadcast_group_opens_every_port_to_its_own_pods_and_can_opt_out(admin: Kube, group_ns: str) -> None:
+    """gloo/NCCL listen on ephemeral ports: a broadcast group's pods reach each other on every port; nobody else
+    does. ``networkPolicy.enabled: false`` makes the operator delete the policy it made."""
+    obj = load_example("tcp-group.yaml", NS)
+    obj["metadata"]["name"] = "bcast"
+    obj["spec"]["transfer"]["mode"] = "broadcast"
+    obj["spec"]["transfer"]["mooncakePorts"] = {"start": 20000, "end": 20999}
+    admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+    try:
+        policy = wait_for("the broadcast group's NetworkPolicy", lambda: network_policy(admin, "bcast"))
+        assert policy["spec"] == expected_policy_spec(admin, "bcast")
+        own, engine_clients = policy["spec"]["ingress"]
+        assert own == {"from": [{"podSelector": {"matchLabels": {names.LABEL_GROUP: "bcast"}}}]}  # every port
+        assert engine_clients["ports"] == [{"protocol": "TCP", "port": 30000}]
+
+        admin.kubectl("-n", NS, "patch", "wsg", "bcast", "--type", "merge", "-p",
+                      '{"spec": {"networkPolicy": {"enabled": false}}}')  # fmt: skip
+        wait_for("the opted-out group's policy deleted", lambda: network_policy(admin, "bcast") is None, timeout=45)
+    finally:
+        admin.kubectl("-n", NS, "delete", "wsg", "bcast", "--wait=true")
+    wait_for(
+        "the broadcast group's pods gone",
+        lambda: not pods(admin, "bcast"),
+        timeout=120,
+    )
+
+
 def test_agents_make_the_group_ready(admin: Kube, group_ns: str, agents: Agents) -> None:
     for pod in pods(admin, "demo").values():
         agents.start(pod)
@@ -418,6 +510,15 @@ def test_operator_restart_resumes_without_duplicates(admin: Kube, group_ns: str,
     assert len(all_pods) == len(before)
 
 
+def test_the_network_policy_survives_reconciles_unchanged(admin: Kube, group_ns: str) -> None:
+    """Many reconciles later (scaling, a recreated pod, an operator restart), nobody rewrote the policy: what the
+    operator builds is what the API server stores, so it never patches it needlessly."""
+    assert FIRST_POLICY, "the policy tests ran first"
+    now = network_policy(admin, "demo")
+    assert now is not None
+    assert now["metadata"]["resourceVersion"] == FIRST_POLICY["metadata"]["resourceVersion"]
+
+
 def test_the_credential_survives_reconciles_unchanged(admin: Kube, group_ns: str) -> None:
     # By now the group was scaled up and down, a pod recreated and the operator restarted: many reconciles.
     assert FIRST_SECRET, "the Secret test ran first"
@@ -436,7 +537,7 @@ def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: s
             "-n",
             NS,
             "get",
-            "pods,services,configmaps,secrets,serviceaccounts,roles,rolebindings",
+            "pods,services,configmaps,secrets,serviceaccounts,roles,rolebindings,networkpolicies",
             "-l",
             f"{names.LABEL_GROUP}=demo",
             "-o",
@@ -448,6 +549,7 @@ def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: s
             "get",
             "configmap/demo-plan",
             "secret/demo-credentials",
+            f"networkpolicy/{names.network_policy('demo')}",
             "service/demo",
             "sa/demo-agent",
             "role/demo-agent",

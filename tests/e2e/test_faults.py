@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Agents, Kube, OperatorProcess, load_example, token_kubeconfig, wait_for
+from conftest import Agents, Kube, OperatorProcess, load_example, wait_for
 
 from weightsync.api import names
 from weightsync.localcluster.cluster import ClusterState, LocalCluster
-from weightsync.localcluster.session import group_pods, secret_reader
+from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync_testing.reference_engine.model import full_state
 
 NS = "faults"
@@ -65,8 +65,7 @@ def agents(
         lambda: admin.kubectl("-n", NS, "get", "sa", agent_sa, check=False).returncode == 0,
     )
     directory = tmp_path_factory.mktemp("fault-agents")
-    running = Agents(token_kubeconfig(state, admin, NS, agent_sa, directory / "kubeconfig"), directory,
-                     secrets=secret_reader(admin))  # fmt: skip
+    running = Agents(PodCredentials(state, admin, directory / "kubeconfigs"), directory, secrets=secret_reader(admin))
     try:
         for pod in group_pods(admin, NS, GROUP).values():
             running.start(pod)

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import Agents, Kube, OperatorProcess, load_example, token_kubeconfig, wait_for
+from conftest import Agents, Kube, OperatorProcess, load_example, wait_for
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import group_pods, secret_reader
+from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.sglang_env import SglangEnvError, SglangEnvUnavailable, sglang_python
@@ -78,9 +78,9 @@ def sglang_group(
         "the agents' ServiceAccount",
         lambda: admin.kubectl("-n", NS, "get", "sa", f"{GROUP}-agent", check=False).returncode == 0,
     )
-    kubeconfig = token_kubeconfig(state, admin, NS, f"{GROUP}-agent", directory / "kubeconfig")
     harness = SglangEngines(model_dir, python=str(sglang_py), dtype="float32", log_dir=directory / "sglang")
-    agents = Agents(kubeconfig, directory, engines=(harness, group.spec), secrets=secret_reader(admin))
+    credentials = PodCredentials(state, admin, directory / "kubeconfigs")
+    agents = Agents(credentials, directory, engines=(harness, group.spec), secrets=secret_reader(admin))
     try:
         for pod in group_pods(admin, NS, GROUP).values():
             agents.start(pod)

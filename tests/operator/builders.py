@@ -132,8 +132,11 @@ class GroupBuilder:
         port: int | None = None,
         resources: dict[str, Any] | None = None,
         pull_policy: str | None = None,
+        security_context: dict[str, Any] | None = None,
     ) -> Self:
         agent: dict[str, Any] = {}
+        if security_context is not None:
+            agent["securityContext"] = security_context
         if image is not None:
             agent["image"] = image
         if port is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -198,11 +199,13 @@ def test_the_token_reaches_the_agent_and_the_engine_container_only() -> None:
     engine_env = engine["spec"]["containers"][0]["env"]
     # First, so the user's own variables may reference it with $(WEIGHTSYNC_GROUP_TOKEN).
     assert engine_env[0] == {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
-    assert engine_env[1:] == [{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]
+    assert engine_env[3:] == [{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]
     # A user's own variable of that name is replaced, not duplicated.
     shadow = template(container("engine", env=[{"name": names.ENV_GROUP_TOKEN, "value": "guessable"}]))
     env = build_engine_pod(GroupBuilder("g").engine_template(shadow).model(), 0, 0)["spec"]["containers"][0]["env"]
-    assert env == [{"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}]
+    assert [e for e in env if e["name"] == names.ENV_GROUP_TOKEN] == [
+        {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
+    ]
 
 
 def test_the_desired_state_holds_the_secrets_metadata_only() -> None:
@@ -210,6 +213,131 @@ def test_the_desired_state_holds_the_secrets_metadata_only() -> None:
     assert state.secret == build_group_secret(GroupBuilder("g").model())
     assert state.secret not in state.supporting_objects()  # created with a token by the reconciler, once
     assert state.secret in state.objects()
+
+
+# --- Least privilege: API credentials and the agent's securityContext ---------------------------
+
+API_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+HARDENED = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "runAsGroup": 65532,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _mounts(c: dict[str, Any]) -> dict[str, str]:
+    return {m["mountPath"]: m["name"] for m in c.get("volumeMounts") or []}
+
+
+@pytest.mark.parametrize("role", ["trainer", "engine"])
+def test_only_the_agent_gets_api_credentials(role: str) -> None:
+    tpl = template(container("main"), container("helper"), initContainers=[container("fetch")])
+    group = GroupBuilder("g").trainer_template(tpl).engine_template(copy.deepcopy(tpl)).model()
+    pod = build_trainer_pod(group, 0) if role == "trainer" else build_engine_pod(group, 0, 0)
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["serviceAccountName"] == "g-agent"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    api_volume = _mounts(agent_of(pod))[API_PATH]
+    # The kubelet's kube-api-access shape, so load_incluster_config reads it unchanged.
+    sources = volumes[api_volume]["projected"]["sources"]
+    token = sources[0]["serviceAccountToken"]
+    assert token["path"] == "token" and 600 <= token["expirationSeconds"] <= 3600
+    assert "audience" not in token  # the API server's own audience
+    assert sources[1] == {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}
+    assert sources[2]["downwardAPI"]["items"] == [
+        {"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}
+    ]
+    assert next(m for m in agent_of(pod)["volumeMounts"] if m["mountPath"] == API_PATH)["readOnly"] is True
+    # Nobody else mounts it, nor anything at the credentials' path.
+    for c in [*spec["initContainers"], *spec["containers"]]:
+        if c["name"] != AGENT_CONTAINER:
+            assert api_volume not in _mounts(c).values() and API_PATH not in _mounts(c), c["name"]
+
+
+def test_a_template_asking_for_the_token_still_gets_none() -> None:
+    sneaky = {"name": "weightsync-agent-api-access", "mountPath": "/creds"}
+    tpl = template(
+        container("trainer", volumeMounts=[sneaky]),
+        initContainers=[container("fetch", volumeMounts=[sneaky])],
+        automountServiceAccountToken=True,
+    )
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert sneaky not in pod["spec"]["containers"][0]["volumeMounts"]
+    assert sneaky not in pod["spec"]["initContainers"][0]["volumeMounts"]
+
+
+def test_the_agent_is_hardened_by_default_and_writes_only_tmp_and_shm() -> None:
+    pod = build_trainer_pod(GroupBuilder().model(), 0)
+    agent = agent_of(pod)
+    assert agent["securityContext"] == HARDENED
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    writable = {path for path, name in _mounts(agent).items() if "emptyDir" in volumes[name]}
+    assert writable == {"/tmp", names.SHM_PATH}
+    assert volumes[_mounts(agent)["/tmp"]]["emptyDir"].get("medium") != "Memory"  # scratch space costs no RAM
+
+
+def test_the_agents_uid_is_the_agent_images_user() -> None:
+    dockerfile = (Path(__file__).resolve().parents[2] / "agent" / "Dockerfile").read_text()
+    (user,) = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert user == f"{HARDENED['runAsUser']}:{HARDENED['runAsGroup']}"
+
+
+_OVERRIDES: dict[str, Any] = {
+    "runAsUser": st.integers(0, 2**31 - 1),
+    "runAsGroup": st.integers(0, 2**31 - 1),
+    "runAsNonRoot": st.booleans(),
+    "allowPrivilegeEscalation": st.booleans(),
+    "readOnlyRootFilesystem": st.booleans(),
+    "capabilities": st.fixed_dictionaries(
+        {},
+        optional={
+            "add": st.lists(st.sampled_from(["IPC_LOCK", "NET_RAW", "SYS_NICE"]), max_size=3),
+            "drop": st.lists(st.sampled_from(["ALL", "NET_RAW"]), max_size=2),
+        },
+    ),
+    "seccompProfile": st.sampled_from(
+        [{"type": "RuntimeDefault"}, {"type": "Unconfined"}, {"type": "Localhost", "localhostProfile": "p.json"}]
+    ),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({}, optional=_OVERRIDES), st.booleans())
+def test_the_agents_security_context_is_overridden_field_by_field(overrides: dict[str, Any], rdma: bool) -> None:
+    builder = GroupBuilder().agent(security_context=overrides)
+    if rdma:
+        builder = builder.rdma("rdma/ib")
+    pod = build_engine_pod(builder.model(), 0, 0)
+    defaults = copy.deepcopy(HARDENED)
+    if rdma:
+        defaults["capabilities"]["add"] = ["IPC_LOCK"]
+    assert agent_of(pod)["securityContext"] == {**defaults, **overrides}
+    kubernetes_validate.validate(pod, "1.37.0", strict=True)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"privileged": True},  # not in the bounded schema: the agent can't be made privileged through the group
+        {"capabilities": {"add": ["ipc_lock"]}},
+        {"capabilities": {"add": ["IPC_LOCK"] * 17}},
+        {"seccompProfile": {"type": "Localhost"}},
+        {"seccompProfile": {"type": "RuntimeDefault", "localhostProfile": "p.json"}},
+        {"runAsUser": -1},
+        {"runAsNonRoot": "yes"},
+    ],
+)
+def test_the_security_context_schema_is_bounded(bad: dict[str, Any]) -> None:
+    from weightsync.api.load import SpecError, parse_group
+
+    with pytest.raises(SpecError):
+        parse_group(GroupBuilder().agent(security_context=bad).build())
 
 
 # --- RDMA, capabilities, shm, networking ---------------------------------------------------------
@@ -236,20 +364,30 @@ def test_no_rdma_resource_without_a_resource_name() -> None:
     assert "resources" not in agent_of(pod)
 
 
-def test_ipc_lock_is_merged_with_the_users_capabilities() -> None:
+def test_ipc_lock_is_merged_with_the_users_capabilities_when_the_group_uses_rdma() -> None:
     caps = {"capabilities": {"add": ["NET_ADMIN"], "drop": ["ALL"]}, "runAsUser": 1000}
     tpl = template(
         container("trainer", securityContext=caps),
         container("side", securityContext={"capabilities": {"add": ["IPC_LOCK"]}}),
     )
-    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).rdma("rdma/ib").model(), 0)
     first, second = pod["spec"]["containers"]
     assert first["securityContext"] == {
         "capabilities": {"add": ["NET_ADMIN", "IPC_LOCK"], "drop": ["ALL"]},
         "runAsUser": 1000,
     }
     assert second["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert agent_of(pod)["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert agent_of(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+def test_a_tcp_group_adds_no_capability_to_anyone() -> None:
+    caps = {"capabilities": {"add": ["NET_ADMIN"]}}
+    tpl = template(container("trainer", securityContext=caps), container("side"))
+    pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).set("transfer.protocol", "tcp").model(), 0)
+    first, second = pod["spec"]["containers"]
+    assert first["securityContext"] == caps  # the user's own, untouched
+    assert "securityContext" not in second
+    assert agent_of(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_multus_annotation_only_when_networks_are_given() -> None:
@@ -275,10 +413,11 @@ def test_a_template_that_already_mounts_shm_keeps_its_volume_and_the_agent_share
         volumes=[{"name": "my-shm", "emptyDir": {"medium": "Memory"}}],
     )
     pod = build_trainer_pod(GroupBuilder().trainer_template(tpl).model(), 0)
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["my-shm"]
+    shm_volumes = [v["name"] for v in pod["spec"]["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+    assert shm_volumes == ["my-shm"]
     assert pod["spec"]["containers"][0]["volumeMounts"] == [mount]
     assert pod["spec"]["containers"][1]["volumeMounts"] == [mount]
-    assert agent_of(pod)["volumeMounts"] == [mount]
+    assert [m for m in agent_of(pod)["volumeMounts"] if m["mountPath"] == "/dev/shm"] == [mount]
 
 
 def test_host_network() -> None:
@@ -353,7 +492,7 @@ def test_user_containers_are_untouched_but_for_what_weightsync_adds() -> None:
     built = pod["spec"]["containers"][0]
     for key in ("name", "image", "command", "env", "ports", "resources"):
         assert built[key] == user[key]
-    assert set(built) - set(user) == {"volumeMounts", "securityContext"}
+    assert set(built) - set(user) == {"volumeMounts"}  # and securityContext with IPC_LOCK, only under RDMA
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert pod["spec"]["tolerations"] == tpl["spec"]["tolerations"]
 
@@ -549,3 +688,28 @@ def test_replanning_settles_after_each_change(steps: list[tuple[int, int]], poli
         cm = build_plan_config_map(builder.model(), decision.plan)
         again = decide_plan(spec, group="g", namespace="default", config_map=cm)
         assert not again.changed and again.plan == decision.plan
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts, st.sampled_from(["tcp", "auto"]))
+def test_a_tcp_group_adds_nothing_pod_security_baseline_forbids(
+    layout: tuple[int, int, int, tuple[int, int]], protocol: str
+) -> None:
+    """What weightsync adds to a group without RDMA: no capability, no host namespace, no privilege, no hostPath,
+    for every pod of any layout (the real API server's PodSecurity check: tests/e2e/test_least_privilege.py)."""
+    replicas, trainer_rpp, engines, (rpe, engine_rpp) = layout
+    builder = (
+        GroupBuilder("g")
+        .trainers(replicas, ranks_per_pod=trainer_rpp)
+        .engines(engines, tp=rpe, ranks_per_pod=engine_rpp)
+        .set("transfer.protocol", protocol)
+    )
+    for pod in state_for(builder).pods:
+        spec = pod["spec"]
+        assert not {"hostNetwork", "hostPID", "hostIPC", "securityContext"} & set(spec)
+        assert all(set(v) - {"name"} <= {"emptyDir", "projected"} for v in spec["volumes"])
+        for c in [*spec["initContainers"], *spec["containers"]]:
+            security = c.get("securityContext") or {}
+            assert not security.get("privileged") and not (security.get("capabilities") or {}).get("add"), c["name"]
+            assert not any("hostPort" in p for p in c.get("ports") or [])
+        assert agent_of(pod)["securityContext"] == HARDENED

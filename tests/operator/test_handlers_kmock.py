@@ -70,6 +70,7 @@ def declare(k: Any) -> None:
         k.resources[f"v1/{plural}"] = info(kind=kind, namespaced=True, verbs=crud)
     for plural, kind in [("roles", "Role"), ("rolebindings", "RoleBinding")]:
         k.resources[f"rbac.authorization.k8s.io/v1/{plural}"] = info(kind=kind, namespaced=True, verbs=crud)
+    k.resources["networking.k8s.io/v1/networkpolicies"] = info(kind="NetworkPolicy", namespaced=True, verbs=crud)
     k.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=["create", "list"])
 
 
@@ -323,6 +324,10 @@ async def test_group_deletion_is_not_blocked_and_nothing_is_recreated(cluster: C
     await cluster.create_group(GroupBuilder("d", NS).build())
     await eventually(pods_named(cluster, "d-trainer-0", "d-engine-0-0"))
     await eventually(lambda: cluster.status("d").get("phase"))
+    # Let the reconciles the pods' own creation triggered finish: one already running when the group goes may
+    # still create a pod (owned by the deleted group, so a real garbage collector removes it). What this test
+    # pins is that nothing is created *after* the operator saw the deletion.
+    await asyncio.sleep(1.0)
 
     await cluster.delete(f"{GROUP_PATH}/d")  # no finalizer: kmock deletes at once
     assert cluster.group("d") is None
@@ -523,3 +528,38 @@ async def test_the_group_token_is_made_once_and_never_rewritten(cluster: Cluster
         }
         role = pod["metadata"]["labels"][names.LABEL_ROLE]
         assert holders == ({"weightsync-agent"} if role == "trainer" else {"weightsync-agent", "engine"})
+
+
+NETPOLS = "networking.k8s.io/v1/networkpolicies"
+NETPOL_PATH = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
+
+
+async def test_the_network_policy_is_kept_as_built_and_removed_only_when_its_group_opts_out(cluster: Cluster) -> None:
+    group = GroupBuilder("n", NS).trainers(1).engines(1).build()
+    await cluster.create_group(group)
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
+    try:
+        await Reconciler(api).reconcile(group)
+        built = cluster.objects(NETPOLS)["n-ingress"]
+        assert built["metadata"]["ownerReferences"][0]["uid"] == group["metadata"]["uid"]
+        # Someone opens it to everyone: the next reconcile puts the rules back.
+        await cluster.call("PATCH", f"{NETPOL_PATH}/n-ingress", {"spec": {"ingress": [{}]}},
+                           "application/merge-patch+json")  # fmt: skip
+        await Reconciler(api).reconcile(cluster.group("n"))  # type: ignore[arg-type]
+        assert cluster.objects(NETPOLS)["n-ingress"]["spec"] == built["spec"]
+        # The group opts out: its policy goes.
+        await cluster.patch_group("n", {"spec": {"networkPolicy": {"enabled": False}}})
+        await Reconciler(api).reconcile(cluster.group("n"))  # type: ignore[arg-type]
+        assert "n-ingress" not in cluster.objects(NETPOLS)
+        # A policy of that name the group does not control (the users' own) is never deleted.
+        theirs = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "n-ingress", "namespace": NS},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
+        }
+        await cluster.call("POST", NETPOL_PATH, theirs)
+        await Reconciler(api).reconcile(cluster.group("n"))  # type: ignore[arg-type]
+        assert cluster.objects(NETPOLS)["n-ingress"]["spec"] == theirs["spec"]
+    finally:
+        await api.close()

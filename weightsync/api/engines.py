@@ -30,6 +30,9 @@ class Capabilities:
     verify: VerifyKind
     #: Whether a joining or restarted engine can be brought to the committed version from the replicas.
     catch_up: bool
+    #: Whether the engine's weight memory accepts transport (Mooncake) writes only inside an open round, i.e.
+    #: is registered at begin and unregistered at commit/abort (docs/security.md, "The data plane").
+    writable_only_in_round: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
             staging=frozenset({"live", "staged"}),
             verify="bucket-xxh3",
             catch_up=True,
+            writable_only_in_round=True,
         ),
     ),
     "sglang": EngineKind(
@@ -59,6 +63,9 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
             staging=frozenset({"live"}),
             verify="tensor-hash",
             catch_up=True,
+            # Stock SGLang registers its weights with its own Mooncake engine once, at start
+            # (register_memory_region_v2), and has no route to unregister them: writable for its whole life.
+            writable_only_in_round=False,
         ),
     ),
 }

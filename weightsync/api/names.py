@@ -38,6 +38,11 @@ def group_secret(group: str) -> str:
     return f"{group}-credentials"
 
 
+def network_policy(group: str) -> str:
+    """The group's NetworkPolicy: ingress to its pods (docs/security.md, "The data plane")."""
+    return f"{group}-ingress"
+
+
 # --- Labels --------------------------------------------------------------------------------------
 LABEL_GROUP: Final = "weightsync.io/group"
 LABEL_ROLE: Final = "weightsync.io/role"
@@ -116,3 +121,12 @@ SHM_PATH: Final = "/dev/shm"
 OPERATOR_ENV_AGENT_IMAGE: Final = "WEIGHTSYNC_AGENT_IMAGE"
 #: Seconds between periodic reconciles of every group (default 30).
 OPERATOR_ENV_RESYNC_SECONDS: Final = "WEIGHTSYNC_RESYNC_SECONDS"
+
+
+# --- Mooncake's own settings ---------------------------------------------------------------------
+#: Mooncake's port range (read once per process, at its first engine; config.cpp): every Mooncake engine of a
+#: process binds its handshake/RPC port and its TCP data port inside [min, max]. The agents set them from the
+#: plan (``transfer.mooncakePorts``); the operator puts them into the engine container's environment, which is
+#: how the reference engine and stock SGLang (whose Mooncake reads the same variables) get them.
+ENV_MOONCAKE_MIN_PORT: Final = "MC_MIN_RPC_PORT"
+ENV_MOONCAKE_MAX_PORT: Final = "MC_MAX_RPC_PORT"

@@ -8,6 +8,7 @@ YAML; Python code uses the snake_case attributes.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, AliasGenerator, BaseModel, ConfigDict, Field, WithJsonSchema
@@ -74,11 +75,21 @@ class SpecModel(ApiModel):
 # The full PodTemplateSpec schema is the API server's business; we check only what we rely on
 # (at least one container, named) and preserve the rest untouched.
 
+#: A container name, a label value: what the API server will demand of the pods, checked when the group is applied
+#: (not when the operator first creates a pod and the group is already accepted).
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: An image reference: registry/path:tag@digest characters only (no spaces, quotes or control characters).
+IMAGE_REF = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
+
 _CONTAINER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "x-kubernetes-preserve-unknown-fields": True,
     "required": ["name"],
-    "properties": {"name": {"type": "string", "minLength": 1}, "image": {"type": "string"}},
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": DNS_LABEL},
+        "image": {"type": "string", "maxLength": 512, "pattern": IMAGE_REF},
+    },
 }
 
 POD_TEMPLATE_SCHEMA: dict[str, Any] = {
@@ -90,7 +101,10 @@ POD_TEMPLATE_SCHEMA: dict[str, Any] = {
         "metadata": {
             "type": "object",
             "properties": {
-                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                "labels": {
+                    "type": "object",
+                    "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE},
+                },
                 "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
             },
         },
@@ -121,8 +135,19 @@ def _check_template(value: dict[str, Any]) -> dict[str, Any]:
     containers = spec.get("containers")
     if not isinstance(containers, list) or not containers:
         raise ValueError("template.spec.containers should have at least 1 items: the pod needs your container")
-    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] for c in containers):
-        raise ValueError("template.spec.containers: every container needs a name")
+    for key in ("containers", "initContainers"):
+        for container in spec.get(key) or []:
+            if not isinstance(container, dict) or not isinstance(container.get("name"), str) or not container["name"]:
+                raise ValueError(f"template.spec.{key}: every container needs a name")
+            name, image = container["name"], container.get("image")
+            if len(name) > 63 or not re.match(DNS_LABEL, name):
+                raise ValueError(f"template.spec.{key}: container name {name[:80]!r} should match {DNS_LABEL!r}")
+            if isinstance(image, str) and (len(image) > 512 or not re.match(IMAGE_REF, image)):
+                raise ValueError(f"template.spec.{key}: image {image[:80]!r} should match {IMAGE_REF!r}")
+    labels = (value.get("metadata") or {}).get("labels") or {}
+    for key, label in labels.items() if isinstance(labels, dict) else ():
+        if not isinstance(label, str) or len(label) > 63 or not re.match(LABEL_VALUE, label):
+            raise ValueError(f"template.metadata.labels.{key}: {str(label)[:80]!r} should match {LABEL_VALUE!r}")
     return value
 
 
@@ -187,6 +212,41 @@ class InferenceSpec(SpecModel):
         return self.ranks_per_engine // self.ranks_per_pod
 
 
+#: Mooncake refuses a port range that touches Linux's ephemeral range (32768-60999) and silently falls back to
+#: 15000-17000 instead (``ValidatePortRange`` in Mooncake's config.cpp): refused here, where users see why.
+EPHEMERAL_PORTS: Final = (32768, 60999)
+#: Most ports one Mooncake range may span: bounds what a NetworkPolicy opens.
+MAX_PORT_RANGE: Final = 4096
+
+
+class PortRange(SpecModel):
+    """An inclusive range of TCP ports."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            CelRule(rule="self.start <= self.end", message="start must not be greater than end", field_path=".start"),
+            CelRule(
+                rule=f"self.end - self.start < {MAX_PORT_RANGE}",
+                message=f"the range may span at most {MAX_PORT_RANGE} ports",
+                field_path=".end",
+            ),
+            CelRule(
+                rule=f"self.end < {EPHEMERAL_PORTS[0]} || self.start > {EPHEMERAL_PORTS[1]}",
+                message=f"the range must lie outside {EPHEMERAL_PORTS[0]}-{EPHEMERAL_PORTS[1]} (Linux's ephemeral "
+                "ports, which Mooncake refuses: it would silently fall back to 15000-17000)",
+                field_path=".start",
+            ),
+        )
+    )
+
+    start: int = Field(ge=1024, le=65535, description="First port (1024-65535).")
+    end: int = Field(ge=1024, le=65535, description="Last port, inclusive (1024-65535).")
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start + 1
+
+
 class TransferSpec(SpecModel):
     """How weights move."""
 
@@ -224,6 +284,14 @@ class TransferSpec(SpecModel):
         default="live",
         description="live: write into the engine's weights while it is paused. "
         "staged: write into a staging area, copy on commit; the engine keeps serving meanwhile.",
+    )
+    mooncake_ports: PortRange = Field(
+        default_factory=lambda: PortRange(start=15000, end=17000),
+        json_schema_extra={"default": {"start": 15000, "end": 17000}},
+        description="Where every Mooncake engine of the group listens (its handshake/RPC port and its TCP data "
+        "port, two per engine; an agent opens one engine per peer it writes to): the agents, the reference engine "
+        "and stock SGLang (through MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) bind inside it, and the group's NetworkPolicy "
+        "opens it to the group's pods only. Default: Mooncake's own 15000-17000.",
     )
 
     @property
@@ -294,12 +362,54 @@ _RESOURCES_SCHEMA: dict[str, Any] = {
 }
 
 
+_CAPABILITY = r"^[A-Z][A-Z0-9_]{0,31}$"
+
+
+class Capabilities(SpecModel):
+    """Linux capabilities, as in a container's securityContext (``ALL``, ``IPC_LOCK``, ...)."""
+
+    add: list[Annotated[str, Field(pattern=_CAPABILITY)]] | None = Field(default=None, max_length=16)
+    drop: list[Annotated[str, Field(pattern=_CAPABILITY)]] | None = Field(default=None, max_length=16)
+
+
+class SeccompProfile(SpecModel):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            CelRule(
+                rule="(self.type == 'Localhost') == has(self.localhostProfile)",
+                message="seccompProfile.localhostProfile is required with type Localhost, and only with it",
+            )
+        )
+    )
+
+    type: Literal["RuntimeDefault", "Localhost", "Unconfined"]
+    localhost_profile: str | None = Field(default=None, min_length=1, max_length=253)
+
+
+class AgentSecurityContext(SpecModel):
+    """The agent container's securityContext: each field given replaces the operator's hardened default for it
+    (docs/security.md, "Least privilege"); the fields not listed here (``privileged``, ``procMount``, ...)
+    cannot be set, so the agent can be loosened only as far as these say."""
+
+    run_as_user: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    run_as_group: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    run_as_non_root: bool | None = None
+    allow_privilege_escalation: bool | None = None
+    read_only_root_filesystem: bool | None = None
+    capabilities: Capabilities | None = Field(
+        default=None, description="Replaces the default (drop ALL, add IPC_LOCK when the group uses RDMA) whole."
+    )
+    seccomp_profile: SeccompProfile | None = None
+
+
 class AgentSpec(SpecModel):
     """The weightsync agent sidecar."""
 
     image: str | None = Field(
         default=None,
         min_length=1,
+        max_length=512,
+        pattern=IMAGE_REF,
         description="Agent image; defaults to the one the operator was installed with.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -307,6 +417,117 @@ class AgentSpec(SpecModel):
         default=None, description="ResourceRequirements for the sidecar (requests/limits)."
     )
     port: int = Field(default=9470, ge=1, le=65535, description="Agent HTTP port (control, metrics).")
+    security_context: AgentSecurityContext | None = Field(
+        default=None,
+        description="Overrides of the agent container's hardened securityContext (non-root uid 65532, no privilege "
+        "escalation, drop ALL, RuntimeDefault seccomp, read-only root filesystem), field by field.",
+    )
+
+
+# --- Network policy ------------------------------------------------------------------------------
+# A NetworkPolicyPeer as Kubernetes defines it, bounded: selectors of at most 16 labels/expressions.
+
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_LABEL_KEY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+LabelKey = Annotated[str, Field(min_length=1, max_length=317, pattern=_LABEL_KEY)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=_LABEL_VALUE)]
+
+
+class SelectorRequirement(SpecModel):
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[LabelValue] = Field(default_factory=list, json_schema_extra={"default": []}, max_length=64)
+
+
+class LabelSelector(SpecModel):
+    """metav1.LabelSelector; empty selects everything (every pod, or every namespace)."""
+
+    # Keys and values are checked by the API server when the operator applies the policy; here only sizes.
+    match_labels: Annotated[
+        dict[Annotated[str, Field(max_length=317)], Annotated[str, Field(max_length=63)]],
+        WithJsonSchema(
+            {
+                "type": "object",
+                "maxProperties": 16,
+                "additionalProperties": {"type": "string", "maxLength": 63},
+            }
+        ),
+    ] = Field(default_factory=dict, max_length=16)
+    match_expressions: list[SelectorRequirement] = Field(
+        default_factory=list, json_schema_extra={"default": []}, max_length=16
+    )
+
+
+#: The shape of an IPv4 or IPv6 CIDR; the API server checks the addresses when the operator applies the policy.
+Cidr = Annotated[str, Field(min_length=9, max_length=49, pattern=r"^[0-9a-fA-F:.]+/[0-9]{1,3}$")]
+
+
+class IpBlock(SpecModel):
+    cidr: Cidr = Field(description="e.g. 10.0.0.0/8")
+    except_: list[Cidr] = Field(default_factory=list, alias="except", json_schema_extra={"default": []}, max_length=16)
+
+
+class NetworkPeer(SpecModel):
+    """A networking.k8s.io/v1 NetworkPolicyPeer: pods (of this namespace, or of the selected namespaces) or an
+    IP block. ``podSelector: {}`` is every pod of the group's namespace; ``namespaceSelector: {}`` every pod."""
+
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    ip_block: IpBlock | None = None
+
+
+#: Every pod of the group's namespace: who may reach the engines' serving port unless the spec says otherwise.
+SAME_NAMESPACE: Final[dict[str, Any]] = {"podSelector": {}}
+
+
+def _peer_rules(field: str) -> list[CelRule]:
+    # On the list's parent, not on the peer: the local checker (weightsync.api.load) does not descend arrays. The
+    # API server also checks the rules against the parent's schema default ({}), where the lists are absent.
+    return [
+        CelRule(
+            rule=f"!has(self.{field}) || "
+            f"self.{field}.all(p, has(p.podSelector) || has(p.namespaceSelector) || has(p.ipBlock))",
+            message=f"every entry of {field} needs podSelector, namespaceSelector or ipBlock",
+            field_path=f".{field}",
+        ),
+        CelRule(
+            rule=f"!has(self.{field}) || "
+            f"self.{field}.all(p, !has(p.ipBlock) || !(has(p.podSelector) || has(p.namespaceSelector)))",
+            message=f"{field}: ipBlock cannot be combined with podSelector or namespaceSelector in one entry",
+            field_path=f".{field}",
+        ),
+    ]
+
+
+class NetworkPolicySpec(SpecModel):
+    """The group's NetworkPolicy (ingress to the group's pods; docs/security.md, "The data plane")."""
+
+    model_config = ConfigDict(json_schema_extra=rules(*_peer_rules("agentPeers"), *_peer_rules("enginePeers")))
+
+    enabled: bool = Field(
+        default=True,
+        description="Create the group's NetworkPolicy. false: none (clusters whose users manage their own); "
+        "the operator then deletes the one it made.",
+    )
+    agent_peers: list[NetworkPeer] = Field(
+        default_factory=list,
+        json_schema_extra={"default": []},
+        max_length=16,
+        description="Who besides the group's own pods may reach the agent port (GET /metrics for Prometheus, "
+        "e.g. a namespaceSelector for the monitoring namespace). Every route but /healthz and /metrics needs "
+        "the group's credential anyway.",
+    )
+    engine_peers: list[NetworkPeer] = Field(
+        default_factory=lambda: [NetworkPeer.model_validate(SAME_NAMESPACE)],
+        json_schema_extra={"default": [{"podSelector": {}}]},  # SAME_NAMESPACE, as JSON
+        max_length=16,
+        description="Who besides the group's own pods may reach the engines' serving port (inference.port: "
+        "rollout routers calling /generate). Default: every pod of the group's namespace; "
+        "[{namespaceSelector: {}}] opens it to every pod of the cluster, [] to the group only. Admin routes need "
+        "the group's credential whatever this says.",
+    )
 
 
 _SPEC_RULES = rules(
@@ -354,6 +575,7 @@ class WeightSyncGroupSpec(SpecModel):
     transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
     rdma: RdmaSpec = Field(default_factory=RdmaSpec, json_schema_extra={"default": {}})
     agent: AgentSpec = Field(default_factory=AgentSpec, json_schema_extra={"default": {}})
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, json_schema_extra={"default": {}})
 
     @property
     def sources(self) -> int:
@@ -387,16 +609,16 @@ class ReplicaCounts(ApiModel):
 
 
 class PlanStatus(ApiModel):
-    hash: str = ""
+    hash: str = Field(default="", max_length=64)
     revision: int = Field(default=0, ge=0, description="Bumped every time the plan changes.")
-    policy: str = ""
+    policy: str = Field(default="", max_length=64)
     sources: int = Field(default=0, ge=0)
     targets: int = Field(default=0, ge=0)
     max_targets_per_source: int = Field(default=0, ge=0)
     max_shapes_per_source: int = Field(default=0, ge=0)
     balanced: bool = True
     moved_targets: int = Field(default=0, ge=0, description="Targets that changed source at the last replan.")
-    config_map: str = ""
+    config_map: str = Field(default="", max_length=253)
 
 
 class SyncStatus(ApiModel):
@@ -406,7 +628,9 @@ class SyncStatus(ApiModel):
     duration_seconds: float | None = Field(default=None, ge=0)
     bytes: int | None = Field(default=None, ge=0)
     gbps: float | None = Field(default=None, ge=0, description="Gigabits per second over the whole round.")
-    reason: str | None = Field(default=None, description="Why a round failed: which peer, which bucket.")
+    reason: str | None = Field(
+        default=None, max_length=32768, description="Why a round failed: which peer, which bucket."
+    )
 
 
 class WeightSyncGroupStatus(ApiModel):

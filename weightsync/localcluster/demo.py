@@ -31,6 +31,7 @@ from weightsync.localcluster.session import (
     Agents,
     Kube,
     OperatorProcess,
+    PodCredentials,
     group_pods,
     install_chart,
     secret_reader,
@@ -109,11 +110,9 @@ def run_demo(directory: Path, *, example: Path, scale_to: int, keep: bool, conso
                     == 0
                 ),
             )
-            agent_config = token_kubeconfig(
-                state, admin, NAMESPACE, names.agent_service_account(group), directory / "agent.kubeconfig"
-            )
+            credentials = PodCredentials(state, admin, directory / "agent-kubeconfigs")
             staged = group_obj["spec"].get("transfer", {}).get("targetStaging") == "staged"
-            agents = Agents(agent_config, directory / "logs", staged=staged, secrets=secret_reader(admin))
+            agents = Agents(credentials, directory / "logs", staged=staged, secrets=secret_reader(admin))
             wait_for("every pod", lambda: _all_pods_there(admin, group, group_obj))
             for pod in group_pods(admin, NAMESPACE, group).values():
                 agents.start(pod)

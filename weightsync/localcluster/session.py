@@ -102,6 +102,33 @@ def token_kubeconfig(state: ClusterState, admin: Kube, namespace: str, service_a
     return path
 
 
+@dataclass
+class PodCredentials:
+    """What the kubelet gives a pod's agent: a ServiceAccount token *bound to the pod* (a TokenRequest with
+    ``boundObjectRef`` kind Pod, name and uid, as for the projected volume), as a kubeconfig per pod.
+
+    The API server then knows which pod a request comes from (``authentication.kubernetes.io/pod-name`` in the
+    user's extra), which the chart's admission policy checks, and the token dies with the pod."""
+
+    state: ClusterState
+    admin: Kube
+    directory: Path
+
+    def __call__(self, pod: dict[str, Any]) -> Path:
+        meta = pod["metadata"]
+        account = pod["spec"]["serviceAccountName"]
+        token = self.admin.kubectl(
+            "-n", meta["namespace"], "create", "token", account,
+            "--bound-object-kind=Pod", f"--bound-object-name={meta['name']}", f"--bound-object-uid={meta['uid']}",
+            "--duration=2h",
+        ).stdout.strip()  # fmt: skip
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{meta['name']}.kubeconfig"
+        pki = Pki(Path(self.state.directory) / "pki")
+        path.write_text(kubeconfig(pki, self.state.server, token=token, user=account))
+        return path
+
+
 class OperatorProcess:
     """``weightsync operator`` as a local process."""
 
@@ -210,8 +237,9 @@ def agent_env(pod: dict[str, Any], secrets: SecretReader | None = None) -> dict[
 class Agents:
     """What kubelets would run for a group's pods, as local processes stopped together.
 
-    Every pod gets its agent (``weightsync agent`` bound to the pod, with the group's agent
-    ServiceAccount token); the first pod of each engine also gets its engine's processes, whose URL the
+    Every pod gets its agent (``weightsync agent`` bound to the pod, with a token of the group's agent
+    ServiceAccount bound to that pod: ``credentials``, e.g. :class:`PodCredentials`); the first pod of each
+    engine also gets its engine's processes, whose URL the
     agent advertises: a reference engine, or what ``engines`` starts for the group's ``spec`` (stock
     SGLang servers: ``weightsync_testing.engine_harness``). Trainer code is the caller: :meth:`client`
     gives a pod's trainer-side client. ``secrets`` resolves the group credential's ``secretKeyRef`` as a
@@ -220,14 +248,14 @@ class Agents:
 
     def __init__(
         self,
-        kubeconfig_path: Path,
+        credentials: Callable[[dict[str, Any]], Path],
         logs: Path,
         *,
         staged: bool = False,
         engines: tuple[EngineHarness, WeightSyncGroupSpec] | None = None,
         secrets: SecretReader | None = None,
     ) -> None:
-        self.kubeconfig = kubeconfig_path
+        self.credentials = credentials
         self.secrets = secrets
         self.logs = logs
         self.staged = staged
@@ -258,10 +286,11 @@ class Agents:
                 self.engines[name] = engine
                 env[names.ENV_ENGINE_URL] = engine.url
         self.envs[name] = env
+        kubeconfig_path = self.credentials(pod)
         with open(self.logs / f"{name}.log", "ab") as out:
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "weightsync.cli.main", "agent"],
-                env={**os.environ, **env, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSYNC_TICK_SECONDS": "1"},
+                env={**os.environ, **env, "KUBECONFIG": str(kubeconfig_path), "WEIGHTSYNC_TICK_SECONDS": "1"},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

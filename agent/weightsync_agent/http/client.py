@@ -2,18 +2,29 @@
 
 Every call has a timeout (``timeout`` per client, overridable per call) and raises
 :class:`PeerUnreachableError` (connection refused, reset or timed out) or :class:`HttpCallError` (an HTTP
-error status or an unusable answer) instead of hanging or returning half a result. stdlib only, blocking:
-call from a thread if the caller is asynchronous.
+error status or an unusable answer) instead of hanging or returning half a result. The timeout bounds the
+whole call, reading the answer included (a peer that trickles bytes is cut off at it), and an answer is read
+up to ``max_answer_bytes`` (:data:`~weightsync_agent.http.bounds.MAX_ANSWER_BYTES`): a peer answering 100 MB
+or never ending its answer is an error, not a process out of memory. stdlib only, blocking: call from a
+thread if the caller is asynchronous.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
+
+from weightsync_agent.http.bounds import MAX_ANSWER_BYTES
+
+#: Bytes read per step of an answer: the deadline is checked between steps.
+READ_STEP = 1 << 16
 
 
 class HttpCallError(RuntimeError):
@@ -32,12 +43,20 @@ class PeerUnreachableError(HttpCallError):
 
 
 class JsonHttpClient:
-    def __init__(self, base_url: str, *, timeout: float = 10.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 10.0,
+        api_key: str | None = None,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+    ) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.api_key = api_key
+        self.max_answer_bytes = max_answer_bytes
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -61,16 +80,50 @@ class JsonHttpClient:
             req.add_header("Content-Type", "application/json")
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
+        seconds = timeout or self.timeout
+        deadline = time.monotonic() + seconds
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                return resp.status, decode_body(resp.read())
+            with urllib.request.urlopen(req, timeout=seconds) as resp:
+                return resp.status, decode_body(self._read(resp, route, deadline, seconds))
         except urllib.error.HTTPError as exc:
-            payload = decode_body(exc.read())
+            payload = decode_body(self._read(exc, route, deadline, seconds, quiet=True))
             raise HttpCallError(route, exc.code, error_message(payload) or exc.reason, payload) from exc
         except urllib.error.URLError as exc:
             raise PeerUnreachableError(route, None, f"{self.base_url} unreachable: {exc.reason}") from exc
-        except (TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
             raise PeerUnreachableError(route, None, f"{self.base_url}: {exc!r}") from exc
+
+    def _read(self, resp: Any, route: str, deadline: float, seconds: float, *, quiet: bool = False) -> bytes:
+        """The answer's body, at most ``max_answer_bytes``, by ``deadline``. ``quiet`` (an error answer, whose
+        body only words the error): cut it off instead of raising."""
+        declared = resp.headers.get("Content-Length") if resp.headers is not None else None
+        if not quiet and declared is not None and declared.isdigit() and int(declared) > self.max_answer_bytes:
+            raise HttpCallError(route, None, f"answer of {declared} bytes is over the cap of {self.max_answer_bytes}")
+        chunks: list[bytes] = []
+        size = 0
+        late = PeerUnreachableError(route, None, f"{self.base_url}: answer not complete within {seconds:g} s")
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if quiet:
+                    break
+                raise late
+            set_read_timeout(resp, left)
+            try:
+                chunk = resp.read1(READ_STEP) if hasattr(resp, "read1") else resp.read(READ_STEP)
+            except TimeoutError:  # the read waited out the rest of the deadline
+                if quiet:
+                    break
+                raise late from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_answer_bytes:
+                if quiet:
+                    break
+                raise HttpCallError(route, None, f"answer over the cap of {self.max_answer_bytes} bytes")
+        return b"".join(chunks)
 
     def _get(self, route: str, query: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         return self.request("GET", route, query=query, timeout=timeout)[1]
@@ -92,6 +145,18 @@ class JsonHttpClient:
                 last = exc
         assert last is not None
         raise last
+
+
+def set_read_timeout(resp: Any, seconds: float) -> None:
+    """Make the answer's next socket read wait at most ``seconds`` (the rest of the call's deadline).
+
+    urllib gives the socket one timeout per operation; a peer sending a byte just inside it forever would keep
+    a call alive without end. urllib does not expose the socket, so this reaches it where CPython keeps it and
+    does nothing where it is not (the per-read timeout then still bounds each step)."""
+    raw = getattr(getattr(resp, "fp", None), "raw", None)
+    sock = getattr(raw, "_sock", None)
+    if isinstance(sock, socket.socket):
+        sock.settimeout(max(seconds, 0.001))
 
 
 def decode_body(raw: bytes) -> Any:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from aiohttp import web
 
+from weightsync_agent.http.bounds import MAX_BODY_BYTES, BadRequestError
+
+log = logging.getLogger(__name__)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BadRequestError(ValueError):
-    """A request field is missing or malformed: answered 400, naming the field."""
 
 
 def error_response(status: int, text: str, /, **extra: Any) -> web.Response:
@@ -24,13 +25,44 @@ def error_response(status: int, text: str, /, **extra: Any) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """400 for a bad request (or a refused value), 404 for something that is not here."""
+    """400 for a bad request (or a refused value), 404 for something that is not here; aiohttp's own refusals
+    (an unknown route, a wrong method, a body over the cap) in the one error shape too."""
     try:
         return await handler(request)
     except ValueError as exc:  # BadRequestError, or a refused rank or version
         return error_response(400, str(exc))
     except LookupError as exc:
         return error_response(404, str(exc))
+    except web.HTTPException as exc:
+        return http_exception_response(exc)
+
+
+def http_exception_response(exc: web.HTTPException) -> web.StreamResponse:
+    """aiohttp's ``HTTPException`` (raised, not returned) as the one error shape; a success or a redirect as is."""
+    if exc.status < 400:
+        return exc
+    return error_response(exc.status, exc.text or exc.reason)
+
+
+@web.middleware
+async def last_resort_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The outermost middleware: a bug in a handler is a 500 in the one error shape, logged here with its
+    traceback; the peer gets the exception's type only (no traceback, no internals)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        return http_exception_response(exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(500, f"internal error ({type(exc).__name__}); see the server's log")
+
+
+def bounded_app(middlewares: list[Any]) -> web.Application:
+    """An application whose bodies are capped at :data:`MAX_BODY_BYTES` (413 beyond, before parsing), with
+    :func:`last_resort_middleware` outermost."""
+    return web.Application(middlewares=[last_resort_middleware, *middlewares], client_max_size=MAX_BODY_BYTES)
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -93,25 +125,24 @@ def auth_middleware(
 
 
 async def json_object(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body; over :data:`MAX_BODY_BYTES` a 413 before a byte is parsed."""
+    refuse_oversized(request)
     try:
         body = await request.json()
     except ValueError as exc:
         raise BadRequestError(f"body is not JSON: {exc}") from exc
+    except RecursionError:  # "[[[[...": json's recursion limit, not our stack
+        raise BadRequestError("body is not JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequestError("body must be a JSON object")
     return body
 
 
-def int_field(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequestError(f"{what} must be an integer, got {value!r}")
-    return value
-
-
-def seconds_field(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise BadRequestError(f"{what} must be a non-negative number of seconds, got {value!r}")
-    return float(value)
+def refuse_oversized(request: web.Request) -> None:
+    """A declared Content-Length over the cap is refused before reading (aiohttp also stops reading at it)."""
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=length)
 
 
 class BackgroundServer:

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -41,6 +42,11 @@ from weightsync_agent.transport.base import TransportError
 log = logging.getLogger("weightsync.agent.coordinator")
 
 Reporter = Callable[[RoundResult, int | None], None]  # (round, committed version)
+
+#: Results of the last this many regular rounds are kept for ``GET /v1/rounds/{v}`` (trainer ranks that wait
+#: for the round their rank 0 runs ask within seconds); older ones are forgotten, so a training run of a million
+#: rounds holds 64 results, not a million.
+HISTORY = 64
 
 #: Why a round could not even start (nothing was paused or written).
 NOT_STARTED = (
@@ -99,7 +105,9 @@ class Coordinator:
         self.retries = retries
         self.host = host
         self.committed: int | None = None
-        self.finished: dict[int, Finished] = {}
+        self.finished: OrderedDict[int, Finished] = OrderedDict()  # the last HISTORY regular rounds
+        #: Called (from the round's thread) after every round: the HTTP routes wake their long polls with it.
+        self.on_finish: list[Callable[[], None]] = []
         self.mode: SyncMode | None = None
         self._agents: dict[int, AgentClient] = {}  # trainer pod -> its agent, for the round in progress
         self._round = threading.Lock()
@@ -288,7 +296,12 @@ class Coordinator:
         with self._cond:
             if kind == "regular":
                 self.finished[result.version] = Finished(result, time.time())
+                self.finished.move_to_end(result.version)
+                while len(self.finished) > HISTORY:
+                    self.finished.popitem(last=False)
             self._cond.notify_all()
+        for hook in list(self.on_finish):
+            hook()
         if self.report is not None:
             try:
                 self.report(result, self.committed)

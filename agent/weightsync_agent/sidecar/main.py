@@ -40,6 +40,7 @@ def make_transport(config: AgentConfig, plan: Plan) -> Transport:
         plan.transfer.protocol,
         devices,
         timeout_seconds=plan.transfer.timeouts.peer_stall,
+        ports=(plan.transfer.mooncake_ports.start, plan.transfer.mooncake_ports.end),
     )
 
 

@@ -1,7 +1,9 @@
 """The agent's HTTP server: the routes listed in :mod:`weightsync_agent.rounds.remote`, plus /metrics.
 
 Handlers are thin: they parse, hand the work to the runtime in a thread (publishing and rounds block on
-the transport) and encode the answer. A malformed request is a 400 naming the field.
+the transport) and encode the answer. Every body and query is parsed into a bounded model
+(:mod:`weightsync_agent.sidecar.requests`): a malformed or oversized request is a 400 (413 for a body over the
+cap) in the one error shape, naming the field. Long polls wait on the loop, capped (:mod:`.waiters`).
 
 Every route but :data:`OPEN_ROUTES` (the probes) requires the group's credential as a bearer token
 (``auth_middleware``; docs/security.md); :data:`TRAINER_ROUTES` also take the pod-local token the agent
@@ -11,24 +13,28 @@ hands trainer code through the replica folder.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from weightsync_agent.http.bounds import MAX_WAITERS, parse_body
 from weightsync_agent.http.client import HttpCallError
-from weightsync_agent.http.server import (
-    BadRequestError,
-    auth_middleware,
-    error_middleware,
-    error_response,
-    int_field,
-    json_object,
-    seconds_field,
-)
+from weightsync_agent.http.server import auth_middleware, bounded_app, error_middleware, error_response, json_object
 from weightsync_agent.layout.manifest import ManifestError
 from weightsync_agent.rounds.wire import WireError, placements_from_json, round_result_to_json, source_report_to_json
+from weightsync_agent.sidecar.requests import (
+    CommittedRequest,
+    PublishRequest,
+    RankQuery,
+    RoundQuery,
+    SourceCallRequest,
+)
+from weightsync_agent.sidecar.waiters import TooManyWaitersError, Waiters
 from weightsync_agent.source.control import RoundScope
 from weightsync_agent.targets.agent import MANIFEST_ROUTE
 
@@ -40,6 +46,18 @@ if TYPE_CHECKING:
 OPEN_ROUTES: tuple[str, ...] = ("/healthz", "/metrics")
 #: Also accept the pod-local trainer token: what trainer code needs (publish its rank, wait for the sidecar).
 TRAINER_ROUTES: tuple[str, ...] = ("/v1/publish", "/v1/state")
+
+#: The agent's own threads for blocking work (publishes, source calls, manifests), apart from the loop's default
+#: executor: on trainer rank 0's pod every other rank's publish waits in one for the round rank 0's runs, and
+#: with more ranks than the default executor's threads (min(32, cores + 4)) rank 0's publish would queue behind
+#: them until they timed out.
+WORK = web.AppKey("work", ThreadPoolExecutor)
+T = TypeVar("T")
+
+
+def work_threads(ranks: int) -> int:
+    """Enough for each rank's trainer publish and its coordinator's source call at once, plus manifests."""
+    return 2 * ranks + 8
 
 
 def build_app(runtime: AgentRuntime) -> web.Application:
@@ -56,78 +74,76 @@ def build_app(runtime: AgentRuntime) -> web.Application:
     async def state(_: web.Request) -> web.Response:
         return web.json_response(runtime.state())
 
+    async def blocking(request: web.Request, work: Callable[..., T], *args: object) -> T:
+        """``work(*args)`` on the agent's own threads (:data:`WORK`)."""
+        call = functools.partial(work, *args)
+        return await asyncio.get_running_loop().run_in_executor(request.app[WORK], call)
+
     async def publish(request: web.Request) -> web.Response:
-        body = await json_object(request)
-        version = int_field(body.get("version"), "version")
-        rank = int_field(body.get("rank"), "rank")
-        timeout = seconds_field(body.get("timeoutSeconds", runtime.round_timeout), "timeoutSeconds")
-        result = await asyncio.to_thread(runtime.publish, rank, version, timeout)
+        asked = parse_body(PublishRequest, await json_object(request))
+        timeout = runtime.round_timeout if asked.timeout_seconds is None else asked.timeout_seconds
+        result = await blocking(request, runtime.publish, asked.rank, asked.version, timeout)
         return web.json_response(round_result_to_json(result))
 
+    waiters = Waiters(MAX_WAITERS)
+
+    async def start_work(app: web.Application) -> None:
+        app[WORK] = ThreadPoolExecutor(work_threads(len(runtime.config.ranks)), thread_name_prefix="agent-work")
+        if runtime.coordinator is not None:
+            runtime.coordinator.on_finish.append(waiters.pulse_threadsafe)
+
+    async def stop_work(app: web.Application) -> None:
+        app[WORK].shutdown(wait=False, cancel_futures=True)
+
     async def round_result(request: web.Request) -> web.Response:
-        try:
-            version = int(request.match_info["version"])
-            wait = float(request.query.get("wait", "0"))
-            after = float(request.query.get("after", "0"))
-        except ValueError as exc:
-            raise BadRequestError(f"bad version, wait or after: {exc}") from exc
+        asked = parse_body(RoundQuery, {**request.query, "version": request.match_info["version"]})
         coordinator = runtime.coordinator
         if coordinator is None:
             raise LookupError("this agent is not the coordinator (trainer rank 0's agent is)")
-        result = await asyncio.to_thread(coordinator.wait, version, min(wait, 60.0), after)
+        try:
+            result = await waiters.wait(lambda: coordinator.wait(asked.version, 0.0, asked.after), asked.poll_seconds)
+        except TooManyWaitersError as exc:
+            return error_response(429, str(exc))
         return web.json_response({"pending": True} if result is None else round_result_to_json(result))
 
     async def source_prepare(request: web.Request) -> web.Response:
         rank, version, timeout, scope = await source_call(request)
         sources = runtime.sources_or_fail()
-        report = await asyncio.to_thread(sources.prepare, rank, version, time.monotonic() + timeout, scope)
+        report = await blocking(request, sources.prepare, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))
 
     async def source_publish(request: web.Request) -> web.Response:
         rank, version, timeout, scope = await source_call(request)
         sources = runtime.sources_or_fail()
-        report = await asyncio.to_thread(sources.publish, rank, version, time.monotonic() + timeout, scope)
+        report = await blocking(request, sources.publish, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))
 
     async def source_call(request: web.Request) -> tuple[int, int, float, RoundScope]:
-        """A coordinator's call to one source (prepare or publish): rank, version, timeout and the round's scope."""
-        rank = int_field(int(request.match_info["rank"]), "rank")
-        body = await json_object(request)
-        version = int_field(body.get("version"), "version")
-        timeout = seconds_field(body.get("timeoutSeconds"), "timeoutSeconds")
-        engines = body.get("engines")
-        if engines is not None and (not isinstance(engines, list) or not all(isinstance(e, int) for e in engines)):
-            raise BadRequestError(f"engines must be a list of engine indexes or null, got {engines!r}")
-        plan_hash = body.get("planHash")
+        """A coordinator's call to one source (prepare or publish): rank, version, timeout and the round's scope.
+
+        The timeout is cut to the plan's round budget: no call may hold a rank longer than a round may last."""
+        rank = parse_body(RankQuery, {"rank": request.match_info["rank"]}).rank
+        asked = parse_body(SourceCallRequest, await json_object(request))
         try:
-            placements = placements_from_json(body.get("placements"))
+            placements = placements_from_json(asked.placements)
         except WireError as exc:
-            raise BadRequestError(str(exc)) from exc
-        scope = RoundScope.of(
-            None if plan_hash is None else str(plan_hash),
-            engines,
-            catch_up=bool(body.get("catchUp", False)),
-            placements=placements,
-        )
-        return rank, version, timeout, scope
+            raise ValueError(str(exc)) from exc
+        scope = RoundScope.of(asked.plan_hash, asked.engines, catch_up=asked.catch_up, placements=placements)
+        return rank, asked.version, min(asked.timeout_seconds, runtime.round_timeout), scope
 
     async def source_committed(request: web.Request) -> web.Response:
-        rank = int(request.match_info["rank"])
-        body = await json_object(request)
-        version = int_field(body.get("version"), "version")
-        runtime.sources_or_fail().committed(rank, version)
+        rank = parse_body(RankQuery, {"rank": request.match_info["rank"]}).rank
+        asked = parse_body(CommittedRequest, await json_object(request))
+        runtime.sources_or_fail().committed(rank, asked.version)
         return web.json_response({"ok": True})
 
     async def engine_manifest(request: web.Request) -> web.Response:
+        rank = parse_body(RankQuery, {"rank": request.query.get("rank")}).rank
         engine = runtime.engine
         if engine is None:
             raise LookupError("this agent runs no engine")
         try:
-            rank = int(request.query.get("rank", ""))
-        except ValueError as exc:
-            raise BadRequestError(f"rank must be an integer: {exc}") from exc
-        try:
-            manifest = await asyncio.to_thread(engine.manifest, rank)
+            manifest = await blocking(request, engine.manifest, rank)
         except HttpCallError as exc:
             return error_response(503, f"the engine did not answer: {exc}")
         except ManifestError as exc:
@@ -138,7 +154,9 @@ def build_app(runtime: AgentRuntime) -> web.Application:
     auth = auth_middleware(
         token, open_routes=OPEN_ROUTES, extra={route: (lambda: trainer_token) for route in TRAINER_ROUTES}
     )
-    app = web.Application(middlewares=[auth, error_middleware])
+    app = bounded_app([auth, error_middleware])
+    app.on_startup.append(start_work)
+    app.on_cleanup.append(stop_work)
     app.add_routes(
         [
             web.get("/healthz", healthz),

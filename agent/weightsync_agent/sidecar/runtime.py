@@ -23,7 +23,6 @@ from typing import Any
 
 from weightsync.api import names
 from weightsync.api.engines import Refusal, refusal
-from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, PlanError
 from weightsync_agent import metrics
 from weightsync_agent.config import AgentConfig, trainer_token_file
@@ -62,7 +61,7 @@ class AgentRuntime:
         engine_url: str | None = None,
         agent_url: str | None = None,
         tick_seconds: float = 2.0,
-        call_timeout: float = HTTP_CALL_SECONDS,
+        call_timeout: float | None = None,
     ) -> None:
         self.config = config
         self.load_plan = load_plan
@@ -73,7 +72,9 @@ class AgentRuntime:
         self.plan = load_plan()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.call_timeout = call_timeout
+        #: Every HTTP call of this agent (to engines, other agents, the coordinator): the plan's
+        #: ``timeouts.http_call`` unless a test sets one ("One value, one channel", docs/architecture.md).
+        self.call_timeout = self.plan.transfer.timeouts.http_call if call_timeout is None else call_timeout
         self.sources: SourceAgent | None = None
         #: The sync mode that builds this pod's sources (the coordinator keeps its own for rounds).
         self.mode: SyncMode | None = None
@@ -95,7 +96,7 @@ class AgentRuntime:
                     self.sources,
                     directory,
                     report=self._report_round,
-                    call_timeout=call_timeout,
+                    call_timeout=self.call_timeout,
                     host=config.host,
                     token=self.token,
                 )
@@ -104,7 +105,7 @@ class AgentRuntime:
                 raise ValueError("an engine agent needs the engine's URL")
             adapter: EngineAdapter | Refusal | None = self._refusal()
             if adapter is None:
-                settings = settings_for(self.plan, config.engine_index or 0, directory, call_timeout=call_timeout,
+                settings = settings_for(self.plan, config.engine_index or 0, directory, call_timeout=self.call_timeout,
                                         url=engine_url, engine_side=True, token=self.token)  # fmt: skip
                 adapter = make_adapter(self.plan.layout.adapter, settings)
             self.engine = EngineAgent(

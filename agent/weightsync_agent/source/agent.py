@@ -152,7 +152,11 @@ class SourceAgent:
         return SourceReport(source=rank, ok=True)
 
     def publish(self, rank: int, version: int, deadline: float, scope: RoundScope = ALL) -> SourceReport:
-        """Write ``rank``'s targets within ``scope``; failures come back as a report."""
+        """Write ``rank``'s targets within ``scope``; failures come back as a report.
+
+        A rank this agent does not run raises (a 400 over HTTP) before any metric is touched: the rank is a
+        metric label, and labels must come from the plan, never from whatever a request names."""
+        self._check_rank(rank)
         try:
             source, targets = self._round_source(rank, scope)
             moved = self._moved(source, scope, targets)

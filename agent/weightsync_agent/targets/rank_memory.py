@@ -6,6 +6,13 @@ separately registered buffer with the identical layout: the engine keeps serving
 its live weights while sources write, and :meth:`RankMemory.promote` copies staging over live at commit
 (one memcpy; the caller makes that atomic with respect to serving).
 
+**Write window**: with ``windowed`` (the default), the buffer sources write into is registered with the
+transport only between :meth:`RankMemory.open_window` (the round's begin) and :meth:`RankMemory.close_window`
+(its commit or abort). Mooncake's target checks every incoming write against its *current* registrations, so
+outside a round a peer's write is refused at once (rc < 0) and no byte lands, whoever the peer is: Mooncake's
+ports carry no credential, this is what keeps them from being a way into the engine between rounds. The
+addresses do not move (the buffers stay allocated), so manifests and the sources' pinned placements stay valid.
+
 Verification hashes the target side of every bucket of ``plan_buckets(manifest, bucket_bytes)`` with
 :func:`weightsync_agent.layout.checksums.target_checksum`, the same definition sources use over their replica.
 """
@@ -80,11 +87,35 @@ class RankMemory:
     engine: int
     rank: int
     staging: torch.Tensor | None = None
+    #: Writable only inside a round (the module's "Write window"); False: registered for the memory's whole life.
+    windowed: bool = True
     _manifests: dict[bool, Manifest] = field(default_factory=dict)
     _registered: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._register(self.weights.buffer)
+        if not self.windowed:
+            self._register(self.weights.buffer)
+
+    @property
+    def target(self) -> torch.Tensor:
+        """The buffer sources write into now: staging in staged mode, else the live weights."""
+        return self.staging if self.staging is not None else self.weights.buffer
+
+    @property
+    def writable(self) -> bool:
+        """Whether a peer's write into :attr:`target` would be accepted now."""
+        return self.target.data_ptr() in self._registered
+
+    def open_window(self) -> None:
+        """A round begins: accept writes into :attr:`target` until :meth:`close_window`. Idempotent."""
+        if self.windowed and not self.writable:
+            self._register(self.target)
+
+    def close_window(self) -> None:
+        """The round ended (commit or abort): refuse every write again. Idempotent."""
+        if self.windowed:
+            for address in list(self._registered):
+                self._unregister(address)
 
     @property
     def session_id(self) -> str:
@@ -108,14 +139,16 @@ class RankMemory:
             return
         staging = self.weights.new_buffer()
         staging.copy_(self.weights.buffer)  # bytes nobody writes stay equal to live (none, when packed)
-        self._register(staging)
+        if not self.windowed:
+            self._register(staging)
         self.staging = staging
         self._manifests.pop(True, None)
 
     def disable_staging(self) -> None:
         if self.staging is None:
             return
-        self._unregister(self.staging.data_ptr())
+        if self.staging.data_ptr() in self._registered:
+            self._unregister(self.staging.data_ptr())
         self.staging = None
         self._manifests.pop(True, None)
 

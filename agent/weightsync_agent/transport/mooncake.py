@@ -39,8 +39,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from weightsync.api import names
 from weightsync_agent.transport.base import DEFAULT_CHUNK_BYTES, TransportError
-from weightsync_agent.transport.mooncake_config import MooncakeSettings, apply_once, describe
+from weightsync_agent.transport.mooncake_config import (
+    MooncakeSettings,
+    apply_once,
+    describe,
+    free_ports,
+    ports_in_effect,
+)
 from weightsync_agent.transport.mooncake_link import LinkState, MooncakeTransfer, PeerLink
 from weightsync_agent.transport.regions import RegionTable
 
@@ -59,7 +66,10 @@ class MooncakeTransport:
         force_tcp: bool = False,
         timeout_seconds: float = 30.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        ports: tuple[int, int] | None = None,
     ) -> None:
+        """``ports``: the range every Mooncake engine of this process listens in (``transfer.mooncakePorts``);
+        None keeps what the environment says (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, else Mooncake's default)."""
         if protocol not in ("tcp", "rdma", "auto"):
             raise ValueError(f"protocol must be tcp, rdma or auto, got {protocol!r}")
         if protocol == "rdma" and force_tcp:
@@ -74,7 +84,7 @@ class MooncakeTransport:
         self.force_tcp = force_tcp or protocol == "tcp"
         self._protocol = "rdma" if protocol == "rdma" or (protocol == "auto" and names) else "tcp"
         self._devices = ",".join(n.strip() for n in names if n.strip())
-        self.settings = apply_once(MooncakeSettings(timeout_seconds, self.force_tcp, host))
+        self.settings = apply_once(MooncakeSettings(timeout_seconds, self.force_tcp, host, ports))
         self._regions = RegionTable(f"mooncake session on {host}")
         self._engines: list[Any] = []
         self._links: dict[str, PeerLink] = {}
@@ -93,6 +103,15 @@ class MooncakeTransport:
         engine = TransferEngine()
         rc = engine.initialize(self.host, "P2PHANDSHAKE", self._protocol, self._devices)
         if rc != 0:
+            ports = ports_in_effect()
+            if free_ports(ports, limit=2) < 2:  # an engine needs two
+                # Mooncake only logs "No valid port found"; every engine takes two ports of the range.
+                raise TransportError(
+                    f"no free port in Mooncake's port range {ports[0]}-{ports[1]} "
+                    f"({names.ENV_MOONCAKE_MIN_PORT}/{names.ENV_MOONCAKE_MAX_PORT}): each Mooncake engine listens "
+                    f"on two (this session already holds {len(self._engines)}: one for its own memory, one per peer "
+                    "it writes to); widen spec.transfer.mooncakePorts"
+                )
             raise TransportError(
                 f"Mooncake initialize({self.host!r}, P2PHANDSHAKE, {self._protocol!r}, {self._devices!r}) "
                 f"returned {describe(rc)}"

@@ -12,8 +12,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import threading
 from dataclasses import dataclass
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import EPHEMERAL_PORTS
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +41,61 @@ def describe(code: int) -> str:
     return f"{code} ({CODES.get(code, 'unknown code')})"
 
 
+#: Mooncake's own range when none is set (config.cpp: ``rpc_min_port``/``rpc_max_port``).
+DEFAULT_PORTS = (15000, 17000)
+# EPHEMERAL_PORTS, Linux's ephemeral ports: Mooncake's ``ValidatePortRange`` refuses any range touching them and
+# then silently binds in DEFAULT_PORTS instead (measured: 40000-40010 gave 15425 and 16726). We refuse it loudly.
+
+
+def check_port_range(ports: tuple[int, int]) -> tuple[int, int]:
+    """``ports`` if Mooncake would honour it, else ValueError saying why (Mooncake itself would only log)."""
+    low, high = ports
+    if not (1024 <= low <= high <= 65535):
+        raise ValueError(f"Mooncake port range {low}-{high}: want 1024 <= start <= end <= 65535")
+    if not (high < EPHEMERAL_PORTS[0] or low > EPHEMERAL_PORTS[1]):
+        raise ValueError(
+            f"Mooncake port range {low}-{high} touches Linux's ephemeral ports {EPHEMERAL_PORTS[0]}-"
+            f"{EPHEMERAL_PORTS[1]}: Mooncake would ignore it and listen in {DEFAULT_PORTS[0]}-{DEFAULT_PORTS[1]}"
+        )
+    return low, high
+
+
+def ports_in_effect() -> tuple[int, int]:
+    """The range this process's Mooncake engines bind in: from MC_MIN_RPC_PORT/MC_MAX_RPC_PORT (ours, or the
+    pod's environment, as the operator sets for engine containers), else Mooncake's default."""
+    low, high = os.environ.get(names.ENV_MOONCAKE_MIN_PORT), os.environ.get(names.ENV_MOONCAKE_MAX_PORT)
+    try:
+        return check_port_range((int(low or DEFAULT_PORTS[0]), int(high or DEFAULT_PORTS[1])))
+    except ValueError:
+        return DEFAULT_PORTS  # what Mooncake falls back to
+
+
+def free_ports(ports: tuple[int, int], limit: int = 1) -> int:
+    """How many ports of ``ports`` (up to ``limit``) a new listening socket could bind on every interface now."""
+    found = 0
+    for port in range(ports[0], ports[1] + 1):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        found += 1
+        if found >= limit:
+            break
+    return found
+
+
 @dataclass(frozen=True)
 class MooncakeSettings:
     timeout_seconds: float
     force_tcp: bool
     bind_address: str
+    #: Where every Mooncake engine of the process listens (both its ports); None: as the environment says.
+    ports: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ports is not None:
+            check_port_range(self.ports)
 
     def env(self) -> dict[str, str]:
         # Whole seconds only. The progress and status timeouts must not exceed ours, so that when we
@@ -55,6 +109,8 @@ class MooncakeSettings:
         }
         if self.force_tcp:
             env["MC_FORCE_TCP"] = "1"
+        if self.ports is not None:
+            env[names.ENV_MOONCAKE_MIN_PORT], env[names.ENV_MOONCAKE_MAX_PORT] = (str(p) for p in self.ports)
         return env
 
 

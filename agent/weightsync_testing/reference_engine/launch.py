@@ -68,10 +68,12 @@ def launch_engine(
     timeout: float = 60.0,
     wrap: tuple[str, ...] = (),
     token: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> EngineProcess:
     """``port`` 0 picks a free one. ``wrap`` prefixes the command (the testbed runs
     ``ip netns exec NS env VAR=... python ...``). ``token``: the group's credential its routes require
-    (``WEIGHTSYNC_GROUP_TOKEN`` in its environment, as the operator gives the engine container)."""
+    (``WEIGHTSYNC_GROUP_TOKEN`` in its environment, as the operator gives the engine container). ``env``: more
+    variables, e.g. Mooncake's port range as the operator sets it (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``)."""
     command = [
         *wrap,
         sys.executable, "-m", "weightsync_testing.reference_engine.server",
@@ -79,10 +81,10 @@ def launch_engine(
         "--transport", transport, "--host", host, *(["--staged"] if staged else []), *extra,
     ]  # fmt: skip
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 — lives as long as the process
-    env = {k: v for k, v in os.environ.items() if k != names.ENV_GROUP_TOKEN}
+    environment = {k: v for k, v in os.environ.items() if k != names.ENV_GROUP_TOKEN} | (env or {})
     if token:
-        env[names.ENV_GROUP_TOKEN] = token
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        environment[names.ENV_GROUP_TOKEN] = token
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=environment)
     started = EngineProcess(process, {}, log, token)
     deadline = time.monotonic() + timeout
     try:

@@ -14,7 +14,9 @@ SGLang routes (same paths and payloads; see docs/reference-engine.md for the sou
 * ``POST /update_weight_version {"new_version": v}``: a commit of ``v`` (see the invariant below).
 * ``GET /model_info`` (and ``/get_model_info``), ``GET /weight_version`` (and ``/get_weight_version``),
   ``GET /server_info`` (and ``/get_server_info``): all report ``weight_version``.
-* ``POST /generate {"input_ids": [...], "sampling_params": {"max_new_tokens": n}}``: greedy tokens.
+* ``POST /generate {"input_ids": [...], "sampling_params": {"max_new_tokens": n}}``: greedy tokens, computed
+  off the event loop (one forward at a time, :data:`MAX_QUEUED_FORWARDS` waiting at most), so control routes
+  answer while it runs; a pause stops it at its next token (503).
 * ``GET|POST /flush_cache``: accepted (no cache here).
 
 Extension routes under ``/weightsync/``: ``status``, ``stage``, ``begin``, ``verify``, ``commit``,
@@ -44,6 +46,16 @@ partial write cannot be undone. In staged mode the engine keeps serving the prev
 weights during the round; commit copies staging over live and sets the version in one step of the event
 loop, so no request sees a mix.
 
+**Write window**: each rank's memory is registered with its transport only while a round is open (from
+``begin`` to ``commit`` or ``abort``; ``status`` reports it as ``writable``). Mooncake refuses a write into memory
+that is not registered, so between rounds a peer that learned the addresses still lands no byte (Mooncake's
+ports carry no credential; docs/security.md, "The data plane").
+
+**Bounds** (docs/security.md, "Bounds"): bodies over ``MAX_BODY_BYTES`` are refused (413) before parsing; every
+field is checked (versions: integers in [0, 2^53) or labels of at most 128 characters; ``bucket_bytes`` at least
+``MIN_BUCKET_BYTES`` and at most ``MAX_BUCKETS`` buckets per answer; lists and strings capped), and every refusal,
+aiohttp's own included, is a 4xx in the one error shape.
+
 Run: ``python -m weightsync_testing.reference_engine.server --engine E --tp 2 --port P --seed S
 --transport mooncake|memory --host 127.0.0.1``. Prints one JSON ready line on stdout; exits cleanly on
 SIGTERM/SIGINT.
@@ -56,11 +68,14 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +83,24 @@ import torch
 from aiohttp import web
 
 from weightsync.api import names
-from weightsync_agent.http.server import BackgroundServer, auth_middleware, bound_port, error_response
+from weightsync.api.v1alpha1 import MAX_RANKS
+from weightsync_agent.http.bounds import (
+    MAX_BUCKETS,
+    MAX_LABEL_CHARS,
+    MAX_REQUEST_SECONDS,
+    MAX_VERSION,
+    MIN_BUCKET_BYTES,
+    short,
+)
+from weightsync_agent.http.server import (
+    BackgroundServer,
+    auth_middleware,
+    bound_port,
+    bounded_app,
+    error_response,
+    http_exception_response,
+    refuse_oversized,
+)
 from weightsync_agent.modes.broadcast.layout import Member
 from weightsync_agent.modes.broadcast.receiver import BroadcastReceiver, Destination, Reception
 from weightsync_agent.targets.rank_memory import RankMemory, VerifyResult
@@ -85,7 +117,14 @@ from weightsync_testing.reference_engine.model import (
 
 MODEL_PATH = "weightsync/reference-transformer"
 PAUSE_MODES = ("abort", "retract", "in_place")
-MAX_TOKENS = 4096
+MAX_TOKENS = 4096  # prompt and completion together: greedy decoding recomputes the whole sequence per token
+#: Generations waiting for the one forward thread; one more is answered 503 at once.
+MAX_QUEUED_FORWARDS = 32
+#: ``init_method`` (``tcp://host:port``) and ``backend`` of a broadcast join.
+MAX_INIT_METHOD_CHARS = 512
+
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(Exception):
@@ -154,6 +193,11 @@ class ReferenceEngine:
         self.broadcast: BroadcastReceiver | None = None
         self.shutting_down = False
         self.closed = False
+        #: Held by a forward pass (off the event loop) and by whatever changes the served weights under it
+        #: (commit's promotion, a pause's drain): a forward sees one version, all or nothing.
+        self.compute = threading.Lock()
+        self.forwards = ThreadPoolExecutor(1, thread_name_prefix=f"engine{engine}-forward")
+        self.queued_forwards = 0
 
     # ----------------------------------------------------------------------------------- SGLang-shaped
 
@@ -224,27 +268,32 @@ class ReferenceEngine:
             "internal_states": [],
         }
 
-    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        if self.paused:
-            raise EngineError(503, f"generation is paused (mode {self.pause_mode})", paused=True)
-        try:
-            return self._logits(tokens)
-        except ValueError as exc:
-            raise EngineError(400, str(exc)) from exc
+    def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, str]:
+        """Logits of ``tokens`` and the version they came from. Blocking: call off the event loop."""
+        with self.compute:
+            version = self.weight_version
+            try:
+                return self._logits(tokens), version
+            except ValueError as exc:
+                raise EngineError(400, str(exc)) from exc
 
     def _logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        # Checked before every token: a pause (any mode) stops a running generation at its next token, so the
+        # pause's drain waits one token, not a whole generation.
+        if self.paused:
+            raise EngineError(503, f"generation is paused (mode {self.pause_mode})", paused=True)
         return forward_tp([w.params for w in self.weights], tokens, self.config)
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
-        if not 0 <= max_new_tokens <= MAX_TOKENS:
-            raise EngineError(400, f"max_new_tokens must be in [0, {MAX_TOKENS}]")
-        if self.paused:
-            raise EngineError(503, f"generation is paused (mode {self.pause_mode})", paused=True)
-        version = self.weight_version
-        try:
-            output = greedy(self._logits, input_ids, max_new_tokens)
-        except ValueError as exc:
-            raise EngineError(400, str(exc)) from exc
+        """Greedy tokens. Blocking (holds :attr:`compute`): call off the event loop."""
+        if not 0 <= max_new_tokens <= MAX_TOKENS - len(input_ids):
+            raise EngineError(400, f"len(input_ids) + max_new_tokens must be at most {MAX_TOKENS}")
+        with self.compute:
+            version = self.weight_version
+            try:
+                output = greedy(self._logits, input_ids, max_new_tokens)
+            except ValueError as exc:
+                raise EngineError(400, str(exc)) from exc
         return {
             "output_ids": output,
             "meta_info": {
@@ -254,6 +303,31 @@ class ReferenceEngine:
                 "weight_version": version,
             },
         }
+
+    async def run_forward(self, work: Callable[[], Any]) -> Any:
+        """``work`` (a forward or a generation) on the forward thread; 503 when too many wait for it."""
+        if self.queued_forwards >= MAX_QUEUED_FORWARDS:
+            raise EngineError(503, f"{self.queued_forwards} generations are waiting already; retry later", busy=True)
+        self.queued_forwards += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.forwards, work)
+        finally:
+            self.queued_forwards -= 1
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold :attr:`compute` on the event loop: waits (off the loop) for a running forward to end."""
+        loop = asyncio.get_running_loop()
+        acquired = loop.run_in_executor(None, self.compute.acquire)
+        try:
+            await asyncio.shield(acquired)
+        except asyncio.CancelledError:  # the lock is still taken, later: give it back then
+            acquired.add_done_callback(lambda _: self.compute.release())
+            raise
+        try:
+            yield
+        finally:
+            self.compute.release()
 
     # ------------------------------------------------------------------------------------ weightsync
 
@@ -276,6 +350,8 @@ class ReferenceEngine:
                 "verified": {str(r): v.ok for r, v in sorted(self.round.verified.items())},
             },
             "sessions": [m.session_id for m in self.memory],
+            # Per rank: whether its memory accepts transport writes now (only inside a round).
+            "writable": [m.writable for m in self.memory],
             "broadcast": None if self.broadcast is None else self.broadcast.status(),
         }
 
@@ -313,6 +389,7 @@ class ReferenceEngine:
             if not self.paused:
                 raise EngineError(409, "live mode writes into the served weights: pause generation first")
             self.live_dirty = True
+        self._open_windows()
         self.round = Round(version, self.staged, verify=verify)
         resumed = current is not None and current.version == version
         superseded = current.version if current is not None and not resumed else None
@@ -321,8 +398,9 @@ class ReferenceEngine:
     def verify(self, rank: int, version: str, bucket_bytes: int, checksums: list[str]) -> dict[str, Any]:
         if not 0 <= rank < self.tp:
             raise EngineError(400, f"rank {rank} outside tp={self.tp}")
-        if bucket_bytes <= 0:
-            raise EngineError(400, f"bucket_bytes must be positive, got {bucket_bytes}")
+        check_buckets(bucket_bytes, self.weights[rank].nbytes)
+        if len(checksums) > MAX_BUCKETS:
+            raise EngineError(400, f"at most {MAX_BUCKETS} checksums per verify, got {len(checksums)}")
         current = self.round
         if current is None or current.version != version:
             raise self._no_round(version)
@@ -360,7 +438,25 @@ class ReferenceEngine:
         self.weight_version = version
         self.live_dirty = False
         self.round = None
+        self._close_windows()
         return {"success": True, "weight_version": version}
+
+    def _open_windows(self) -> None:
+        """Writable from now until commit or abort (rank_memory's "Write window"): Mooncake refuses every
+        write into memory that is not registered, so between rounds no peer, credential or not, lands a byte."""
+        try:
+            for memory in self.memory:
+                memory.open_window()
+        except TransportError as exc:
+            self._close_windows()
+            raise EngineError(500, f"could not open the ranks' memory to writes: {exc}") from exc
+
+    def _close_windows(self) -> None:
+        for memory in self.memory:
+            try:
+                memory.close_window()
+            except TransportError:
+                log.exception("engine %d rank %d: could not unregister its memory", self.engine, memory.rank)
 
     def abort(self, version: str | None) -> dict[str, Any]:
         current = self.round
@@ -369,6 +465,7 @@ class ReferenceEngine:
         if version is not None and version != current.version:
             raise EngineError(409, f"open round is for version {current.version}, not {version}")
         self.round = None
+        self._close_windows()
         # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
         return {"aborted": current.version, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
 
@@ -433,6 +530,19 @@ class ReferenceEngine:
             self.broadcast.close()
         for memory in self.memory:
             memory.close()
+        self.forwards.shutdown(wait=False, cancel_futures=True)
+
+
+def check_buckets(bucket_bytes: int, nbytes: int) -> None:
+    """A checksum request's bucket size: at least MIN_BUCKET_BYTES, and at most MAX_BUCKETS buckets of the rank
+    (one 64-bit checksum, about 19 bytes of JSON, per bucket: ``bucket_bytes=1`` made an answer 20 times the size
+    of the rank it describes; from MIN_BUCKET_BYTES on an answer is at most a third of it)."""
+    if bucket_bytes < MIN_BUCKET_BYTES:
+        raise EngineError(400, f"bucket_bytes must be at least {MIN_BUCKET_BYTES}, got {bucket_bytes}")
+    if -(-nbytes // bucket_bytes) > MAX_BUCKETS:
+        raise EngineError(
+            400, f"bucket_bytes {bucket_bytes} cuts this rank's {nbytes} bytes into more than {MAX_BUCKETS} buckets"
+        )
 
 
 # ------------------------------------------------------------------------------------------------- HTTP
@@ -441,10 +551,13 @@ class ReferenceEngine:
 async def _body(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
+    refuse_oversized(request)
     try:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EngineError(400, f"invalid JSON body: {exc}") from exc
+    except RecursionError:
+        raise EngineError(400, "invalid JSON body: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -452,22 +565,31 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return data
 
 
-def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise EngineError(400, f"{what} must be an integer")
+def _int(value: Any, what: str, low: int = 0, high: int = MAX_VERSION) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise EngineError(400, f"{what} must be an integer in [{low}, {high}], got {short(value)}")
     return value
 
 
 def _version(value: Any, what: str = "version") -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
-        raise EngineError(400, f"{what} must be a non-empty string")
-    return str(value)
+    """A version label: an integer in [0, 2^53) or a non-empty string of at most MAX_LABEL_CHARS characters."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(_int(value, what))
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_LABEL_CHARS:
+        raise EngineError(400, f"{what} must be a non-empty string of at most {MAX_LABEL_CHARS} characters")
+    return value
 
 
 def _token_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not value or len(value) > MAX_TOKENS:
         raise EngineError(400, f"{what} must be a non-empty list of at most {MAX_TOKENS} token ids")
     return [_int(v, what) for v in value]
+
+
+def _text(value: Any, what: str, limit: int) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= limit:
+        raise EngineError(400, f"{what} must be a non-empty string of at most {limit} characters")
+    return value
 
 
 def _query_rank(request: web.Request) -> int | None:
@@ -508,6 +630,8 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
             return await handler(request)
         except EngineError as exc:
             return error_response(exc.status, exc.message, **exc.extra)
+        except web.HTTPException as exc:
+            return http_exception_response(exc)
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(status=503 if engine.shutting_down else 200)
@@ -518,9 +642,12 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
     async def pause(request: web.Request) -> web.Response:
         body = await _body(request)
         mode = body.get("mode", "abort")
-        if not isinstance(mode, str):
-            raise EngineError(400, "mode must be a string")
-        return web.json_response(engine.pause(mode))
+        if mode not in PAUSE_MODES:
+            raise EngineError(400, f"Invalid mode: {short(mode)}. Expected one of {list(PAUSE_MODES)}.")
+        answer = engine.pause(mode)
+        async with engine.exclusive():  # a running generation stops at its next token: then nothing runs
+            pass
+        return web.json_response(answer)
 
     async def resume(request: web.Request) -> web.Response:
         await _body(request)
@@ -549,8 +676,11 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise EngineError(400, "sampling_params must be an object")
-        max_new = _int(params.get("max_new_tokens", 16), "max_new_tokens")
-        return web.json_response(engine.generate(_token_list(body["input_ids"], "input_ids"), max_new))
+        max_new = _int(params.get("max_new_tokens", 16), "max_new_tokens", 0, MAX_TOKENS)
+        tokens = _token_list(body["input_ids"], "input_ids")
+        if engine.paused:  # refused at once, without queueing behind a running generation
+            raise EngineError(503, f"generation is paused (mode {engine.pause_mode})", paused=True)
+        return web.json_response(await engine.run_forward(functools.partial(engine.generate, tokens, max_new)))
 
     async def status(_: web.Request) -> web.Response:
         return web.json_response(engine.status())
@@ -572,7 +702,9 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
     async def verify(request: web.Request) -> web.Response:
         body = await _body(request)
         checksums = body.get("checksums")
-        if not isinstance(checksums, list) or not all(isinstance(c, str) for c in checksums):
+        if not isinstance(checksums, list) or len(checksums) > MAX_BUCKETS:
+            raise EngineError(400, f"checksums must be a list of at most {MAX_BUCKETS} xxh3-64 hex strings")
+        if not all(isinstance(c, str) and len(c) <= 32 for c in checksums):
             raise EngineError(400, "checksums must be a list of xxh3-64 hex strings")
         reception = engine.pending_reception()
         if reception is not None and engine.broadcast is not None:
@@ -581,16 +713,18 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(received, engine.broadcast.timeout_seconds)
         result = engine.verify(
-            _int(body.get("rank"), "rank"),
+            _int(body.get("rank"), "rank", 0, engine.tp - 1),
             _version(body.get("version")),
-            _int(body.get("bucket_bytes"), "bucket_bytes"),
+            _int(body.get("bucket_bytes"), "bucket_bytes", 1),
             checksums,
         )
         return web.json_response(result)
 
     async def commit(request: web.Request) -> web.Response:
         body = await _body(request)
-        return web.json_response(engine.commit(_version(body.get("version"))))
+        version = _version(body.get("version"))
+        async with engine.exclusive():  # staged: the promotion never lands under a running forward
+            return web.json_response(engine.commit(version))
 
     async def abort(request: web.Request) -> web.Response:
         body = await _body(request)
@@ -600,21 +734,20 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
     async def join_broadcast(request: web.Request) -> web.Response:
         body = await _body(request)
         raw_members = body.get("members")
-        if not isinstance(raw_members, list) or not raw_members:
-            raise EngineError(400, "members must be a non-empty list of {group_rank, ranks}")
+        if not isinstance(raw_members, list) or not 0 < len(raw_members) <= engine.tp:
+            raise EngineError(400, f"members must be a non-empty list of at most {engine.tp} {{group_rank, ranks}}")
+        world_size = _int(body.get("world_size"), "world_size", 1, MAX_RANKS + 1)
         members = []
         for raw in raw_members:
-            if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list):
-                raise EngineError(400, "each member is {group_rank: int, ranks: [int, ...]}")
-            ranks = tuple(_int(r, "members[].ranks[]") for r in raw["ranks"])
-            members.append(Member(_int(raw.get("group_rank"), "members[].group_rank"), ranks))
-        init_method, backend = body.get("init_method"), body.get("backend", "auto")
-        if not isinstance(init_method, str) or not isinstance(backend, str):
-            raise EngineError(400, "init_method and backend must be strings")
+            if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list) or len(raw["ranks"]) > engine.tp:
+                raise EngineError(400, f"each member is {{group_rank: int, ranks: [at most {engine.tp} ints]}}")
+            ranks = tuple(_int(r, "members[].ranks[]", 0, engine.tp - 1) for r in raw["ranks"])
+            members.append(Member(_int(raw.get("group_rank"), "members[].group_rank", 0, world_size - 1), ranks))
+        init_method = _text(body.get("init_method"), "init_method", MAX_INIT_METHOD_CHARS)
+        backend = _text(body.get("backend", "auto"), "backend", 32)
         timeout = body.get("timeout_seconds", 300)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise EngineError(400, "timeout_seconds must be a positive number")
-        world_size = _int(body.get("world_size"), "world_size")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_REQUEST_SECONDS:
+            raise EngineError(400, f"timeout_seconds must be a number in (0, {MAX_REQUEST_SECONDS:.0f}]")
         join = functools.partial(
             engine.join_broadcast,
             members,
@@ -637,20 +770,21 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
             bucket_bytes = int(request.query.get("bucket_bytes", ""))
         except ValueError:
             raise EngineError(400, "bucket_bytes must be an integer") from None
-        if bucket_bytes <= 0:
-            raise EngineError(400, "bucket_bytes must be positive")
+        check_buckets(bucket_bytes, engine.weights[rank].nbytes)
         return web.json_response({"rank": rank, "checksums": engine.memory[rank].checksums(bucket_bytes)})
 
     async def forward(request: web.Request) -> web.Response:
         body = await _body(request)
-        version = engine.weight_version
-        logits = engine.forward(_token_list(body.get("tokens"), "tokens"))
+        tokens = _token_list(body.get("tokens"), "tokens")
+        if engine.paused:
+            raise EngineError(503, f"generation is paused (mode {engine.pause_mode})", paused=True)
+        logits, version = await engine.run_forward(functools.partial(engine.forward, tokens))
         return web.json_response(
             {"logits": logits.tolist(), "next_token": int(logits[-1].argmax()), "weight_version": version}
         )
 
     middlewares = [errors] if not token else [auth_middleware(token, open_routes=OPEN_ROUTES), errors]
-    app = web.Application(middlewares=middlewares)
+    app = bounded_app(middlewares)
     app.add_routes(
         [
             web.get("/health", health),
@@ -702,12 +836,16 @@ def make_transport(
     devices: str = "",
     force_tcp: bool = False,
     timeout_seconds: float = 30.0,
+    ports: tuple[int, int] | None = None,
 ) -> Transport:
-    """A fresh transport session of ``kind`` (``mooncake`` or ``memory``) for one engine rank."""
+    """A fresh transport session of ``kind`` (``mooncake`` or ``memory``) for one engine rank. ``ports``: Mooncake's
+    port range (None: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT from the environment, as the operator sets them)."""
     if kind == "mooncake":
         from weightsync_agent.transport.mooncake import MooncakeTransport
 
-        return MooncakeTransport(host, protocol, devices, force_tcp=force_tcp, timeout_seconds=timeout_seconds)
+        return MooncakeTransport(
+            host, protocol, devices, force_tcp=force_tcp, timeout_seconds=timeout_seconds, ports=ports
+        )
     if kind == "memory":
         from weightsync_agent.transport.memory import MemoryTransport
 
@@ -716,6 +854,13 @@ def make_transport(
 
 
 # ------------------------------------------------------------------------------------------------- main
+
+
+def port_range(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition("-")
+    if not sep or not start.isdigit() or not end.isdigit():
+        raise argparse.ArgumentTypeError(f"want START-END, got {text!r}")
+    return int(start), int(end)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -737,6 +882,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", default="", help="Mooncake device names (RDMA NICs), comma-separated")
     parser.add_argument("--force-tcp", action="store_true", help="TCP even where Mooncake finds RDMA NICs")
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="transport timeout, seconds")
+    parser.add_argument(
+        "--mooncake-ports",
+        type=port_range,
+        default=None,
+        metavar="START-END",
+        help="where Mooncake listens (default: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT, else Mooncake's 15000-17000)",
+    )
     parser.add_argument("--staged", action="store_true", help="start in staged mode")
     parser.add_argument("--layers", type=int, default=DEFAULT_CONFIG.num_layers, help="transformer blocks")
     parser.add_argument(
@@ -764,6 +916,7 @@ async def serve(args: argparse.Namespace) -> int:
                     devices=args.devices,
                     force_tcp=args.force_tcp,
                     timeout_seconds=args.transfer_timeout,
+                    ports=args.mooncake_ports,
                 )
             )
     except Exception:

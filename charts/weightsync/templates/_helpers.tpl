@@ -116,6 +116,11 @@ it hands to the agents' per-group Role (e.g. pods/status patch) must also appear
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
+# The group's NetworkPolicy <group>-ingress (ingress to its pods); garbage-collected with the group, deleted by
+# the operator only when the group turns it off (networkPolicy.enabled: false).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
 # The agents' Role (its resourceNames follow scaling) and RoleBinding; also removed by the garbage collector.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]

@@ -9,6 +9,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroup, WeightSyncGroupSpec
 from weightsync.plan import Plan
 from weightsync_operator.builders.common import BuildOptions, JsonDict
 from weightsync_operator.builders.configmap import build_plan_config_map
+from weightsync_operator.builders.network_policy import build_network_policy
 from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
 from weightsync_operator.builders.secret import build_group_secret
@@ -26,14 +27,18 @@ class DesiredState:
     secret: JsonDict
     #: Trainer pods by index, then engine pods engine-major.
     pods: tuple[JsonDict, ...]
+    #: Ingress to the group's pods; None when ``networkPolicy.enabled`` is false (the reconciler then deletes ours).
+    network_policy: JsonDict | None = None
 
     @property
     def pod_names(self) -> tuple[str, ...]:
         return tuple(str(p["metadata"]["name"]) for p in self.pods)
 
     def supporting_objects(self) -> tuple[JsonDict, ...]:
-        """Everything but the pods and the Secret, in apply order: identity before the pods that use it."""
-        return (self.service_account, self.role, self.role_binding, self.service, self.config_map)
+        """Everything but the pods and the Secret, in apply order: identity before the pods that use it, and
+        the NetworkPolicy before the pods, so that no pod of the group ever runs unfenced."""
+        fence = (self.network_policy,) if self.network_policy is not None else ()
+        return (self.service_account, self.role, self.role_binding, self.service, self.config_map, *fence)
 
     def objects(self) -> tuple[JsonDict, ...]:
         return (*self.supporting_objects(), self.secret, *self.pods)
@@ -74,4 +79,5 @@ def desired_state(group: WeightSyncGroup, plan: Plan, options: BuildOptions | No
         config_map=build_plan_config_map(group, plan),
         secret=build_group_secret(group),
         pods=pods,
+        network_policy=build_network_policy(group),
     )

@@ -15,10 +15,15 @@ What is added to the template (everything else is the user's and passes through 
   engine pods, in the first user container's (the engine: stock SGLang takes it as
   ``--admin-api-key $(WEIGHTSYNC_GROUP_TOKEN)``); never in a trainer pod's user containers;
 - the RDMA resource (request = limit) on the first user container and the agent;
-- ``IPC_LOCK`` (merged into the user's capabilities) on every user container and the agent;
+- ``IPC_LOCK`` (merged into the user's capabilities) on every user container and the agent, only when
+  the group uses RDMA (``rdma.resourceName``: memory registration needs it); a TCP group adds no capability;
 - a memory-backed ``/dev/shm`` shared by every container (the CPU replica lives there);
 - ``hostname``/``subdomain`` for stable DNS through the headless Service, the agent-ready readiness
-  gate, the agents' ServiceAccount, ``restartPolicy: Always``, and host networking when asked.
+  gate, the agents' ServiceAccount, ``restartPolicy: Always``, and host networking when asked;
+- least privilege (docs/security.md, "Least privilege"): ``automountServiceAccountToken: false``, and the
+  agents' API credentials as a projected volume mounted in the agent container only (the user's containers
+  get none); the agent hardened (non-root, no privilege escalation, drop ALL, RuntimeDefault seccomp,
+  read-only root filesystem with an emptyDir at /tmp), each field overridable by ``spec.agent.securityContext``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api import names
-from weightsync.api.v1alpha1 import AGENT_CONTAINER, WeightSyncGroup
+from weightsync.api.v1alpha1 import AGENT_CONTAINER, WeightSyncGroup, WeightSyncGroupSpec
 from weightsync_operator.builders.common import (
     BuildError,
     BuildOptions,
@@ -43,6 +48,18 @@ from weightsync_operator.builders.secret import token_env
 #: Name of the memory-backed volume the operator adds (unless the template already mounts /dev/shm).
 SHM_VOLUME = "weightsync-shm"
 IPC_LOCK = "IPC_LOCK"
+#: The agent's API credentials: the same projection the kubelet's ``kube-api-access-*`` volume has, mounted
+#: only in the agent, where ``load_incluster_config`` looks for them.
+API_ACCESS_VOLUME = "weightsync-agent-api-access"
+API_ACCESS_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+#: Lifetime of the projected token; the kubelet renews it at 80 % and the Kubernetes client re-reads the file.
+API_TOKEN_SECONDS = 3600
+#: The agent's only writable place besides /dev/shm (its root filesystem is read-only): HOME and TMPDIR.
+AGENT_TMP_VOLUME = "weightsync-agent-tmp"
+AGENT_TMP_PATH = "/tmp"
+AGENT_TMP_SIZE = "1Gi"
+#: The agent image's user (agent/Dockerfile: ``USER 65532:65532``).
+AGENT_UID = 65532
 AGENT_COMMAND = ["weightsync"]
 AGENT_ARGS = ["agent"]
 
@@ -161,21 +178,31 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
                 "emptyDir": {"medium": "Memory", "sizeLimit": f"{spec.rdma.shm_size_gi_b}Gi"},
             }
         )
+
+    # --- the agent's API credentials and scratch space (its volumes; only the agent mounts them) ----
+    volumes = [v for v in volumes if v.get("name") not in (API_ACCESS_VOLUME, AGENT_TMP_VOLUME)]
+    volumes += agent_volumes()
     pod_spec["volumes"] = volumes
 
     # --- user containers ---------------------------------------------------------------------------
     rdma = spec.rdma
     for position, container in enumerate(containers):
         _add_shm_mount(container, shm_volume)
-        _add_capability(container, IPC_LOCK)
+        _drop_mount(container, API_ACCESS_VOLUME)  # the agent's alone, even where a template names it
+        if uses_rdma(spec):
+            _add_capability(container, IPC_LOCK)
         if position == 0 and rdma.resource_name:
             _add_resource(container, rdma.resource_name, rdma.resource_count)
         if position == 0 and who.role == "engine":
-            _add_env(container, token_env(group))
+            # Each goes first: the token ends first, then the Mooncake range, then the user's variables.
+            for item in (*reversed(mooncake_port_env(group)), token_env(group)):
+                _add_env(container, item)
     pod_spec["containers"] = containers
 
     # --- the agent sidecar ---------------------------------------------------------------------------
     init_containers = [dict(c) for c in pod_spec.get("initContainers") or [] if c.get("name") != AGENT_CONTAINER]
+    for container in init_containers:
+        _drop_mount(container, API_ACCESS_VOLUME)
     init_containers.append(_agent_container(group, who, options, shm_volume))
     pod_spec["initContainers"] = init_containers
 
@@ -184,6 +211,8 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
     pod_spec["hostname"] = who.name
     pod_spec["subdomain"] = names.service(group.metadata.name)
     pod_spec["serviceAccountName"] = names.agent_service_account(group.metadata.name)
+    # No token for every container: the agent alone mounts one (agent_volumes), the user's containers get none.
+    pod_spec["automountServiceAccountToken"] = False
     pod_spec.pop("serviceAccount", None)  # deprecated alias; would contradict serviceAccountName
     gates = [dict(g) for g in pod_spec.get("readinessGates") or []]
     if not any(g.get("conditionType") == names.CONDITION_AGENT_READY for g in gates):
@@ -219,8 +248,12 @@ def _agent_container(group: WeightSyncGroup, who: PodIdentity, options: BuildOpt
         "restartPolicy": "Always",
         "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": agent.port, "protocol": "TCP"}],
         "env": agent_env(group, who),
-        "volumeMounts": [{"name": shm_volume, "mountPath": names.SHM_PATH}],
-        "securityContext": {"capabilities": {"add": [IPC_LOCK]}},
+        "volumeMounts": [
+            {"name": shm_volume, "mountPath": names.SHM_PATH},
+            {"name": API_ACCESS_VOLUME, "mountPath": API_ACCESS_PATH, "readOnly": True},
+            {"name": AGENT_TMP_VOLUME, "mountPath": AGENT_TMP_PATH},
+        ],
+        "securityContext": agent_security_context(spec),
     }
     if agent.image_pull_policy:
         container["imagePullPolicy"] = agent.image_pull_policy
@@ -229,6 +262,63 @@ def _agent_container(group: WeightSyncGroup, who: PodIdentity, options: BuildOpt
     if spec.rdma.resource_name:
         _add_resource(container, spec.rdma.resource_name, spec.rdma.resource_count)
     return container
+
+
+def uses_rdma(spec: WeightSyncGroupSpec) -> bool:
+    """Whether the group's pods get RDMA devices, and so register memory (which needs ``IPC_LOCK``).
+
+    ``transfer.protocol: rdma`` requires ``rdma.resourceName`` (CEL), and without the device plugin's resource a
+    pod has no RDMA device, so ``auto`` falls back to TCP there: the resource is the one signal."""
+    return spec.rdma.resource_name is not None
+
+
+def agent_security_context(spec: WeightSyncGroupSpec) -> JsonDict:
+    """Hardened defaults, overridden field by field by ``spec.agent.securityContext`` (a given ``capabilities``
+    replaces ours whole)."""
+    capabilities: JsonDict = {"drop": ["ALL"]}
+    if uses_rdma(spec):
+        capabilities["add"] = [IPC_LOCK]
+    defaults: JsonDict = {
+        "runAsNonRoot": True,
+        "runAsUser": AGENT_UID,
+        "runAsGroup": AGENT_UID,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": capabilities,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    overrides = spec.agent.security_context
+    if overrides is None:
+        return defaults
+    return {**defaults, **overrides.model_dump(by_alias=True, exclude_none=True)}
+
+
+def agent_volumes() -> list[JsonDict]:
+    """The agent's API credentials (the kubelet's ``kube-api-access`` shape: a bound ServiceAccount token, the
+    cluster CA, the namespace) and its scratch space."""
+    return [
+        {
+            "name": API_ACCESS_VOLUME,
+            "projected": {
+                "defaultMode": 0o644,
+                "sources": [
+                    {"serviceAccountToken": {"path": "token", "expirationSeconds": API_TOKEN_SECONDS}},
+                    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                    {
+                        "downwardAPI": {
+                            "items": [
+                                {
+                                    "path": "namespace",
+                                    "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                                }
+                            ]
+                        }
+                    },
+                ],
+            },
+        },
+        {"name": AGENT_TMP_VOLUME, "emptyDir": {"sizeLimit": AGENT_TMP_SIZE}},
+    ]
 
 
 def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
@@ -257,6 +347,16 @@ def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
     return env
 
 
+def mooncake_port_env(group: WeightSyncGroup) -> list[JsonDict]:
+    """``transfer.mooncakePorts`` as Mooncake's own variables, for the engine container: the reference engine's
+    and stock SGLang's Mooncake engines bind inside the range the group's NetworkPolicy opens."""
+    ports = group.spec.transfer.mooncake_ports
+    return [
+        {"name": names.ENV_MOONCAKE_MIN_PORT, "value": str(ports.start)},
+        {"name": names.ENV_MOONCAKE_MAX_PORT, "value": str(ports.end)},
+    ]
+
+
 def _existing_shm_volume(containers: Sequence[Mapping[str, Any]]) -> str | None:
     """The volume the template already mounts at /dev/shm, if any (then the agent shares that one)."""
     for container in containers:
@@ -271,6 +371,11 @@ def _add_shm_mount(container: JsonDict, volume: str) -> None:
     if not any(m.get("mountPath") == names.SHM_PATH for m in mounts):
         mounts.append({"name": volume, "mountPath": names.SHM_PATH})
     container["volumeMounts"] = mounts
+
+
+def _drop_mount(container: JsonDict, volume: str) -> None:
+    if any(m.get("name") == volume for m in container.get("volumeMounts") or []):
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != volume]
 
 
 def _add_env(container: JsonDict, item: JsonDict) -> None:

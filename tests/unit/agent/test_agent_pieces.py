@@ -7,6 +7,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from weightsync_agent.config import AgentConfig
 from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDirectory
 from weightsync_agent.http.server import BackgroundServer
 from weightsync_agent.layout.manifest import Manifest
-from weightsync_agent.rounds.coordinator import Coordinator
+from weightsync_agent.rounds.coordinator import HISTORY, Coordinator
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import (
     WireError,
@@ -140,6 +141,36 @@ def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
     assert coordinator.wait(4, 0.0) == result  # the trainer ranks waiting for v4 hear about it
 
 
+def test_the_coordinator_keeps_the_last_rounds_only_and_wakes_its_listeners() -> None:
+    coordinator = _coordinator("reference")
+    coordinator.committed = 10_000
+    woken: list[int] = []
+    coordinator.on_finish.append(lambda: woken.append(1))
+    for version in range(1, 3 * HISTORY + 1):
+        coordinator.run_round(version)  # refused (not newer): recorded like any round
+    assert len(coordinator.finished) == HISTORY and len(woken) == 3 * HISTORY
+    assert list(coordinator.finished) == list(range(2 * HISTORY + 1, 3 * HISTORY + 1))  # the newest, in order
+    assert coordinator.wait(1, 0.0) is None and coordinator.wait(3 * HISTORY, 0.0) is not None
+
+
+def test_the_agents_http_calls_take_the_plans_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.api import v1alpha1
+    from weightsync.api.timeouts import Timeouts
+
+    monkeypatch.setattr(v1alpha1.TransferSpec, "timeouts", property(lambda self: Timeouts(300, 300, 7.5, 300)))
+    plan = plan_for(spec(), group="g")
+    config = AgentConfig(group="g", role="trainer", pod_index=0, ranks=(0,), plan_file="-", group_token="t")
+    runtime = AgentRuntime(
+        config,
+        lambda: plan,
+        StaticDirectory({}, {}),
+        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
+        replica_root=lambda rank: tmp_path / f"r{rank}",
+    )
+    assert runtime.call_timeout == 7.5
+    assert runtime.coordinator is not None and runtime.coordinator.call_timeout == 7.5
+
+
 def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> None:
     plan = plan_for(spec(), group="g")
     (tmp_path / "plan.json").write_text(plan.to_json())
@@ -166,12 +197,12 @@ def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> No
 
         assert post("/v1/publish", {"version": "7", "rank": 1}) == (
             400,
-            {"error": {"message": "version must be an integer, got '7'"}},
+            {"error": {"message": 'version: Input should be a valid integer (got "7")'}},
         )
         status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": -1})
         assert status == 400 and "timeoutSeconds" in str(body["error"])
         status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": 1, "engines": "all"})
-        assert status == 400 and "engines must be a list" in str(body["error"])
+        assert status == 400 and "engines: Input should be a valid list" in str(body["error"])
         # Not built yet (no engine answered): a failed report naming the reason, not an exception.
         status, body = post("/v1/sources/1/publish", {"version": 1, "timeoutSeconds": 0.1})
         assert status == 200 and body["ok"] is False and "not built yet" in str(body["error"])
@@ -246,3 +277,41 @@ def test_a_source_refuses_a_target_whose_engine_publishes_elsewhere_and_asks_for
     assert "engine 0 rank 1 publishes its weights elsewhere" in report.error and "127.0.0.1:7000" in report.error
     agent.adopt(agent.plan, {(0, 1): now})  # the runtime's rebuild refetched the manifests
     assert not agent.stale
+
+
+def test_rank_0s_publish_is_not_queued_behind_its_pods_waiting_ranks(tmp_path: Path) -> None:
+    """40 ranks on rank 0's pod: 39 publishes wait for the round, more than the loop's default executor has threads
+    (min(32, cores + 4)); rank 0's publish must still run at once (here the round is refused: nothing is built)."""
+    ranks = 40
+    many = spec().model_copy(
+        update={"trainer": spec().trainer.model_copy(update={"replicas": 1, "ranks_per_pod": ranks})}
+    )
+    plan = plan_for(many, group="g")
+    config = AgentConfig(
+        group="g", role="trainer", pod_index=0, ranks=tuple(range(ranks)), plan_file="-", group_token="t0k"
+    )
+    runtime = AgentRuntime(
+        config,
+        lambda: plan,
+        StaticDirectory({}, {}),
+        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
+        replica_root=lambda rank: tmp_path / f"r{rank}",
+    )
+    with BackgroundServer(build_app(runtime)) as server:
+
+        def publish(rank: int) -> tuple[int, dict[str, object], float]:
+            body = json.dumps({"version": 1, "rank": rank, "timeoutSeconds": 60}).encode()
+            headers = {"Content-Type": "application/json", "Authorization": "Bearer t0k"}
+            request = urllib.request.Request(server.url + "/v1/publish", body, headers, method="POST")
+            start = time.monotonic()
+            with urllib.request.urlopen(request, timeout=90) as answer:
+                return answer.status, json.loads(answer.read()), time.monotonic() - start
+
+        with ThreadPoolExecutor(ranks) as pool:
+            waiting = [pool.submit(publish, rank) for rank in range(1, ranks)]
+            time.sleep(1.0)  # every other rank waits for the round
+            status, result, seconds = publish(0)
+            assert status == 200 and result["result"] == "Failed" and "not built yet" in str(result["reason"])
+            assert seconds < 5, f"rank 0's publish waited {seconds:.1f} s behind its pod's other ranks"
+            for future in waiting:  # and they all hear its result
+                assert future.result(timeout=30)[1]["version"] == 1

@@ -50,7 +50,8 @@ def test_render_yaml_builds_every_object() -> None:
     objects = list(yaml.safe_load_all(result.stdout))
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == [
-        "ConfigMap", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Secret", "Service", "ServiceAccount",
+        "ConfigMap", "NetworkPolicy", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Secret", "Service",
+        "ServiceAccount",
     ]  # fmt: skip
     # The group's credential is shown without a token: the operator makes one when it creates the Secret.
     (secret,) = [o for o in objects if o["kind"] == "Secret"]

@@ -1,0 +1,77 @@
+"""The agent's request bodies and queries, each field bounded (caps: :mod:`weightsync_agent.http.bounds`).
+
+The wire names (camelCase) are the aliases; a handler parses with :func:`~weightsync_agent.http.bounds.parse_body`
+and gets a 400 naming the field for anything else: a version past 2^53, a negative rank, a timeout of 10^300,
+an unknown field, a list of a million engines.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from weightsync.api.v1alpha1 import MAX_RANKS
+from weightsync_agent.http.bounds import (
+    MAX_POLL_SECONDS,
+    MAX_RANK,
+    MAX_VERSION,
+    Rank,
+    RequestModel,
+    RequestSeconds,
+    Version,
+)
+
+#: A ``<engine>/<rank>`` key of a placement map, and the 16 hex digits of a placement (``Manifest.placement``).
+TargetKey = Annotated[str, Field(max_length=32, pattern=r"^[0-9]{1,10}/[0-9]{1,10}$")]
+PlacementId = Annotated[str, Field(min_length=1, max_length=64)]
+EngineIndex = Annotated[int, Field(ge=0, lt=MAX_RANKS, strict=True)]
+
+
+class PublishRequest(RequestModel):
+    """``POST /v1/publish``: trainer rank ``rank`` staged ``version``."""
+
+    version: Version
+    rank: Rank
+    timeout_seconds: RequestSeconds | None = Field(default=None, alias="timeoutSeconds")
+
+
+class SourceCallRequest(RequestModel):
+    """``POST /v1/sources/{rank}/prepare`` and ``.../publish``: the coordinator's call to one source."""
+
+    version: Version
+    timeout_seconds: RequestSeconds = Field(alias="timeoutSeconds")
+    engines: list[EngineIndex] | None = Field(default=None, max_length=MAX_RANKS)
+    plan_hash: str | None = Field(default=None, alias="planHash", min_length=1, max_length=128)
+    catch_up: bool = Field(default=False, alias="catchUp")
+    placements: dict[TargetKey, PlacementId] | None = Field(default=None, max_length=MAX_RANKS)
+
+
+class CommittedRequest(RequestModel):
+    """``POST /v1/sources/{rank}/committed``: the group committed ``version``."""
+
+    version: Version
+
+
+#: Query strings and path segments are text: these parse ``"5"`` (lax), with the same bounds.
+QueryVersion = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+QueryRank = Annotated[int, Field(ge=0, le=MAX_RANK)]
+
+
+class RoundQuery(RequestModel):
+    """``GET /v1/rounds/{version}?wait=S&after=T``: the round's result, waiting up to ``wait`` seconds (at most
+    :data:`MAX_POLL_SECONDS`: a longer wait is cut to it and answered ``pending``, and the caller asks again)."""
+
+    version: QueryVersion
+    wait: RequestSeconds = 0.0
+    after: float = Field(default=0.0, ge=0, le=float(MAX_VERSION), allow_inf_nan=False)
+
+    @property
+    def poll_seconds(self) -> float:
+        return min(self.wait, MAX_POLL_SECONDS)
+
+
+class RankQuery(RequestModel):
+    """A rank in a path (``/v1/sources/{rank}/...``) or a query (``/v1/engine/manifest?rank=r``)."""
+
+    rank: QueryRank
