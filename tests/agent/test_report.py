@@ -139,3 +139,14 @@ def test_the_directory_says_why_when_it_never_had_an_answer() -> None:
     api.failures = [ApiException(status=404, reason="Not Found")]
     with pytest.raises(DirectoryError, match="does not exist"):
         PodDirectory(api, "ns", "g", LAYOUT).engine_url(0)
+
+
+def test_a_refused_condition_is_not_sent_again_until_a_new_one() -> None:
+    api = FakeCoreApi()
+    report = reporter(api, resync=0.05)
+    report.set_ready(True, "SourcesBuilt")
+    assert report.flush(5)
+    api.failures = [ApiException(status=422, reason="Unprocessable Entity")] * 50
+    time.sleep(0.3)  # the resync is refused once, then not retried in a loop
+    assert len(api.failures) == 49
+    report.close()

@@ -55,6 +55,15 @@ def encode_annotations(values: dict[str, AnnotationValue]) -> dict[str, str | No
     }
 
 
+def api_message(exc: Any, limit: int = 300) -> str:
+    """The API server's own message in an error answer (a Status object), cut short."""
+    try:
+        message = str(json.loads(exc.body).get("message", ""))
+    except (TypeError, ValueError, AttributeError):
+        message = str(getattr(exc, "body", "") or "")
+    return message[:limit]
+
+
 class PodReporter:
     """Patches one pod (the agent's own) through the Kubernetes API, from a background thread.
 
@@ -155,9 +164,11 @@ class PodReporter:
             except ApiException as exc:
                 if exc.status is not None and 400 <= exc.status < 500 and exc.status not in RETRIED_STATUSES:
                     # Asking again cannot help (forbidden, invalid, the pod is gone): say so and drop these values.
-                    log.error("pod %s refused a report (%s %s); dropped: %s", self.pod, exc.status, exc.reason,
-                              {"annotations": annotations, "condition": condition})  # fmt: skip
+                    log.error("pod %s refused a report (%s %s: %s); dropped: %s", self.pod, exc.status, exc.reason,
+                              api_message(exc), {"annotations": annotations, "condition": condition})  # fmt: skip
                     with self._changed:
+                        if condition is not None and condition is self._delivered:
+                            self._delivered = None  # a refused condition is not sent again until a new one
                         self._sending = False
                         self._changed.notify_all()
                     continue
@@ -180,6 +191,7 @@ class PodReporter:
         self.failures += 1
         log.warning("reporting on pod %s failed (retrying in %.1f s): %s", self.pod, delay, cause)
         with self._changed:
+            self._delivered_at = time.monotonic()
             self._annotations = {**annotations, **self._annotations}
             if self._condition is None:
                 self._condition = condition
