@@ -31,8 +31,10 @@ RETRY_MAX_SECONDS: Final = 10.0
 #: meanwhile (a node agent that re-lists pods after an API server restart, a human), the gate says what the
 #: agent says within this time.
 RESYNC_SECONDS: Final = 30.0
-#: 4xx answers worth asking again: a timeout, a conflict, throttling. Any other 4xx drops the values.
+#: 4xx answers that are plainly transient (a timeout, a conflict, throttling): retried like an unreachable API
+#: server. Other refusals are retried too, with backoff up to REFUSED_SLOWDOWN times longer.
 RETRIED_STATUSES: Final = frozenset({408, 409, 429})
+REFUSED_SLOWDOWN: Final = 6
 
 AnnotationValue = str | dict[str, Any] | int | None
 
@@ -162,17 +164,19 @@ class PodReporter:
             try:
                 self._send(annotations, condition)
             except ApiException as exc:
-                if exc.status is not None and 400 <= exc.status < 500 and exc.status not in RETRIED_STATUSES:
-                    # Asking again cannot help (forbidden, invalid, the pod is gone): say so and drop these values.
-                    log.error("pod %s refused a report (%s %s: %s); dropped: %s", self.pod, exc.status, exc.reason,
-                              api_message(exc), {"annotations": annotations, "condition": condition})  # fmt: skip
+                if exc.status == 404:
+                    # The pod is gone (this agent is about to be stopped): nothing to report on.
+                    log.error("pod %s is gone; report dropped: %s", self.pod,
+                              {"annotations": annotations, "condition": condition})  # fmt: skip
                     with self._changed:
-                        if condition is not None and condition is self._delivered:
-                            self._delivered = None  # a refused condition is not sent again until a new one
                         self._sending = False
                         self._changed.notify_all()
                     continue
-                delay = self._retry_later(annotations, condition, exc.reason or exc, delay)
+                # Refusals are retried too, more slowly: some are transient although 4xx (right after an API server
+                # restart, an admission policy whose params' CRD is not discovered yet answers 422).
+                cause = f"{exc.status} {exc.reason}: {api_message(exc)}"
+                refused = exc.status is not None and exc.status < 500 and exc.status not in RETRIED_STATUSES
+                delay = self._retry_later(annotations, condition, cause, delay, refused=refused)
                 continue
             except transport_errors() as exc:
                 delay = self._retry_later(annotations, condition, exc, delay)
@@ -185,11 +189,18 @@ class PodReporter:
                 self._changed.notify_all()
 
     def _retry_later(
-        self, annotations: dict[str, str | None], condition: dict[str, Any] | None, cause: object, delay: float
+        self,
+        annotations: dict[str, str | None],
+        condition: dict[str, Any] | None,
+        cause: object,
+        delay: float,
+        *,
+        refused: bool = False,
     ) -> float:
         """Put back what failed (under anything newer), wait ``delay`` (or until closed); the next delay."""
         self.failures += 1
-        log.warning("reporting on pod %s failed (retrying in %.1f s): %s", self.pod, delay, cause)
+        level = logging.ERROR if refused else logging.WARNING
+        log.log(level, "reporting on pod %s failed (retrying in %.1f s): %s", self.pod, delay, cause)
         with self._changed:
             self._delivered_at = time.monotonic()
             self._annotations = {**annotations, **self._annotations}
@@ -198,7 +209,7 @@ class PodReporter:
             self._sending = False
             self._changed.notify_all()
             self._changed.wait_for(lambda: self._closed, timeout=delay)
-        return min(delay * 2, self.retry_max)
+        return min(delay * 2, self.retry_max * (REFUSED_SLOWDOWN if refused else 1))
 
     def _send(self, annotations: dict[str, str | None], condition: dict[str, Any] | None) -> None:
         if condition is not None:
