@@ -9,12 +9,20 @@ Service. Local runs without a cluster name every URL in a small JSON file instea
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from weightsync.api import names
 from weightsync.plan import Layout
+from weightsync_agent.kube import transport_errors
+
+log = logging.getLogger("weightsync.agent")
+
+#: After the API server failed to answer, how long lookups use the last known answers without asking.
+API_HOLD_SECONDS = 15.0
 
 
 class DirectoryError(LookupError):
@@ -117,25 +125,52 @@ class FileDirectory:
 
 
 class PodDirectory:
-    """Reads the URLs the agents advertised on their pods; DNS names when none is there yet."""
+    """Reads the URLs the agents advertised on their pods; DNS names when none is there yet.
 
-    def __init__(self, core_api: Any, namespace: str, group: str, layout: Layout) -> None:
+    The API server is not on a round's critical path: each answer is remembered, and while the API server
+    does not answer (hung, down, restarting) the last answer serves, without asking again for ``hold_seconds``
+    (so a round during an outage does not pay a timeout per lookup). A peer that moved meanwhile fails its
+    call, and the round with it, which is the honest outcome; the next lookup after the outage is fresh.
+    """
+
+    def __init__(
+        self, core_api: Any, namespace: str, group: str, layout: Layout, *, hold_seconds: float = API_HOLD_SECONDS
+    ) -> None:
         self.api = core_api
         self.namespace = namespace
         self.group = group
         self.layout = layout
+        self.hold_seconds = hold_seconds
+        self._known: dict[tuple[str, str], str | None] = {}
+        self._unavailable_until = 0.0
 
     def _advertised(self, pod: str, annotation: str) -> str | None:
         from kubernetes.client.exceptions import ApiException
 
+        key = (pod, annotation)
+        if key in self._known and time.monotonic() < self._unavailable_until:
+            return self._known[key]
         try:
             found = self.api.read_namespaced_pod(pod, self.namespace)
         except ApiException as exc:
             if exc.status == 404:
                 raise DirectoryError(f"pod {pod} does not exist (yet)") from exc
-            raise DirectoryError(f"cannot read pod {pod}: {exc.status} {exc.reason}") from exc
+            if exc.status is not None and exc.status < 500 and exc.status not in (408, 429):
+                raise DirectoryError(f"cannot read pod {pod}: {exc.status} {exc.reason}") from exc
+            return self._remembered(key, f"{exc.status} {exc.reason}")
+        except transport_errors() as exc:
+            return self._remembered(key, f"the API server did not answer ({exc})")
         value = (found.metadata.annotations or {}).get(annotation)
-        return str(value) if value else None
+        self._known[key] = str(value) if value else None
+        return self._known[key]
+
+    def _remembered(self, key: tuple[str, str], cause: str) -> str | None:
+        self._unavailable_until = time.monotonic() + self.hold_seconds
+        if key not in self._known:
+            raise DirectoryError(f"cannot read pod {key[0]}: {cause}")
+        log.warning("cannot read pod %s (%s): using its last known address for %.0f s", key[0], cause,
+                    self.hold_seconds)  # fmt: skip
+        return self._known[key]
 
     def _dns(self, pod: str, port: int) -> str:
         return f"http://{pod}.{names.service(self.group)}.{self.namespace}.svc:{port}"

@@ -7,7 +7,7 @@ from pathlib import Path
 from weightsync.api import names
 from weightsync.plan import Plan, PlanError
 from weightsync_agent.config import AgentConfig
-from weightsync_agent.kube import kube_core_api
+from weightsync_agent.kube import kube_core_api, transport_errors
 
 
 def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
@@ -22,6 +22,9 @@ def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
         cm = kube_core_api().read_namespaced_config_map(config.plan_config_map, config.namespace)
     except ApiException as exc:
         raise PlanError(f"cannot read ConfigMap {config.plan_config_map}: {exc.status} {exc.reason}") from exc
+    except transport_errors() as exc:
+        cause = f"no answer from the API server ({exc})"
+        raise PlanError(f"cannot read ConfigMap {config.plan_config_map}: {cause}") from exc
     data = (cm.data or {}).get(names.PLAN_KEY)
     if not data:
         raise PlanError(f"ConfigMap {config.plan_config_map} has no {names.PLAN_KEY}")

@@ -38,16 +38,22 @@ if os.environ.get("WEIGHTSYNC_E2E", "1") == "0":
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterState, Kube]]:
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, ClusterState, Kube]]:
+    """The cluster with its process controls (fault tests stop, freeze and restart its components)."""
     found = binaries_mod.ensure()
     directory = tmp_path_factory.mktemp("cluster")
     local = LocalCluster(directory, found)
     state = local.up(nodes=4)
     print(f"\nlocal cluster up in {state.startup_seconds} s ({directory})", file=sys.stderr)
     try:
-        yield state, Kube(state.kubeconfig, found)
+        yield local, state, Kube(state.kubeconfig, found)
     finally:
         local.down()
+
+
+@pytest.fixture(scope="session")
+def cluster(control_plane: tuple[LocalCluster, ClusterState, Kube]) -> tuple[ClusterState, Kube]:
+    return control_plane[1], control_plane[2]
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,8 @@ class Process:
     pid: int
     binary: str
     log: str
+    #: The arguments it was started with, so a fault test can start it again exactly so.
+    args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -216,6 +218,60 @@ class LocalCluster:
             return False
         return bool(state.processes) and all(_alive(p) for p in state.processes)
 
+    # --- Faults (tests) -------------------------------------------------------------------------
+
+    def component(self, state: ClusterState, name: str) -> Process:
+        for process in state.processes:
+            if process.name == name:
+                return process
+        raise ClusterError(f"no component {name!r} in this cluster ({[p.name for p in state.processes]})")
+
+    def freeze(self, state: ClusterState, name: str) -> None:
+        """SIGSTOP a component: its sockets stay open and accept, but nothing answers (a hung server)."""
+        process = self.component(state, name)
+        if _alive(process):
+            os.kill(process.pid, signal.SIGSTOP)
+
+    def thaw(self, state: ClusterState, name: str) -> None:
+        process = self.component(state, name)
+        if _alive(process):
+            os.kill(process.pid, signal.SIGCONT)
+
+    def stop_component(self, state: ClusterState, name: str) -> None:
+        """Stop one component (SIGTERM, then SIGKILL after 10 s): its port refuses connections."""
+        process = self.component(state, name)
+        if _alive(process):
+            os.kill(process.pid, signal.SIGCONT)
+            os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _alive(process) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(process):
+            os.kill(process.pid, signal.SIGKILL)
+
+    def start_component(self, state: ClusterState, name: str, timeout: float = 60) -> None:
+        """Start a stopped component again with the arguments it first had (same ports, same data)."""
+        process = self.component(state, name)
+        if _alive(process):
+            raise ClusterError(f"{name} is still running (pid {process.pid})")
+        self._start(state, name, Path(process.binary), process.args)
+        if name == "kube-apiserver":
+            self._wait_apiserver(state, timeout)
+        self.revive(state)
+
+    def revive(self, state: ClusterState) -> list[str]:
+        """Start again every component that exited (what a kubelet does for a control plane's static pods):
+        a controller that lost the API server for long enough may exit; the cluster must not stay without it."""
+        revived = []
+        for process in list(state.processes):
+            if not _alive(process):
+                self._start(state, process.name, Path(process.binary), process.args)
+                revived.append(process.name)
+        return revived
+
+    def dead(self, state: ClusterState) -> list[str]:
+        return [p.name for p in state.processes if not _alive(p)]
+
     # --- Pieces ------------------------------------------------------------------------------------
 
     def _start(self, state: ClusterState, name: str, binary: Path, args: Sequence[str]) -> Process:
@@ -229,8 +285,8 @@ class LocalCluster:
                 start_new_session=True,
                 cwd=self.directory,
             )
-        process = Process(name, child.pid, str(binary), str(log))
-        state.processes.append(process)
+        process = Process(name, child.pid, str(binary), str(log), list(args))
+        state.processes = [p for p in state.processes if p.name != name] + [process]
         state.save()
         time.sleep(0.2)
         if child.poll() is not None:
@@ -292,7 +348,10 @@ class LocalCluster:
                 f"--cert-dir={self.directory / 'certs'}",
             ],
         )
-        context = ssl.create_default_context(cafile=str(pki.ca_cert))
+        self._wait_apiserver(state, timeout)
+
+    def _wait_apiserver(self, state: ClusterState, timeout: float) -> None:
+        context = ssl.create_default_context(cafile=str(pki_mod.Pki(self.directory / "pki").ca_cert))
 
         def ready() -> bool:
             try:

@@ -149,6 +149,8 @@ class AgentRuntime:
             self.coordinator.close()
         if self.sources is not None:
             self.sources.close()
+        if self.reporter is not None:
+            self.reporter.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_seconds):

@@ -84,6 +84,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -198,6 +199,11 @@ class ReferenceEngine:
         self.paused = False
         self.pause_mode: str | None = None
         self.paused_by: str | None = None  # the round id of the pause that holds the engine, if it named one
+        #: When the current pause began (monotonic), and how long the last finished one lasted: what a
+        #: rollout client lost to a round, measured where it happens.
+        self.paused_since: float | None = None
+        self.last_pause_seconds: float | None = None
+        self.pauses = 0
         self.live_dirty = False
         self.round: Round | None = None
         self.broadcast: BroadcastReceiver | None = None
@@ -224,6 +230,9 @@ class ReferenceEngine:
         if mode not in PAUSE_MODES:
             raise EngineError(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
         # Requests here are synchronous, so nothing is in flight: abort, retract and in_place coincide.
+        if not self.paused:
+            self.paused_since = time.monotonic()
+            self.pauses += 1
         self.paused, self.pause_mode, self.paused_by = True, mode, round_id
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -242,6 +251,9 @@ class ReferenceEngine:
                 "commit a verified version before continuing generation",
                 weight_version=self.weight_version,
             )
+        if self.paused_since is not None:
+            self.last_pause_seconds = time.monotonic() - self.paused_since
+            self.paused_since = None
         self.paused, self.pause_mode, self.paused_by = False, None, None
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -350,6 +362,8 @@ class ReferenceEngine:
             "paused": self.paused,
             "pause_mode": self.pause_mode,
             "paused_by": self.paused_by,
+            "pauses": self.pauses,
+            "last_pause_seconds": self.last_pause_seconds,
             "staged": self.staged,
             "live_dirty": self.live_dirty,
             "round": None

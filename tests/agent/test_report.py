@@ -1,0 +1,159 @@
+"""PodReporter and PodDirectory when the API server fails (the logic; tests/e2e/test_faults.py runs the real
+API server hung and down). The API here is a recording fake whose answers the test scripts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
+
+from weightsync.api import names
+from weightsync.plan import Layout
+from weightsync_agent.directory import DirectoryError, PodDirectory
+from weightsync_agent.sidecar.report import PodReporter
+
+
+class FakeCoreApi:
+    """Records patches; raises whatever ``failures`` holds, one per call, then answers."""
+
+    def __init__(self) -> None:
+        self.failures: list[BaseException] = []
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.block = threading.Event()
+        self.block.set()
+        self.annotations: dict[str, str] = {}
+
+    def _call(self, kind: str, body: dict[str, Any]) -> None:
+        self.block.wait()
+        if self.failures:
+            raise self.failures.pop(0)
+        self.calls.append((kind, body))
+
+    def patch_namespaced_pod_status(self, pod: str, namespace: str, body: dict[str, Any]) -> None:
+        self._call("status", body)
+
+    def patch_namespaced_pod(self, pod: str, namespace: str, body: dict[str, Any]) -> None:
+        self._call("pod", body)
+
+    def read_namespaced_pod(self, pod: str, namespace: str) -> Any:
+        self.block.wait()
+        if self.failures:
+            raise self.failures.pop(0)
+        self.calls.append(("read", {"pod": pod}))
+        return SimpleNamespace(metadata=SimpleNamespace(annotations=dict(self.annotations)))
+
+
+def hung() -> BaseException:
+    return urllib3.exceptions.ReadTimeoutError(None, "/api", "read timed out")  # type: ignore[arg-type]
+
+
+def reporter(api: FakeCoreApi, **kwargs: float) -> PodReporter:
+    return PodReporter(api, "ns", "pod", retry_first=0.01, retry_max=0.05, **kwargs)
+
+
+def test_reports_return_at_once_while_the_api_server_hangs_and_land_after() -> None:
+    api = FakeCoreApi()
+    api.block.clear()  # every call hangs
+    report = reporter(api)
+    started = time.monotonic()
+    report.annotate({names.ANNOTATION_WEIGHT_VERSION: 1})
+    report.annotate({names.ANNOTATION_WEIGHT_VERSION: 2, names.ANNOTATION_LAST_ROUND: {"version": 2}})
+    report.set_ready(True, "SourcesBuilt")
+    assert time.monotonic() - started < 0.1
+    assert not report.flush(0.1)
+    api.block.set()
+    assert report.flush(5)
+    annotations: dict[str, Any] = {}
+    for kind, body in api.calls:
+        if kind == "pod":
+            annotations.update(body["metadata"]["annotations"])
+    assert annotations[names.ANNOTATION_WEIGHT_VERSION] == "2"
+    assert annotations[names.ANNOTATION_LAST_ROUND] == '{"version":2}'
+    report.close()
+
+
+def test_failed_reports_are_retried_and_newer_values_win() -> None:
+    api = FakeCoreApi()
+    api.failures = [hung(), ApiException(status=503, reason="unavailable"), hung()]
+    report = reporter(api)
+    report.annotate({names.ANNOTATION_WEIGHT_VERSION: 3})
+    report.annotate({names.ANNOTATION_WEIGHT_VERSION: 4})
+    assert report.flush(5)
+    assert report.failures == 3
+    assert api.calls == [("pod", {"metadata": {"annotations": {names.ANNOTATION_WEIGHT_VERSION: "4"}}})]
+    report.close()
+
+
+def test_refusals_are_retried_slowly_and_land_once_accepted() -> None:
+    """Right after an API server restart an admission policy may refuse with a 422 for a few seconds."""
+    api = FakeCoreApi()
+    api.failures = [ApiException(status=422, reason="Unprocessable Entity")] * 3
+    report = reporter(api)
+    report.annotate({names.ANNOTATION_WEIGHT_VERSION: 5})
+    assert report.flush(5)
+    assert api.calls == [("pod", {"metadata": {"annotations": {names.ANNOTATION_WEIGHT_VERSION: "5"}}})]
+
+
+def test_a_report_for_a_pod_that_is_gone_is_dropped() -> None:
+    api = FakeCoreApi()
+    api.failures = [ApiException(status=404, reason="Not Found")]
+    report = reporter(api)
+    report.annotate({names.ANNOTATION_WEIGHT_VERSION: 5})
+    assert report.flush(5)
+    assert api.calls == []
+    report.close()
+
+
+def test_the_condition_is_sent_again_with_its_transition_time_kept() -> None:
+    api = FakeCoreApi()
+    report = reporter(api, resync=0.05)
+    report.set_ready(True, "SourcesBuilt")
+    time.sleep(0.3)
+    report.close()
+    sent = [body["status"]["conditions"][0] for kind, body in api.calls if kind == "status"]
+    assert len(sent) >= 3
+    assert all(c == sent[0] for c in sent)
+
+
+LAYOUT = Layout(trainer_pods=1, trainer_ranks_per_pod=1, engines=1, ranks_per_engine=1, engine_ranks_per_pod=1)
+
+
+def test_the_directory_serves_the_last_answer_while_the_api_server_fails() -> None:
+    api = FakeCoreApi()
+    api.annotations = {names.ANNOTATION_ENGINE_URL: "http://10.0.0.5:30000"}
+    directory = PodDirectory(api, "ns", "g", LAYOUT, hold_seconds=0.2)
+    assert directory.engine_url(0) == "http://10.0.0.5:30000"
+    api.failures = [hung()]
+    assert directory.engine_url(0) == "http://10.0.0.5:30000"
+    reads = len(api.calls)
+    assert directory.engine_url(0) == "http://10.0.0.5:30000"
+    assert len(api.calls) == reads  # held: no call (no timeout paid) during the outage
+    time.sleep(0.25)
+    api.annotations = {names.ANNOTATION_ENGINE_URL: "http://10.0.0.6:30000"}
+    assert directory.engine_url(0) == "http://10.0.0.6:30000"  # fresh after the hold
+
+
+def test_the_directory_says_why_when_it_never_had_an_answer() -> None:
+    api = FakeCoreApi()
+    api.failures = [hung()]
+    with pytest.raises(DirectoryError, match="did not answer"):
+        PodDirectory(api, "ns", "g", LAYOUT).engine_url(0)
+    api.failures = [ApiException(status=404, reason="Not Found")]
+    with pytest.raises(DirectoryError, match="does not exist"):
+        PodDirectory(api, "ns", "g", LAYOUT).engine_url(0)
+
+
+def test_a_refused_resync_backs_off_instead_of_spinning() -> None:
+    api = FakeCoreApi()
+    report = reporter(api, resync=0.05)
+    report.set_ready(True, "SourcesBuilt")
+    assert report.flush(5)
+    api.failures = [ApiException(status=422, reason="Unprocessable Entity")] * 100
+    time.sleep(0.5)
+    assert 100 - len(api.failures) < 20  # backoff up to 0.3 s here, not a tight loop
+    report.close(flush_seconds=0)
