@@ -221,6 +221,8 @@ def test_a_restarted_engine_is_caught_up_and_rounds_go_on(
     """Engine 1's pod is recreated: its new engine starts from its initial weights, is caught up to the committed
     version by the coordinator (no publish needed), and the next round reaches both engines."""
     restart_pod(admin, agents, ENGINES[1])
+    # Not ready while it serves its initial weights: its pod leaves the Services rollout clients use.
+    wait_for("the restarted engine's agent to hold it back", lambda: "engine CatchingUp" in agents.log(ENGINES[1]))
     wait_for("the restarted engine to be caught up", lambda: engine_versions(agents) == everywhere(10),
              timeout=60)  # fmt: skip
     ready_again(admin, 90, control_plane[:2])

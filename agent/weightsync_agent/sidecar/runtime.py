@@ -116,8 +116,18 @@ class AgentRuntime:
                 advertise=config.pod_index == 0,
                 set_ready=self._set_ready if reporter else None,
                 annotate=reporter.annotate if reporter else None,
+                committed=self._group_committed,
             )
         metrics.PLAN_REVISION.labels(config.group).set(self.plan.revision)
+
+    def _group_committed(self) -> int | None:
+        """The committed version trainer rank 0's coordinator holds (engine pods: whether theirs is behind)."""
+        try:
+            client = AgentClient(self.directory.trainer_url(0), timeout=min(self.call_timeout, 5.0), token=self.token)
+            committed = client.state(timeout=min(self.call_timeout, 5.0)).get("committed")
+        except (AgentError, DirectoryError, HttpCallError) as exc:
+            raise LookupError(str(exc)) from exc
+        return committed if isinstance(committed, int) and not isinstance(committed, bool) else None
 
     def _refusal(self) -> Refusal | None:
         """Why this group's engines cannot be synced by their adapter, if they cannot (weightsync.api.engines)."""

@@ -6,11 +6,18 @@ operator and the other agents need to know about this pod: the engine's URL (ann
 ``weightsync.io/engine-url``, so sources and the coordinator find it), whether it is up with a manifest
 that parses (the ``weightsync.io/agent-ready`` condition), and the version it fully holds (annotation
 ``weightsync.io/weight-version``, which the engine changes only on a verified commit).
+
+An engine that holds less than the group's committed version (restarted on its initial weights, or left behind)
+is **not ready** (reason ``CatchingUp``) until the coordinator's catch-up lands: its pod then drops out of the
+Services rollout clients use, instead of serving stale weights. The committed version comes from the coordinator
+(its ``/v1/state``), asked at most every ``committed_every`` seconds; while it cannot be asked the last answer
+holds, and before any answer (or in a group that never committed) nothing is held back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +36,17 @@ MANIFEST_ROUTE = "/v1/engine/manifest"
 
 SetReady = Callable[[bool, str, str], None]
 Annotate = Callable[[dict[str, Any]], None]
+#: The group's committed version as its coordinator knows it (None: nothing committed, or not learnt yet);
+#: raises LookupError when the coordinator cannot be asked.
+GroupCommitted = Callable[[], int | None]
+
+#: How often an engine pod asks the coordinator for the committed version.
+COMMITTED_EVERY_SECONDS = 10.0
+
+
+def holds(version: str | None, committed: int) -> bool:
+    """Whether an engine reporting ``version`` holds ``committed`` or newer (initial weights hold nothing)."""
+    return version is not None and version.isdigit() and int(version) >= committed
 
 
 @dataclass
@@ -52,6 +70,8 @@ class EngineAgent:
         set_ready: SetReady | None = None,
         annotate: Annotate | None = None,
         timeout: float = 5.0,
+        committed: GroupCommitted | None = None,
+        committed_every: float = COMMITTED_EVERY_SECONDS,
     ) -> None:
         self.group = group
         self.engine_url = engine_url
@@ -62,6 +82,10 @@ class EngineAgent:
         self.timeout = timeout
         self.state = EngineState()
         self._advertised = False
+        self.committed = committed
+        self.committed_every = committed_every
+        self._group_committed: int | None = None
+        self._asked_at: float | None = None
 
     def check(self) -> EngineState:
         """One look at the engine; report what changed."""
@@ -72,6 +96,9 @@ class EngineAgent:
         if isinstance(self.adapter, Refusal):
             ready, reason, message = False, self.adapter.reason, self.adapter.message
         else:
+            # Asked before the engine's own version: the coordinator moves ``committed`` only after every engine
+            # committed, so an engine taking part in a round never reads as behind.
+            committed = self._committed() if self.advertise else None
             try:
                 if self.advertise and not self.state.ready:
                     # Each rank's manifest, once per (re)start: a bad one keeps the pod unready.
@@ -83,6 +110,12 @@ class EngineAgent:
                 ready, reason, message = readiness.ready, readiness.reason, readiness.message
             except HttpCallError as exc:
                 ready, reason, message = False, "EngineUnavailable", str(exc)
+            if ready and committed is not None and not holds(version, committed):
+                ready, reason = False, "CatchingUp"
+                message = (
+                    f"engine holds weight version {version}, the group committed {committed}: "
+                    "not ready until the catch-up lands"
+                )
         if (ready, reason) != (self.state.ready, self.state.reason) and self.set_ready is not None:
             self.set_ready(ready, reason, message)
             (log.info if ready else log.warning)("engine %s: %s", reason, message)
@@ -94,6 +127,22 @@ class EngineAgent:
             log.info("engine holds weight version %s", version)
         self.state = EngineState(ready, reason, version if version is not None else self.state.version)
         return self.state
+
+    def _committed(self) -> int | None:
+        """The group's committed version, asked at most every ``committed_every`` s; the last answer otherwise."""
+        if self.committed is None:
+            return None
+        now = time.monotonic()
+        if self._asked_at is None or now - self._asked_at >= self.committed_every:
+            self._asked_at = now
+            try:
+                learned = self.committed()
+            except LookupError as exc:
+                log.debug("committed version not learnt this time: %s", exc)
+            else:
+                if learned is not None:
+                    self._group_committed = learned
+        return self._group_committed
 
     def manifest(self, rank: int) -> Manifest:
         """Rank ``rank``'s manifest as this pod's adapter assembles it (served to sources by the agent)."""

@@ -32,6 +32,7 @@ from weightsync_agent.targets.adapter import (
     AdapterUnavailableError,
     BroadcastReception,
     EngineAdapter,
+    Readiness,
 )
 from weightsync_agent.targets.agent import EngineAgent
 from weightsync_agent.targets.registry import ADAPTERS, make_adapter, settings_for
@@ -296,3 +297,64 @@ def test_broadcast_checksums_follow_the_scheme_each_manifest_names() -> None:
     cut = full["w"][3:].contiguous().numpy().tobytes()
     assert target_checksums(sglang, full, 1 << 20) == [hashlib.sha256(cut).digest()[:8].hex()]
     assert target_checksums(reference, full, 1 << 20) == [xxhash.xxh3_64(cut).hexdigest()]
+
+
+class HeldVersionAdapter:
+    """Just what an engine pod's readiness asks of its adapter: it answers, and the version it holds."""
+
+    def __init__(self, held: str) -> None:
+        self.held = held
+
+    def readiness(self) -> Readiness:
+        return Readiness(True, "EngineServing", "answers")
+
+    def held_version(self, timeout: float | None = None) -> str:
+        return self.held
+
+
+def test_an_engine_behind_the_committed_version_is_not_ready_until_caught_up() -> None:
+    said: list[tuple[bool, str, str]] = []
+    adapter = HeldVersionAdapter("default")  # restarted on its initial weights
+    committed: list[int | None] = [7]
+    agent = EngineAgent(
+        "g", "http://e", adapter, advertise=True,  # type: ignore[arg-type]
+        set_ready=lambda *a: said.append(a), committed=lambda: committed[0], committed_every=0,
+    )  # fmt: skip
+    assert not agent.check().ready and said[-1][1] == "CatchingUp" and "committed 7" in said[-1][2]
+    adapter.held = "6"
+    assert not agent.check().ready
+    adapter.held = "7"  # the catch-up landed
+    assert agent.check().ready and said[-1][:2] == (True, "EngineServing")
+    committed[0] = 8  # a round the engine missed (it must not happen, but if it does, it says so)
+    adapter.held = "7"
+    assert not agent.check().ready
+
+
+def test_readiness_is_not_held_back_when_nothing_is_known() -> None:
+    def unreachable() -> int | None:
+        raise LookupError("coordinator not up")
+
+    fresh = EngineAgent("g", "http://e", HeldVersionAdapter("default"), advertise=True,  # type: ignore[arg-type]
+                        committed=lambda: None, committed_every=0)  # fmt: skip
+    assert fresh.check().ready  # a group that never committed: the initial weights are the version
+    lost = EngineAgent("g", "http://e", HeldVersionAdapter("default"), advertise=True,  # type: ignore[arg-type]
+                       committed=unreachable, committed_every=0)  # fmt: skip
+    assert lost.check().ready
+
+
+def test_the_last_known_committed_version_holds_while_the_coordinator_is_away() -> None:
+    answers: list[object] = [5]
+
+    def committed() -> int | None:
+        answer = answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    adapter = HeldVersionAdapter("5")
+    agent = EngineAgent("g", "http://e", adapter, advertise=True, committed=committed,  # type: ignore[arg-type]
+                        committed_every=0)  # fmt: skip
+    assert agent.check().ready
+    answers[0] = LookupError("trainer pod 0 restarting")
+    adapter.held = "default"  # this engine restarted meanwhile
+    assert not agent.check().ready  # still known: 5 was committed
