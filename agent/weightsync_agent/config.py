@@ -36,6 +36,9 @@ class AgentConfig(BaseModel):
     #: The group's credential (``WEIGHTSYNC_GROUP_TOKEN``, from the group's Secret): required on every
     #: route but the probes, sent on every call to another agent or an engine (docs/security.md).
     group_token: str | None = Field(default=None, repr=False)
+    #: The group's Secret mounted as files (``token``, ``previous``), re-read when they change; takes precedence
+    #: over ``group_token``, which stays for local runs (docs/security.md, "Rotating the token").
+    credentials_dir: str | None = None
 
     @field_validator("ranks", mode="before")
     @classmethod
@@ -78,6 +81,7 @@ class AgentConfig(BaseModel):
             "agent_url": env.get(names.ENV_AGENT_URL) or None,
             "directory_file": env.get(names.ENV_DIRECTORY_FILE) or None,
             "group_token": env.get(names.ENV_GROUP_TOKEN) or None,
+            "credentials_dir": env.get(names.ENV_CREDENTIALS_DIR) or None,
         }
         try:
             return cls.model_validate(raw)

@@ -99,6 +99,11 @@ ENV_SOURCE_RANK: Final = "WEIGHTSYNC_SOURCE_RANK"
 #: The group's credential (a bearer token): projected from the group's Secret into the agent container and
 #: the engine container only. Every mutating or weight-revealing route of agents and engines requires it.
 ENV_GROUP_TOKEN: Final = "WEIGHTSYNC_GROUP_TOKEN"
+#: Where the agent reads the group's credential as files (``token``, ``previous``): the group's Secret as a
+#: volume in the agent container only, which kubelets refresh in place, so a rotation reaches running agents.
+#: Unset (local runs): the agent uses :data:`ENV_GROUP_TOKEN`.
+ENV_CREDENTIALS_DIR: Final = "WEIGHTSYNC_CREDENTIALS_DIR"
+CREDENTIALS_PATH: Final = "/var/run/weightsync/credentials"
 ENV_POD_NAME: Final = "POD_NAME"
 ENV_POD_IP: Final = "POD_IP"
 
@@ -106,6 +111,9 @@ ENV_POD_IP: Final = "POD_IP"
 PLAN_KEY: Final = "plan.json"
 #: The group Secret's data key holding the token.
 SECRET_TOKEN_KEY: Final = "token"
+#: The group Secret's data key holding the token before the last rotation, accepted until the rotation is
+#: finished (``weightsync rotate-token``; docs/security.md, "Rotating the token").
+SECRET_PREVIOUS_KEY: Final = "previous"
 #: In a trainer rank's replica folder: the token the pod's own agent accepts from trainer code on
 #: ``/v1/publish`` and ``/v1/state`` only (written by the agent, mode 0600; never the group's token).
 TRAINER_TOKEN_FILE: Final = "agent.token"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import time
 import urllib.error
@@ -22,6 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync_agent.http.bounds import MAX_ANSWER_BYTES
+from weightsync_agent.http.credential import ApiKey, as_credential
+
+log = logging.getLogger("weightsync.http")
 
 #: Bytes read per step of an answer: the deadline is checked between steps.
 READ_STEP = 1 << 16
@@ -48,14 +52,18 @@ class JsonHttpClient:
         base_url: str,
         *,
         timeout: float = 10.0,
-        api_key: str | None = None,
+        api_key: ApiKey = None,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
+        """``api_key``: sent as a bearer token; a :class:`~weightsync_agent.http.credential.Credential` also lets a
+        call refused with 401 be retried once with the group's other token (a rotation window)."""
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.api_key = api_key
+        self.credential = as_credential(api_key)
+        #: The token this peer last accepted after a 401 (it still runs with the previous one): tried first.
+        self._accepted: str | None = None
         self.max_answer_bytes = max_answer_bytes
 
     def __repr__(self) -> str:
@@ -70,16 +78,51 @@ class JsonHttpClient:
         query: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> tuple[int, Any]:
-        """One HTTP call; returns ``(status, decoded JSON or text)`` for 2xx, raises otherwise."""
+        """One HTTP call; returns ``(status, decoded JSON or text)`` for 2xx, raises otherwise.
+
+        With a credential, a 401 re-reads it and retries once with the token not tried yet (if any): a 401 comes
+        from the peer's authentication, before any handler, so the retry repeats nothing."""
         url = self.base_url + route
         if query:
             url += "?" + urllib.parse.urlencode(query)
         data = None if body is None else json.dumps(body).encode()
+        if self.credential is None:
+            return self._send(method, url, route, data, None, timeout)
+        candidates = self.credential.tokens().candidates()
+        first = self._accepted if self._accepted in candidates else candidates[0]
+        try:
+            answer = self._send(method, url, route, data, first, timeout)
+            self._accepted = first if first != candidates[0] else None
+            return answer
+        except HttpCallError as exc:
+            if exc.status != 401:
+                raise
+            self.credential.refresh()
+            tokens = self.credential.tokens()
+            other = next((t for t in tokens.candidates() if t != first), None)
+            if other is None:
+                raise
+            answer = self._send(method, url, route, data, other, timeout)
+        if self._accepted != other:
+            if other == tokens.previous:
+                log.warning(
+                    "%s refused the group's current token and accepted the previous one: it still runs with the "
+                    "token from before the rotation (restart it before finishing the rotation)",
+                    self.base_url,
+                )
+            else:
+                log.info("%s refused the previous token and accepted the current one", self.base_url)
+        self._accepted = other
+        return answer
+
+    def _send(
+        self, method: str, url: str, route: str, data: bytes | None, token: str | None, timeout: float | None
+    ) -> tuple[int, Any]:
         req = urllib.request.Request(url, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
         seconds = timeout or self.timeout
         deadline = time.monotonic() + seconds
         try:

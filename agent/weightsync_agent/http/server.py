@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from weightsync_agent.http.bounds import MAX_BODY_BYTES, BadRequestError
+from weightsync_agent.http.credential import Credential
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,15 @@ def route_key(request: web.Request) -> str | None:
 
 
 def auth_middleware(
-    token: str,
+    token: str | Credential,
     *,
     open_routes: Collection[str],
     extra: Mapping[str, Callable[[], str | None]] | None = None,
 ) -> Any:
     """Every route but ``open_routes`` (patterns as registered) requires ``Authorization: Bearer <token>``.
+
+    ``token``: a fixed token, or the group's :class:`Credential`, which accepts its current and, during a
+    rotation window, its previous token (and re-reads its files before refusing one).
 
     ``extra`` names routes that also accept another token (read on each request): the agent's pod-local token
     for trainer code. A missing or wrong token is a 401 in the one error shape; an unknown route asks for the
@@ -102,6 +106,7 @@ def auth_middleware(
     """
     if not token:
         raise ValueError("auth_middleware needs a non-empty token")
+    credential = token if isinstance(token, Credential) else Credential.fixed(token)
     opened = frozenset(open_routes)
     also = dict(extra or {})
 
@@ -111,7 +116,7 @@ def auth_middleware(
         if key is not None and key in opened:
             return await handler(request)
         given = bearer_token(request)
-        if token_matches(given, token):
+        if credential.accepts(given):
             return await handler(request)
         other = also.get(key) if key is not None else None
         if other is not None and token_matches(given, other()):

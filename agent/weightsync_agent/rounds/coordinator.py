@@ -38,6 +38,7 @@ from weightsync.plan import Plan
 from weightsync_agent import metrics
 from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
 from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult, new_round_id
@@ -105,7 +106,7 @@ class Coordinator:
         call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
         host: str = "127.0.0.1",
-        token: str | None = None,
+        token: ApiKey = None,
         recall: Recall | None = None,
     ) -> None:
         """``recall``: the committed version the coordinator's pod reported before a restart (its

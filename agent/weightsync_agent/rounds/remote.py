@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from weightsync_agent.http.client import HttpCallError, JsonHttpClient
+from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import (
     WireError,
@@ -43,7 +44,7 @@ class AgentError(RuntimeError):
 
 
 class AgentClient:
-    def __init__(self, base_url: str, *, timeout: float = 30.0, token: str | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 30.0, token: ApiKey = None) -> None:
         self.http = JsonHttpClient(base_url, timeout=timeout, api_key=token)
         self.base_url = self.http.base_url
 

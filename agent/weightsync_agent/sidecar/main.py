@@ -12,6 +12,7 @@ from weightsync.api import names
 from weightsync.plan import Plan, PlanError
 from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir
 from weightsync_agent.directory import Directory, DirectoryError, FileDirectory, PodDirectory
+from weightsync_agent.http.credential import Credential, CredentialError
 from weightsync_agent.http.server import BackgroundServer
 from weightsync_agent.kube import kube_core_api
 from weightsync_agent.plan_loader import load_plan
@@ -56,11 +57,13 @@ def run(plan_file: Path | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = AgentConfig.from_env()
-        if not config.group_token:
+        try:
+            Credential.from_sources(config.credentials_dir, config.group_token)
+        except CredentialError as exc:
             raise AgentConfigError(
-                f"{names.ENV_GROUP_TOKEN} is not set: the agent serves and calls only with the group's credential "
-                f"(the operator projects it from the Secret {names.group_secret(config.group)}; docs/security.md)"
-            )
+                f"{exc} (the operator mounts the Secret {names.group_secret(config.group)} at "
+                f"{names.CREDENTIALS_PATH}; docs/security.md)"
+            ) from exc
         plan = load_plan(config, plan_file)
         work = duties(config, plan)
         directory = make_directory(config, plan)

@@ -61,9 +61,7 @@ def work_threads(ranks: int) -> int:
 
 
 def build_app(runtime: AgentRuntime) -> web.Application:
-    token = runtime.config.group_token
-    if not token:
-        raise ValueError("the agent serves its routes only with the group's credential (WEIGHTSYNC_GROUP_TOKEN)")
+    token = runtime.token
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})

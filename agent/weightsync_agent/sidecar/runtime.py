@@ -28,6 +28,7 @@ from weightsync_agent import metrics
 from weightsync_agent.config import AgentConfig, trainer_token_file
 from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.http.credential import Credential
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
@@ -81,8 +82,9 @@ class AgentRuntime:
         self.coordinator: Coordinator | None = None
         self.engine: EngineAgent | None = None
         self._ready_reported: bool | None = None
-        #: The group's credential, sent on every call to another agent or an engine.
-        self.token = config.group_token
+        #: The group's credential: sent on every call to another agent or an engine, required on every route but
+        #: the probes; follows a rotation of the mounted Secret (re-read on each tick and on a 401).
+        self.token = Credential.from_sources(config.credentials_dir, config.group_token)
         #: Trainer pods: a pod-local token, accepted from trainer code on /v1/publish and /v1/state only.
         self.trainer_token: str | None = None
         if config.role == "trainer":
@@ -170,6 +172,7 @@ class AgentRuntime:
                 log.exception("agent tick failed")
 
     def tick(self) -> None:
+        self.token.refresh()  # a stat of the Secret's files: picks up a rotation within a tick of the kubelet's
         self._reload_plan()
         refused = self._refusal() if self.sources is not None else None
         if refused is not None:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from weightsync.api.engines import Capabilities, Staging
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
+from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.layout.manifest import Manifest
 
 
@@ -83,7 +84,7 @@ class AdapterSettings:
     engine_side: bool = False
     #: The group's credential (``WEIGHTSYNC_GROUP_TOKEN``), sent as a bearer token on every call to the engine
     #: (stock SGLang takes it as its ``--admin-api-key``) and to the engine's agent.
-    api_key: str | None = field(default=None, repr=False)
+    api_key: ApiKey = field(default=None, repr=False)
 
 
 class EngineRound(Protocol):

@@ -8,6 +8,7 @@ from typing import Final
 from weightsync.api.engines import ENGINE_KINDS, unavailable_message
 from weightsync.plan import Plan
 from weightsync_agent.directory import Directory, DirectoryError
+from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
 from weightsync_agent.targets.reference.adapter import ReferenceAdapter
 from weightsync_agent.targets.sglang.adapter import SglangAdapter
@@ -37,7 +38,7 @@ def settings_for(
     call_timeout: float,
     url: str | None = None,
     engine_side: bool = False,
-    token: str | None = None,
+    token: ApiKey = None,
 ) -> AdapterSettings:
     """Engine ``engine``'s adapter settings under ``plan`` (``url``: the engine's, when known without the directory).
 

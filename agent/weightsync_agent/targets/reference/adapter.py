@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from weightsync.api.engines import ENGINE_KINDS, Capabilities
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.targets.adapter import (
     AdapterSettings,
@@ -132,7 +133,7 @@ def reference_adapter(
     ranks: int = 1,
     verify: bool = True,
     call_timeout: float = HTTP_CALL_SECONDS,
-    token: str | None = None,
+    token: ApiKey = None,
 ) -> ReferenceAdapter:
     """A reference engine's adapter from its URL (tests, benchmarks and the testbed drive engines directly)."""
     settings = AdapterSettings(
