@@ -128,7 +128,7 @@ def test_trainer_agent_env() -> None:
         names.ENV_DEVICES: "mlx5_0,mlx5_1",
         names.ENV_POD_NAME: {"fieldRef": {"fieldPath": "metadata.name"}},
         names.ENV_POD_IP: {"fieldRef": {"fieldPath": "status.podIP"}},
-        names.ENV_GROUP_TOKEN: {"secretKeyRef": {"name": "g-credentials", "key": "token"}},
+        names.ENV_CREDENTIALS_DIR: names.CREDENTIALS_PATH,
     }
 
 
@@ -151,15 +151,36 @@ TOKEN_REF = {"secretKeyRef": {"name": "g-credentials", "key": names.SECRET_TOKEN
 
 
 def _token_holders(pod: dict[str, Any]) -> set[str]:
-    """The containers (init or not) whose env references the group's Secret, by any variable."""
+    """The containers (init or not) whose env references the group's Secret, by any variable, or that mount it."""
+    secret_volumes = {v["name"] for v in pod["spec"].get("volumes", []) if "secret" in v}
     holders = set()
     for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
         for e in c.get("env") or []:
             if "secretKeyRef" in (e.get("valueFrom") or {}):
                 holders.add(c["name"])
+        if secret_volumes & {m["name"] for m in c.get("volumeMounts") or []}:
+            holders.add(c["name"])
         assert not c.get("envFrom"), "no container gets the Secret wholesale"
-    assert not any("secret" in v for v in pod["spec"].get("volumes", [])), "the Secret is never mounted"
     return holders
+
+
+def test_the_agent_reads_the_token_from_the_secret_mounted_read_only() -> None:
+    tpl = template(container("main", volumeMounts=[{"name": "weightsync-agent-credentials", "mountPath": "/x"}]))
+    group = GroupBuilder("g").trainer_template(tpl).engine_template(copy.deepcopy(tpl)).model()
+    # The engine container ("main" of the engine pod) still gets the env: an engine reads its admin key at start.
+    for pod, holders in ((build_trainer_pod(group, 0), {AGENT_CONTAINER}),
+                         (build_engine_pod(group, 0, 0), {AGENT_CONTAINER, "main"})):  # fmt: skip
+        agent = agent_of(pod)
+        mount = next(m for m in agent["volumeMounts"] if m["mountPath"] == names.CREDENTIALS_PATH)
+        assert mount["readOnly"] is True
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+        # The whole Secret (token and, in a rotation, previous), which kubelets refresh in place.
+        assert volume["secret"] == {"secretName": "g-credentials", "defaultMode": 0o444, "optional": False}
+        assert env_of(pod)[names.ENV_CREDENTIALS_DIR] == names.CREDENTIALS_PATH
+        assert names.ENV_GROUP_TOKEN not in env_of(pod)  # an env var would never follow a rotation
+        # A template's container naming the volume loses that mount: the credential is the agent's alone.
+        assert _token_holders(pod) == holders
+        assert "/x" not in _mounts(pod["spec"]["containers"][0])
 
 
 def test_the_group_secret_is_owned_by_the_group_and_holds_one_token() -> None:
@@ -196,6 +217,7 @@ def test_the_token_reaches_the_agent_and_the_engine_container_only() -> None:
     assert trainer["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]
     engine = build_engine_pod(group, 0, 0)
     assert _token_holders(engine) == {AGENT_CONTAINER, "engine"}
+    assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in agent_of(engine)["env"])
     engine_env = engine["spec"]["containers"][0]["env"]
     # First, so the user's own variables may reference it with $(WEIGHTSYNC_GROUP_TOKEN).
     assert engine_env[0] == {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
@@ -707,7 +729,7 @@ def test_a_tcp_group_adds_nothing_pod_security_baseline_forbids(
     for pod in state_for(builder).pods:
         spec = pod["spec"]
         assert not {"hostNetwork", "hostPID", "hostIPC", "securityContext"} & set(spec)
-        assert all(set(v) - {"name"} <= {"emptyDir", "projected"} for v in spec["volumes"])
+        assert all(set(v) - {"name"} <= {"emptyDir", "projected", "secret"} for v in spec["volumes"])
         for c in [*spec["initContainers"], *spec["containers"]]:
             security = c.get("securityContext") or {}
             assert not security.get("privileged") and not (security.get("capabilities") or {}).get("add"), c["name"]

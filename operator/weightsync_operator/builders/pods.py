@@ -11,9 +11,11 @@ What is added to the template (everything else is the user's and passes through 
   pod as built, so drift is detected without comparing against server-defaulted fields);
 - the agent as a native sidecar (init container, ``restartPolicy: Always``) with its env, port and
   resources;
-- the group's credential (``WEIGHTSYNC_GROUP_TOKEN`` from the group's Secret) in the agent's env and, on
-  engine pods, in the first user container's (the engine: stock SGLang takes it as
-  ``--admin-api-key $(WEIGHTSYNC_GROUP_TOKEN)``); never in a trainer pod's user containers;
+- the group's credential: the group's Secret as a read-only volume in the agent container only (at
+  ``/var/run/weightsync/credentials``: ``token`` and, during a rotation, ``previous``; kubelets refresh it in
+  place, so a rotation reaches running agents) and, on engine pods, ``WEIGHTSYNC_GROUP_TOKEN`` in the first user
+  container's env (the engine: stock SGLang takes it as ``--admin-api-key $(WEIGHTSYNC_GROUP_TOKEN)``, once, at
+  start); never in a trainer pod's user containers;
 - the RDMA resource (request = limit) on the first user container and the agent;
 - ``IPC_LOCK`` (merged into the user's capabilities) on every user container and the agent, only when
   the group uses RDMA (``rdma.resourceName``: memory registration needs it); a TCP group adds no capability;
@@ -43,7 +45,7 @@ from weightsync_operator.builders.common import (
     group_labels,
     object_meta,
 )
-from weightsync_operator.builders.secret import token_env
+from weightsync_operator.builders.secret import credentials_volume, token_env
 
 #: Name of the memory-backed volume the operator adds (unless the template already mounts /dev/shm).
 SHM_VOLUME = "weightsync-shm"
@@ -54,12 +56,18 @@ API_ACCESS_VOLUME = "weightsync-agent-api-access"
 API_ACCESS_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 #: Lifetime of the projected token; the kubelet renews it at 80 % and the Kubernetes client re-reads the file.
 API_TOKEN_SECONDS = 3600
+#: The group's credential as files (``token``, ``previous``), only in the agent: re-read when a kubelet refreshes
+#: them, which an env var never is (docs/security.md, "Rotating the token").
+CREDENTIALS_VOLUME = "weightsync-agent-credentials"
 #: The agent's only writable place besides /dev/shm (its root filesystem is read-only): HOME and TMPDIR.
 AGENT_TMP_VOLUME = "weightsync-agent-tmp"
 AGENT_TMP_PATH = "/tmp"
 AGENT_TMP_SIZE = "1Gi"
 #: The agent image's user (agent/Dockerfile: ``USER 65532:65532``).
 AGENT_UID = 65532
+#: Volumes only the agent mounts: a template's container naming one loses that mount.
+AGENT_SECRET_VOLUMES = (API_ACCESS_VOLUME, CREDENTIALS_VOLUME)
+AGENT_VOLUMES = (*AGENT_SECRET_VOLUMES, AGENT_TMP_VOLUME)
 AGENT_COMMAND = ["weightsync"]
 AGENT_ARGS = ["agent"]
 
@@ -180,15 +188,16 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
         )
 
     # --- the agent's API credentials and scratch space (its volumes; only the agent mounts them) ----
-    volumes = [v for v in volumes if v.get("name") not in (API_ACCESS_VOLUME, AGENT_TMP_VOLUME)]
-    volumes += agent_volumes()
+    volumes = [v for v in volumes if v.get("name") not in AGENT_VOLUMES]
+    volumes += agent_volumes(group)
     pod_spec["volumes"] = volumes
 
     # --- user containers ---------------------------------------------------------------------------
     rdma = spec.rdma
     for position, container in enumerate(containers):
         _add_shm_mount(container, shm_volume)
-        _drop_mount(container, API_ACCESS_VOLUME)  # the agent's alone, even where a template names it
+        for volume in AGENT_SECRET_VOLUMES:
+            _drop_mount(container, volume)  # the agent's alone, even where a template names it
         if uses_rdma(spec):
             _add_capability(container, IPC_LOCK)
         if position == 0 and rdma.resource_name:
@@ -202,7 +211,8 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
     # --- the agent sidecar ---------------------------------------------------------------------------
     init_containers = [dict(c) for c in pod_spec.get("initContainers") or [] if c.get("name") != AGENT_CONTAINER]
     for container in init_containers:
-        _drop_mount(container, API_ACCESS_VOLUME)
+        for volume in AGENT_SECRET_VOLUMES:
+            _drop_mount(container, volume)
     init_containers.append(_agent_container(group, who, options, shm_volume))
     pod_spec["initContainers"] = init_containers
 
@@ -251,6 +261,7 @@ def _agent_container(group: WeightSyncGroup, who: PodIdentity, options: BuildOpt
         "volumeMounts": [
             {"name": shm_volume, "mountPath": names.SHM_PATH},
             {"name": API_ACCESS_VOLUME, "mountPath": API_ACCESS_PATH, "readOnly": True},
+            {"name": CREDENTIALS_VOLUME, "mountPath": names.CREDENTIALS_PATH, "readOnly": True},
             {"name": AGENT_TMP_VOLUME, "mountPath": AGENT_TMP_PATH},
         ],
         "securityContext": agent_security_context(spec),
@@ -293,9 +304,9 @@ def agent_security_context(spec: WeightSyncGroupSpec) -> JsonDict:
     return {**defaults, **overrides.model_dump(by_alias=True, exclude_none=True)}
 
 
-def agent_volumes() -> list[JsonDict]:
+def agent_volumes(group: WeightSyncGroup) -> list[JsonDict]:
     """The agent's API credentials (the kubelet's ``kube-api-access`` shape: a bound ServiceAccount token, the
-    cluster CA, the namespace) and its scratch space."""
+    cluster CA, the namespace), the group's credential and its scratch space."""
     return [
         {
             "name": API_ACCESS_VOLUME,
@@ -317,6 +328,7 @@ def agent_volumes() -> list[JsonDict]:
                 ],
             },
         },
+        credentials_volume(group, CREDENTIALS_VOLUME),
         {"name": AGENT_TMP_VOLUME, "emptyDir": {"sizeLimit": AGENT_TMP_SIZE}},
     ]
 
@@ -342,7 +354,7 @@ def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
     env += [
         {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        token_env(group),
+        {"name": names.ENV_CREDENTIALS_DIR, "value": names.CREDENTIALS_PATH},
     ]
     return env
 

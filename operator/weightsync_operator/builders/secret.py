@@ -1,8 +1,10 @@
-"""The group's credential: one Secret per group holding one random token (docs/security.md).
+"""The group's credential: one Secret per group holding a random token (docs/security.md).
 
-The token is made once, when the Secret is created, and never rewritten by a later reconcile: a new token
-would lock every running agent and engine out of each other (they read it from their environment at start).
-The builder is pure; the token comes from :func:`new_token`, which the reconciler calls only to create.
+The token is made once, when the Secret is created, and never rewritten by a later reconcile: engines read it
+from their environment at start, so only a rotation (``weightsync rotate-token``) changes it, and that keeps the
+old one as ``previous`` for a window. The operator never writes ``previous``; reconciles patch only the
+Secret's metadata, so both keys survive them. The builder is pure; the token comes from :func:`new_token`, which
+the reconciler calls only to create.
 """
 
 from __future__ import annotations
@@ -52,8 +54,18 @@ def secret_token(secret: Mapping[str, Any]) -> str | None:
     return token or None
 
 
+def credentials_volume(group: WeightSyncGroup, name: str) -> JsonDict:
+    """The group's Secret as files, for the agent container only: ``token`` and, during a rotation, ``previous``
+    (``optional: false``: a pod without its Secret waits for it). Kubelets refresh the files in place."""
+    return {
+        "name": name,
+        "secret": {"secretName": names.group_secret(group.metadata.name), "defaultMode": 0o444, "optional": False},
+    }
+
+
 def token_env(group: WeightSyncGroup) -> JsonDict:
-    """``WEIGHTSYNC_GROUP_TOKEN`` from the group's Secret: what the agent and engine containers get."""
+    """``WEIGHTSYNC_GROUP_TOKEN`` from the group's Secret: what the engine container gets (an engine reads its
+    admin key once, at start, so the env is enough; the agent reads the mounted files instead)."""
     return {
         "name": names.ENV_GROUP_TOKEN,
         "valueFrom": {"secretKeyRef": {"name": names.group_secret(group.metadata.name), "key": names.SECRET_TOKEN_KEY}},
