@@ -43,9 +43,10 @@ class EngineHarness(Protocol):
         self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None
     ) -> StartedEngine: ...
 
-    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
         """Kill engine ``engine`` (SIGKILL, as a crash) and start a fresh one on the same port: it holds the
-        checkpoint again, at new addresses behind a new transfer session."""
+        checkpoint again, at new addresses behind a new transfer session. ``token``: its admin key from now on
+        (a pod restarted after a rotation gets the new one), else the old one."""
         ...
 
 
@@ -75,11 +76,11 @@ class ReferenceEngines:
         self.processes[engine] = process
         return StartedEngine(process.url, process.stop, {}, token)
 
-    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
         old = self.processes[engine]
         stop_process(old.process, kill=True)
         old.stop()
-        return self.start(engine, spec, seed, port=int(old.url.rsplit(":", 1)[1]), token=old.token)
+        return self.start(engine, spec, seed, port=int(old.url.rsplit(":", 1)[1]), token=token or old.token)
 
 
 class SglangEngines:
@@ -115,11 +116,11 @@ class SglangEngines:
         """``sig`` to every process of engine ``engine``'s server (its HTTP server, schedulers, detokenizer)."""
         os.killpg(self.servers[engine].pid, sig)
 
-    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int) -> StartedEngine:
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
         old = self.servers[engine]
         with contextlib.suppress(ProcessLookupError):
             self.signal(engine, signal.SIGKILL)
         old.stop(grace=10.0)
         # Ready once it answers: the group's catch-up may pause it before its first health check.
         return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False,
-                          token=old.admin_api_key)  # fmt: skip
+                          token=token or old.admin_api_key)  # fmt: skip

@@ -64,7 +64,11 @@ class LoopbackGroup:
         group: str = "local",
         workdir: Path | None = None,
         engines: EngineHarness | None = None,
+        mounted_credentials: bool = False,
     ) -> None:
+        """``mounted_credentials``: agents read the group's credential from files (``token``, ``previous``), one
+        folder per agent, as from the Secret volume a kubelet refreshes (:meth:`write_credentials`); else from
+        ``WEIGHTSYNC_GROUP_TOKEN``."""
         if spec.trainer.ranks_per_pod != 1:
             raise ValueError("local groups run one trainer rank per agent (trainer.ranksPerPod: 1)")
         if spec.inference.ranks_per_pod != spec.inference.ranks_per_engine:
@@ -83,6 +87,8 @@ class LoopbackGroup:
         self.directory = StaticDirectory({}, {})
         #: The group's credential, as the operator's Secret would hold it: agents and engines require it.
         self.token = secrets.token_urlsafe(32)
+        self.mounted_credentials = mounted_credentials
+        self.previous_token: str | None = None
 
     # --- Files the agents read ---------------------------------------------------------------------
 
@@ -98,6 +104,37 @@ class LoopbackGroup:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         os.replace(tmp, path)  # agents never read half a file
+
+    def credentials_dir(self, agent: str) -> Path:
+        """Agent ``agent``'s (``agent-<pod>``, ``engine-<e>``) copy of the Secret's files."""
+        return self.workdir / "credentials" / agent
+
+    def write_credentials(self, token: str, previous: str | None = None, *, agents: list[str] | None = None) -> None:
+        """The Secret changed (a rotation): refresh the agents' files as their kubelets would, each file renamed in
+        at once, ``previous`` removed when None. ``agents``: only those (a kubelet that has not refreshed yet)."""
+        if not self.mounted_credentials:
+            raise ValueError("this group's agents read the token from their environment (mounted_credentials)")
+        self.token, self.previous_token = token, previous
+        names_ = agents if agents is not None else [*(f"agent-{p}" for p in self.agents),
+                                                    *(f"engine-{e}" for e in self.engine_agents)]  # fmt: skip
+        for agent in names_:
+            self._write_secret_files(self.credentials_dir(agent), token, previous)
+
+    def _write_secret_files(self, folder: Path, token: str, previous: str | None) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self._write(folder / names.SECRET_TOKEN_KEY, token)
+        if previous is None:
+            (folder / names.SECRET_PREVIOUS_KEY).unlink(missing_ok=True)
+        else:
+            self._write(folder / names.SECRET_PREVIOUS_KEY, previous)
+
+    def _credential_env(self, agent: str) -> dict[str, str]:
+        if not self.mounted_credentials:
+            return {names.ENV_GROUP_TOKEN: self.token}
+        folder = self.credentials_dir(agent)
+        if not (folder / names.SECRET_TOKEN_KEY).exists():
+            self._write_secret_files(folder, self.token, self.previous_token)
+        return {names.ENV_CREDENTIALS_DIR: str(folder)}
 
     def _publish_files(self) -> None:
         self._write(self.plan_file, self.plan.to_json())
@@ -143,7 +180,7 @@ class LoopbackGroup:
             names.ENV_DIRECTORY_FILE: str(self.directory_file),
             names.ENV_AGENT_PORT: str(port),
             names.ENV_ENGINE_URL: started.url,
-            names.ENV_GROUP_TOKEN: self.token,
+            **self._credential_env(f"engine-{engine}"),
             "WEIGHTSYNC_TICK_SECONDS": "0.5",
             **started.agent_env,
         }
@@ -160,7 +197,7 @@ class LoopbackGroup:
             names.ENV_DIRECTORY_FILE: str(self.directory_file),
             names.ENV_AGENT_PORT: str(port),
             names.ENV_REPLICA_PATH: str(self.workdir / f"replica-{pod}"),
-            names.ENV_GROUP_TOKEN: self.token,
+            **self._credential_env(f"agent-{pod}"),
             "WEIGHTSYNC_TICK_SECONDS": "0.5",
         }
 
@@ -203,7 +240,9 @@ class LoopbackGroup:
         """The trainer-side client of ``rank``, as trainer code in that rank's pod builds it."""
         # Trainer code's environment: the pod's identity, not the group's credential (its sidecar hands it a
         # pod-local token through the replica folder).
-        env = {k: v for k, v in self.agent_env(rank).items() if k != names.ENV_GROUP_TOKEN}
+        env = {
+            k: v for k, v in self.agent_env(rank).items() if k not in (names.ENV_GROUP_TOKEN, names.ENV_CREDENTIALS_DIR)
+        }
         env = {**env, "LOCAL_RANK": "0"}
         return WeightSyncClient.from_env(env, plan=self.plan, sidecar_timeout=sidecar_timeout)
 
@@ -217,10 +256,11 @@ class LoopbackGroup:
         self._publish_files()
         return self.plan
 
-    def restart_engine(self, engine: int, *, seed: int = 0) -> StartedEngine:
+    def restart_engine(self, engine: int, *, seed: int = 0, token: str | None = None) -> StartedEngine:
         """Crash engine ``engine`` (SIGKILL) and start a fresh one on the same port, as a pod's engine container
-        restarts: its agent keeps running; the fresh engine holds the checkpoint, at new addresses."""
-        started = self.harness.restart(engine, self.spec, seed + engine)
+        restarts: its agent keeps running; the fresh engine holds the checkpoint, at new addresses. ``token``: its
+        admin key from now on (restarted after a rotation), else the one it had."""
+        started = self.harness.restart(engine, self.spec, seed + engine, token=token)
         if started.url != self.engines[engine].url:
             raise RuntimeError(f"engine {engine} came back at {started.url}, not {self.engines[engine].url}")
         self.engines[engine] = started

@@ -34,6 +34,7 @@ from kopf.testing import KopfRunner
 from prometheus_client import REGISTRY
 
 from weightsync.api import names
+from weightsync.cli.rotation import ROTATED_AT
 from weightsync.plan import Plan, PlanError
 from weightsync_operator import apply
 from weightsync_operator.apply import Reconciler
@@ -507,11 +508,23 @@ async def test_the_group_token_is_made_once_and_never_rewritten(cluster: Cluster
         await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
         secret = cluster.objects("v1/secrets")["c-credentials"]
         assert secret_token(secret) == token and secret["metadata"]["labels"][names.LABEL_GROUP] == "c"
-        # A token rotated by hand (docs/security.md) is kept too.
+        # A rotation (docs/security.md: `token` new, `previous` the old one, the rotation's start annotated) is kept
+        # whole: the operator never writes `previous` nor drops it.
         rotated = base64.b64encode(b"rotated-by-hand").decode()
-        await cluster.call("PATCH", secret_path, {"data": {"token": rotated}}, "application/merge-patch+json")
+        previous = base64.b64encode(token.encode()).decode()
+        await cluster.call("PATCH", secret_path, {"data": {"token": rotated, "previous": previous},
+                                                  "metadata": {"annotations": {ROTATED_AT: "2026-11-26T12:00:00Z"}}},
+                           "application/merge-patch+json")  # fmt: skip
         await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
-        assert secret_token(cluster.objects("v1/secrets")["c-credentials"]) == "rotated-by-hand"
+        await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
+        secret = cluster.objects("v1/secrets")["c-credentials"]
+        assert secret_token(secret) == "rotated-by-hand" and secret["data"]["previous"] == previous
+        assert secret["metadata"]["annotations"][ROTATED_AT] == "2026-11-26T12:00:00Z"
+        # Finished (`previous` dropped): stays dropped.
+        await cluster.call("PATCH", secret_path, {"data": {"previous": None}}, "application/merge-patch+json")
+        await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
+        secret = cluster.objects("v1/secrets")["c-credentials"]
+        assert secret_token(secret) == "rotated-by-hand" and "previous" not in secret["data"]
         # A Secret left without a token gets a new one (its pods could not start without).
         await cluster.call("PATCH", secret_path, {"data": {"token": None}}, "application/merge-patch+json")
         await Reconciler(api).reconcile(cluster.group("c"))  # type: ignore[arg-type]
@@ -519,15 +532,18 @@ async def test_the_group_token_is_made_once_and_never_rewritten(cluster: Cluster
         assert fresh is not None and fresh not in (token, "rotated-by-hand")
     finally:
         await api.close()
-    # Only the agent and the engine container reference it.
+    # Only the agent (the Secret as a volume) and the engine container (its env) reference it.
     for pod in cluster.pods().values():
-        holders = {
-            c["name"]
-            for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
-            if any("secretKeyRef" in (e.get("valueFrom") or {}) for e in c.get("env") or [])
+        mounted = {
+            v["name"] for v in pod["spec"]["volumes"] if v.get("secret", {}).get("secretName") == "c-credentials"
         }
+        containers = [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
+        by_env = {c["name"] for c in containers
+                  if any("secretKeyRef" in (e.get("valueFrom") or {}) for e in c.get("env") or [])}  # fmt: skip
+        by_mount = {c["name"] for c in containers if mounted & {m["name"] for m in c.get("volumeMounts") or []}}
         role = pod["metadata"]["labels"][names.LABEL_ROLE]
-        assert holders == ({"weightsync-agent"} if role == "trainer" else {"weightsync-agent", "engine"})
+        assert by_mount == {"weightsync-agent"}
+        assert by_env == (set() if role == "trainer" else {"engine"})
 
 
 NETPOLS = "networking.k8s.io/v1/networkpolicies"

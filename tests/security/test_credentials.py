@@ -76,7 +76,7 @@ def route_table(app: Any) -> list[tuple[str, str]]:
 
 
 def agent_route_table() -> list[tuple[str, str]]:
-    runtime = SimpleNamespace(config=SimpleNamespace(group_token="x"), trainer_token="y")
+    runtime = SimpleNamespace(token="x", trainer_token="y")
     return route_table(agent_routes.build_app(cast(Any, runtime)))
 
 
