@@ -234,6 +234,36 @@ def agent_env(pod: dict[str, Any], secrets: SecretReader | None = None) -> dict[
     return env
 
 
+def engine_token(pod: dict[str, Any], secrets: SecretReader | None) -> str | None:
+    """The group token the engine container (the first container) gets from its ``secretKeyRef``, as a kubelet
+    resolves it when the container starts (and never again while it runs)."""
+    for item in pod["spec"]["containers"][0].get("env") or []:
+        ref = (item.get("valueFrom") or {}).get("secretKeyRef")
+        if item["name"] == names.ENV_GROUP_TOKEN and ref is not None and secrets is not None:
+            return secrets(pod["metadata"]["namespace"], ref["name"], ref["key"])
+    return None
+
+
+def write_secret_volume(pod: dict[str, Any], mount_path: str, folder: Path, secrets: SecretReader) -> None:
+    """What a kubelet keeps in a Secret volume: the agent container's volume mounted at ``mount_path``, one file
+    per key (``token``, ``previous``), each renamed in at once; a key the Secret dropped disappears."""
+    sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == AGENT_CONTAINER)
+    mount = next(m for m in sidecar.get("volumeMounts") or [] if m["mountPath"] == mount_path)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    secret = volume["secret"]["secretName"]
+    folder.mkdir(parents=True, exist_ok=True)
+    for key in (names.SECRET_TOKEN_KEY, names.SECRET_PREVIOUS_KEY):
+        path = folder / key
+        try:
+            value = secrets(pod["metadata"]["namespace"], secret, key)
+        except KeyError:
+            path.unlink(missing_ok=True)
+            continue
+        tmp = folder / f".{key}.tmp"
+        tmp.write_text(value)
+        os.replace(tmp, path)
+
+
 class Agents:
     """What kubelets would run for a group's pods, as local processes stopped together.
 
@@ -242,8 +272,9 @@ class Agents:
     engine also gets its engine's processes, whose URL the
     agent advertises: a reference engine, or what ``engines`` starts for the group's ``spec`` (stock
     SGLang servers: ``weightsync_testing.engine_harness``). Trainer code is the caller: :meth:`client`
-    gives a pod's trainer-side client. ``secrets`` resolves the group credential's ``secretKeyRef`` as a
-    kubelet would; the engines get the same token, as the operator projects it into the engine container.
+    gives a pod's trainer-side client. ``secrets`` reads the group's Secret as a kubelet would: into each
+    agent's Secret volume (a local folder, refreshed by :meth:`sync_credentials`, as kubelets do about once a
+    minute) and, for the engine container's ``secretKeyRef``, once when the engine starts.
     """
 
     def __init__(
@@ -264,12 +295,31 @@ class Agents:
         self.engines: dict[str, EngineProcess] = {}  # reference engines, by pod
         self.harnessed: dict[str, Callable[[], None]] = {}  # how to stop each pod's harness-started engine
         self.envs: dict[str, dict[str, str]] = {}
+        #: Pods whose agent reads the group's Secret from a volume: (pod, mount path, the local folder).
+        self.mounted: dict[str, tuple[dict[str, Any], str, Path]] = {}
+
+    def sync_credentials(self) -> None:
+        """A kubelet's periodic refresh of every running agent's Secret volume (about a minute in a cluster; here
+        when called): the files take the Secret's current keys."""
+        assert self.secrets is not None
+        for name, (pod, mount_path, folder) in list(self.mounted.items()):
+            if name in self.processes:
+                write_secret_volume(pod, mount_path, folder, self.secrets)
 
     def start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         self.stop(name)
         env = agent_env(pod, self.secrets)
-        token = env.get(names.ENV_GROUP_TOKEN)
+        mounted = env.get(names.ENV_CREDENTIALS_DIR)
+        if mounted:
+            # The Secret volume, as the kubelet mounts it: a folder of this pod's, kept fresh by sync_credentials.
+            if self.secrets is None:
+                raise ValueError(f"{name} mounts the group's Secret: pass a secret reader")
+            folder = self.logs / "credentials" / name
+            write_secret_volume(pod, mounted, folder, self.secrets)
+            env[names.ENV_CREDENTIALS_DIR] = str(folder)
+            self.mounted[name] = (pod, mounted, folder)
+        token = engine_token(pod, self.secrets)
         if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
             index = int(env[names.ENV_ENGINE_INDEX])
             if self.harness is not None:
@@ -301,10 +351,11 @@ class Agents:
         pod-local token the agent leaves there: trainer code never holds the group's credential)."""
         from weightsync_agent.client import WeightSyncClient
 
-        env = {k: v for k, v in self.envs[name].items() if k != names.ENV_GROUP_TOKEN}
+        env = {k: v for k, v in self.envs[name].items() if k not in (names.ENV_GROUP_TOKEN, names.ENV_CREDENTIALS_DIR)}
         return WeightSyncClient.from_env(env, sidecar_timeout=timeout)
 
     def stop(self, name: str) -> None:
+        self.mounted.pop(name, None)
         process = self.processes.pop(name, None)
         if process and process.poll() is None:
             process.terminate()
