@@ -128,7 +128,7 @@ def test_sglang_engine_pods_sync_through_their_agents(admin: Kube, sglang_group:
         ),
     )
     env = agents.envs[f"{GROUP}-engine-0-0"]
-    engine = EngineClient(env[names.ENV_ENGINE_URL], timeout=60, api_key=env[names.ENV_GROUP_TOKEN])
+    engine = EngineClient(env[names.ENV_ENGINE_URL], timeout=60, api_key=agents.engine_tokens[f"{GROUP}-engine-0-0"])
     assert engine.weight_version() == "1"
     _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
     held = answer["ranks"][0]["checksums"]

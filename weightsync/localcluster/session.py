@@ -295,6 +295,8 @@ class Agents:
         self.engines: dict[str, EngineProcess] = {}  # reference engines, by pod
         self.harnessed: dict[str, Callable[[], None]] = {}  # how to stop each pod's harness-started engine
         self.envs: dict[str, dict[str, str]] = {}
+        #: The admin key each engine started with (its container's ``secretKeyRef``, resolved once), by pod.
+        self.engine_tokens: dict[str, str] = {}
         #: Pods whose agent reads the group's Secret from a volume: (pod, mount path, the local folder).
         self.mounted: dict[str, tuple[dict[str, Any], str, Path]] = {}
 
@@ -320,6 +322,8 @@ class Agents:
             env[names.ENV_CREDENTIALS_DIR] = str(folder)
             self.mounted[name] = (pod, mounted, folder)
         token = engine_token(pod, self.secrets)
+        if token is not None:
+            self.engine_tokens[name] = token
         if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
             index = int(env[names.ENV_ENGINE_INDEX])
             if self.harness is not None:
