@@ -457,93 +457,6 @@ def test_a_sync_round_through_the_agents_shows_in_status(admin: Kube, group_ns: 
     assert row[6:8] == ["1", "Succeeded"]
 
 
-def rotate_token(admin: Kube, *args: str) -> subprocess.CompletedProcess[str]:
-    """``weightsync rotate-token demo`` as a user runs it: with their kubeconfig (here the admin's)."""
-    return subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "rotate-token", "demo", "-n", NS, *args],
-        env={**os.environ, "KUBECONFIG": str(admin.kubeconfig)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def secret_tokens(admin: Kube) -> tuple[str | None, str | None]:
-    data = admin.json("-n", NS, "get", "secret", names.group_secret("demo")).get("data") or {}
-    decode = lambda key: base64.b64decode(data[key]).decode() if key in data else None  # noqa: E731
-    return decode(names.SECRET_TOKEN_KEY), decode(names.SECRET_PREVIOUS_KEY)
-
-
-def answer(url: str, token: str) -> int:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as error:
-        return error.code
-
-
-def test_rotating_the_token_keeps_the_group_and_its_trainers_running(
-    admin: Kube, group_ns: str, agents: Agents
-) -> None:
-    """docs/security.md, "Rotating the token": rotate-token, a round (engines still on the old admin key), a
-    rolling restart of the engine pods only, --finish, a round; trainer pods and their agents never restart."""
-    trainers = {n: p["metadata"]["uid"] for n, p in pods(admin, "demo").items() if "-trainer-" in n}
-    pids = {n: agents.processes[n].pid for n in trainers}
-    old, previous = secret_tokens(admin)
-    assert old and previous is None
-
-    started = rotate_token(admin)
-    assert started.returncode == 0, started.stderr
-    new, previous = secret_tokens(admin)
-    assert previous == old and new and new != old
-    again = rotate_token(admin)  # a second rotation inside the window would lock out engines still on `old`
-    assert again.returncode == 1 and "already holds a previous token" in again.stderr, again.stderr
-    early = rotate_token(admin, "--finish")  # both engine pods started before the rotation
-    assert early.returncode == 1, early.stderr
-    assert "demo-engine-0-0" in early.stderr and "demo-engine-1-0" in early.stderr, early.stderr
-    assert secret_tokens(admin) == (new, old)
-
-    agents.sync_credentials()  # the kubelets refresh the agents' Secret volumes
-    outcomes = publish_everywhere(agents, 2, seed=6)
-    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
-    for pod in ("demo-engine-0-0", "demo-engine-1-0"):
-        wait_for(f"{pod} to report version 2", lambda pod=pod: engine_annotation(admin, pod) == "2")
-    assert "accepted the previous one" in agents.log("demo-trainer-0")  # the engines' old key, through the window
-
-    # The rolling restart: one engine pod at a time; the coordinator catches each up to the committed version.
-    for pod in ("demo-engine-0-0", "demo-engine-1-0"):
-        old_uid = pods(admin, "demo")[pod]["metadata"]["uid"]
-        admin.kubectl("-n", NS, "delete", "pod", pod, "--wait=true")
-        recreated = wait_for(
-            f"{pod} to come back",
-            lambda pod=pod, old_uid=old_uid: (
-                (p := pods(admin, "demo").get(pod)) and p["metadata"]["uid"] != old_uid and p
-            ),
-        )
-        agents.start(recreated)  # its engine starts with the Secret's current token
-        wait_for(f"{pod} caught up to version 2", lambda pod=pod: engine_annotation(admin, pod) == "2", timeout=90)
-
-    finished = rotate_token(admin, "--finish")
-    assert finished.returncode == 0, finished.stderr
-    assert secret_tokens(admin) == (new, None)
-    agents.sync_credentials()
-    time.sleep(3)  # the agents re-read their files on their next tick (1 s here)
-    for name, env in agents.envs.items():
-        state = f"http://127.0.0.1:{env[names.ENV_AGENT_PORT]}/v1/state"
-        assert answer(state, old) == 401 and answer(state, new) == 200, name
-        if names.ENV_ENGINE_URL in env:
-            assert answer(env[names.ENV_ENGINE_URL] + "/weightsync/status", old) == 401, name
-    outcomes = publish_everywhere(agents, 3, seed=7)
-    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
-    wait_for("status.lastSync for version 3", lambda: status(admin, "demo").get("lastSync", {}).get("version") == 3)
-    # The trainers never restarted: same pods, same agent processes.
-    assert {n: p["metadata"]["uid"] for n, p in pods(admin, "demo").items() if "-trainer-" in n} == trainers
-    assert {n: agents.processes[n].pid for n in trainers} == pids
-    assert all(agents.processes[n].poll() is None for n in trainers)
-
-
 def test_scaling_engines_replans_and_creates_pods(admin: Kube, group_ns: str, agents: Agents) -> None:
     admin.kubectl("-n", NS, "patch", "wsg", "demo", "--type=merge", "-p", '{"spec":{"inference":{"engines":3}}}')
     wait_for("the third engine's pod", lambda: "demo-engine-2-0" in pods(admin, "demo"))
@@ -658,6 +571,101 @@ def test_the_credential_survives_reconciles_unchanged(admin: Kube, group_ns: str
     assert now["data"] == FIRST_SECRET["data"]
     assert now["metadata"]["resourceVersion"] == FIRST_SECRET["metadata"]["resourceVersion"]
     assert now["metadata"]["uid"] == FIRST_SECRET["metadata"]["uid"]
+
+
+def rotate_token(admin: Kube, *args: str) -> subprocess.CompletedProcess[str]:
+    """``weightsync rotate-token demo`` as a user runs it: with their kubeconfig (here the admin's)."""
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync.cli.main", "rotate-token", "demo", "-n", NS, *args],
+        env={**os.environ, "KUBECONFIG": str(admin.kubeconfig)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def secret_tokens(admin: Kube) -> tuple[str | None, str | None]:
+    data = admin.json("-n", NS, "get", "secret", names.group_secret("demo")).get("data") or {}
+    decode = lambda key: base64.b64decode(data[key]).decode() if key in data else None  # noqa: E731
+    return decode(names.SECRET_TOKEN_KEY), decode(names.SECRET_PREVIOUS_KEY)
+
+
+def answer(url: str, token: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_rotating_the_token_keeps_the_group_and_its_trainers_running(
+    admin: Kube, group_ns: str, agents: Agents
+) -> None:
+    """docs/security.md, "Rotating the token": rotate-token, a round (engines still on the old admin key), a
+    rolling restart of the engine pods only, --finish, a round; trainer pods and their agents never restart."""
+    # Last in the group's life but its deletion: the credential's earlier checks compare against the first token.
+    trainers = {n: p["metadata"]["uid"] for n, p in pods(admin, "demo").items() if "-trainer-" in n}
+    engines = sorted(n for n in pods(admin, "demo") if "-engine-" in n)
+    assert engines and len(trainers) == 2
+    pids = {n: agents.processes[n].pid for n in trainers}
+    committed = int(status(admin, "demo")["lastSync"]["version"])
+    old, previous = secret_tokens(admin)
+    assert old and previous is None
+
+    started = rotate_token(admin)
+    assert started.returncode == 0, started.stderr
+    new, previous = secret_tokens(admin)
+    assert previous == old and new and new != old
+    again = rotate_token(admin)  # a second rotation inside the window would lock out engines still on `old`
+    assert again.returncode == 1 and "already holds a previous token" in again.stderr, again.stderr
+    early = rotate_token(admin, "--finish")  # both engine pods started before the rotation
+    assert early.returncode == 1, early.stderr
+    assert all(pod in early.stderr for pod in engines), early.stderr
+    assert secret_tokens(admin) == (new, old)
+
+    agents.sync_credentials()  # the kubelets refresh the agents' Secret volumes
+    during = committed + 1
+    outcomes = publish_everywhere(agents, during, seed=6)
+    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    for pod in engines:
+        wait_for(f"{pod} to report v{during}", lambda pod=pod: engine_annotation(admin, pod) == str(during))
+    assert "accepted the previous one" in agents.log("demo-trainer-0")  # the engines' old key, through the window
+
+    # The rolling restart: one engine pod at a time; the coordinator catches each up to the committed version.
+    for pod in engines:
+        old_uid = pods(admin, "demo")[pod]["metadata"]["uid"]
+        admin.kubectl("-n", NS, "delete", "pod", pod, "--wait=true")
+        recreated = wait_for(
+            f"{pod} to come back",
+            lambda pod=pod, old_uid=old_uid: (
+                (p := pods(admin, "demo").get(pod)) and p["metadata"]["uid"] != old_uid and p
+            ),
+        )
+        agents.start(recreated)  # its engine starts with the Secret's current token
+        wait_for(
+            f"{pod} caught up to v{during}", lambda pod=pod: engine_annotation(admin, pod) == str(during), timeout=90
+        )
+
+    finished = rotate_token(admin, "--finish")
+    assert finished.returncode == 0, finished.stderr
+    assert secret_tokens(admin) == (new, None)
+    agents.sync_credentials()
+    time.sleep(3)  # the agents re-read their files on their next tick (1 s here)
+    for name, env in agents.envs.items():
+        state = f"http://127.0.0.1:{env[names.ENV_AGENT_PORT]}/v1/state"
+        assert answer(state, old) == 401 and answer(state, new) == 200, name
+        if names.ENV_ENGINE_URL in env:
+            assert answer(env[names.ENV_ENGINE_URL] + "/weightsync/status", old) == 401, name
+    after = during + 1
+    outcomes = publish_everywhere(agents, after, seed=7)
+    assert all(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    wait_for(f"status.lastSync for v{after}", lambda: status(admin, "demo").get("lastSync", {}).get("version") == after)
+    # The trainers never restarted: same pods, same agent processes.
+    assert {n: p["metadata"]["uid"] for n, p in pods(admin, "demo").items() if "-trainer-" in n} == trainers
+    assert {n: agents.processes[n].pid for n in trainers} == pids
+    assert all(agents.processes[n].poll() is None for n in trainers)
 
 
 def test_deleting_the_group_removes_everything_it_owned(admin: Kube, group_ns: str, agents: Agents) -> None:
