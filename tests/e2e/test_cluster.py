@@ -653,7 +653,8 @@ def test_rotating_the_token_keeps_the_group_and_its_trainers_running(
     assert secret_tokens(admin) == (new, None)
     agents.sync_credentials()
     time.sleep(3)  # the agents re-read their files on their next tick (1 s here)
-    for name, env in agents.envs.items():
+    for name in agents.processes:  # every running agent (the scaled-down pods' are gone)
+        env = agents.envs[name]
         state = f"http://127.0.0.1:{env[names.ENV_AGENT_PORT]}/v1/state"
         assert answer(state, old) == 401 and answer(state, new) == 200, name
         if names.ENV_ENGINE_URL in env:
