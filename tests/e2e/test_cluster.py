@@ -515,7 +515,8 @@ def test_a_restarted_coordinator_agent_goes_on_from_the_committed_version(
     it learns version 1 from the engine (and its pod's own annotation), refuses 1 again, and 2 lands."""
     agents.start(pods(admin, "demo")["demo-trainer-0"])  # stops the running agent first: a restart
     env = agents.envs["demo-trainer-0"]
-    coordinator = AgentClient(f"http://127.0.0.1:{env[names.ENV_AGENT_PORT]}", token=env[names.ENV_GROUP_TOKEN])
+    # The group token as the agents read it (their mounted Secret), not from their env.
+    coordinator = AgentClient(f"http://127.0.0.1:{env[names.ENV_AGENT_PORT]}", token=secret_tokens(admin)[0])
 
     def learnt() -> bool:
         try:
