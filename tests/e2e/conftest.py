@@ -45,6 +45,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lo
     local = LocalCluster(directory, found)
     state = local.up(nodes=4)
     print(f"\nlocal cluster up in {state.startup_seconds} s ({directory})", file=sys.stderr)
+    local.supervise(state)  # as a kubelet restarts a control plane's static pods (kube-scheduler exits on purpose)
     try:
         yield local, state, Kube(state.kubeconfig, found)
     finally:

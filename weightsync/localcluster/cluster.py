@@ -13,6 +13,7 @@ import re
 import signal
 import ssl
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -117,6 +118,11 @@ class LocalCluster:
         self.directory = directory
         self.binaries = binaries
         self.logs = directory / "logs"
+        #: Serializes starts (the supervisor's and a test's) and the state file they write.
+        self._starting = threading.RLock()
+        self._supervisor: threading.Thread | None = None
+        self._supervising = threading.Event()
+        self._stopped_on_purpose: set[str] = set()
 
     # --- Lifecycle -------------------------------------------------------------------------------
 
@@ -191,6 +197,9 @@ class LocalCluster:
 
     def down(self, state: ClusterState | None = None) -> list[str]:
         """Stop every recorded process, newest first: SIGTERM, then SIGKILL after 10 s."""
+        self._supervising.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=30)
         if state is None:
             if not (self.directory / "state.json").exists():
                 return []
@@ -238,8 +247,11 @@ class LocalCluster:
             os.kill(process.pid, signal.SIGCONT)
 
     def stop_component(self, state: ClusterState, name: str) -> None:
-        """Stop one component (SIGTERM, then SIGKILL after 10 s): its port refuses connections."""
+        """Stop one component (SIGTERM, then SIGKILL after 10 s): its port refuses connections. It stays stopped
+        (the supervisor leaves it) until :meth:`start_component`."""
         process = self.component(state, name)
+        with self._starting:
+            self._stopped_on_purpose.add(name)
         if _alive(process):
             os.kill(process.pid, signal.SIGCONT)
             os.kill(process.pid, signal.SIGTERM)
@@ -252,9 +264,11 @@ class LocalCluster:
     def start_component(self, state: ClusterState, name: str, timeout: float = 60) -> None:
         """Start a stopped component again with the arguments it first had (same ports, same data)."""
         process = self.component(state, name)
-        if _alive(process):
-            raise ClusterError(f"{name} is still running (pid {process.pid})")
-        self._start(state, name, Path(process.binary), process.args)
+        with self._starting:
+            if _alive(process):
+                raise ClusterError(f"{name} is still running (pid {process.pid})")
+            self._stopped_on_purpose.discard(name)
+            self._start(state, name, Path(process.binary), process.args)
         if name == "kube-apiserver":
             self._wait_apiserver(state, timeout)
         self.revive(state)
@@ -263,11 +277,32 @@ class LocalCluster:
         """Start again every component that exited (what a kubelet does for a control plane's static pods):
         a controller that lost the API server for long enough may exit; the cluster must not stay without it."""
         revived = []
-        for process in list(state.processes):
-            if not _alive(process):
-                self._start(state, process.name, Path(process.binary), process.args)
-                revived.append(process.name)
+        with self._starting:
+            for process in list(state.processes):
+                if process.name in self._stopped_on_purpose:
+                    continue
+                if not _alive(process):
+                    self._start(state, process.name, Path(process.binary), process.args)
+                    revived.append(process.name)
         return revived
+
+    def supervise(self, state: ClusterState, interval: float = 1.0) -> None:
+        """Revive exited components every ``interval`` s until :meth:`down`, as a node's kubelet restarts its
+        control plane's static pods. kube-scheduler, for one, exits by design when it finds its cache corrupt
+        (seen after an API server restart: "Pod updated on a different node than previously added to"), and
+        expects to be restarted. Components a test stops on purpose stay stopped."""
+
+        def loop() -> None:
+            while not self._supervising.wait(interval):
+                try:
+                    for name in self.revive(state):
+                        print(f"local cluster: {name} had exited; started it again", flush=True)
+                except ClusterError as exc:
+                    print(f"local cluster: could not revive a component: {exc}", flush=True)
+
+        self._supervising.clear()
+        self._supervisor = threading.Thread(target=loop, name="localcluster-supervisor", daemon=True)
+        self._supervisor.start()
 
     def dead(self, state: ClusterState) -> list[str]:
         return [p.name for p in state.processes if not _alive(p)]
