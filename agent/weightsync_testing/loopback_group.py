@@ -11,6 +11,7 @@ files and publishes through that rank's agent, as trainer code does in a pod.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -245,6 +247,16 @@ class LoopbackGroup:
         }
         env = {**env, "LOCAL_RANK": "0"}
         return WeightSyncClient.from_env(env, plan=self.plan, sidecar_timeout=sidecar_timeout)
+
+    @contextlib.contextmanager
+    def clients(self, *, sidecar_timeout: float = 60.0) -> Iterator[list[WeightSyncClient]]:
+        """One trainer-side client per trainer pod (:meth:`client`), closed on exit."""
+        made = [self.client(rank, sidecar_timeout=sidecar_timeout) for rank in range(self.spec.trainer.replicas)]
+        try:
+            yield made
+        finally:
+            for client in made:
+                client.close()
 
     def scale_engines(self, engines: int, *, seed: int = 100) -> Plan:
         """Add engines (the operator's replan, by hand): start them, then hand the agents the new plan."""

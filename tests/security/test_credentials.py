@@ -121,12 +121,8 @@ def group() -> Iterator[LoopbackGroup]:
 
 @pytest.fixture(scope="module")
 def clients(group: LoopbackGroup) -> Iterator[list[WeightSyncClient]]:
-    made = [group.client(rank) for rank in range(2)]
-    try:
+    with group.clients() as made:
         yield made
-    finally:
-        for client in made:
-            client.close()
 
 
 def test_the_route_tables_open_only_the_documented_probes() -> None:

@@ -79,12 +79,8 @@ def group() -> Iterator[LoopbackGroup]:
 
 @pytest.fixture(scope="module")
 def clients(group: LoopbackGroup) -> Iterator[list[WeightSyncClient]]:
-    made = [group.client(rank) for rank in range(2)]
-    try:
+    with group.clients() as made:
         yield made
-    finally:
-        for client in made:
-            client.close()
 
 
 def publish(clients: list[WeightSyncClient], version: int) -> dict[str, torch.Tensor]:

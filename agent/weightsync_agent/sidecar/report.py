@@ -121,10 +121,6 @@ class PodReporter:
             self._annotations.update(encode_annotations(values))
             self._changed.notify_all()
 
-    def pending(self) -> bool:
-        with self._changed:
-            return self._busy()
-
     def flush(self, timeout: float) -> bool:
         """Wait until every value asked so far is on the pod; False if the API server did not take them in time."""
         deadline = time.monotonic() + timeout

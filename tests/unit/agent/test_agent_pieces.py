@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync.plan import plan_for
+from weightsync.plan import Plan, plan_for
 from weightsync_agent.config import AgentConfig
 from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDirectory
 from weightsync_agent.http.client import HttpCallError
@@ -158,6 +158,17 @@ def test_the_coordinator_keeps_the_last_rounds_only_and_wakes_its_listeners() ->
     assert coordinator.wait(1, 0.0) is None and coordinator.wait(3 * HISTORY, 0.0) is not None
 
 
+def transportless_runtime(config: AgentConfig, plan: Plan, tmp_path: Path) -> AgentRuntime:
+    """A trainer pod's runtime with no transport and no peers: enough for its HTTP routes and settings."""
+    return AgentRuntime(
+        config,
+        lambda: plan,
+        StaticDirectory({}, {}),
+        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
+        replica_root=lambda rank: tmp_path / f"r{rank}",
+    )
+
+
 def test_the_agents_http_calls_take_the_plans_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from weightsync.api import v1alpha1
     from weightsync.api.timeouts import Timeouts
@@ -165,13 +176,7 @@ def test_the_agents_http_calls_take_the_plans_timeout(tmp_path: Path, monkeypatc
     monkeypatch.setattr(v1alpha1.TransferSpec, "timeouts", property(lambda self: Timeouts(300, 300, 7.5, 300)))
     plan = plan_for(spec(), group="g")
     config = AgentConfig(group="g", role="trainer", pod_index=0, ranks=(0,), plan_file="-", group_token="t")
-    runtime = AgentRuntime(
-        config,
-        lambda: plan,
-        StaticDirectory({}, {}),
-        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
-        replica_root=lambda rank: tmp_path / f"r{rank}",
-    )
+    runtime = transportless_runtime(config, plan, tmp_path)
     assert runtime.call_timeout == 7.5
     assert runtime.coordinator is not None and runtime.coordinator.call_timeout == 7.5
 
@@ -182,13 +187,7 @@ def test_the_agent_api_answers_bad_requests_with_the_field(tmp_path: Path) -> No
     config = AgentConfig(
         group="g", role="trainer", pod_index=1, ranks=(1,), plan_file=str(tmp_path / "plan.json"), group_token="t0k"
     )
-    runtime = AgentRuntime(
-        config,
-        lambda: plan,
-        StaticDirectory({}, {}),
-        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
-        replica_root=lambda rank: tmp_path / f"r{rank}",
-    )
+    runtime = transportless_runtime(config, plan, tmp_path)
     with BackgroundServer(build_app(runtime)) as server:
 
         def post(route: str, body: object) -> tuple[int, dict[str, object]]:
@@ -295,13 +294,7 @@ def test_rank_0s_publish_is_not_queued_behind_its_pods_waiting_ranks(tmp_path: P
     config = AgentConfig(
         group="g", role="trainer", pod_index=0, ranks=tuple(range(ranks)), plan_file="-", group_token="t0k"
     )
-    runtime = AgentRuntime(
-        config,
-        lambda: plan,
-        StaticDirectory({}, {}),
-        make_transport=lambda p: None,  # type: ignore[arg-type,return-value]
-        replica_root=lambda rank: tmp_path / f"r{rank}",
-    )
+    runtime = transportless_runtime(config, plan, tmp_path)
     with BackgroundServer(build_app(runtime)) as server:
 
         def publish(rank: int) -> tuple[int, dict[str, object], float]:
