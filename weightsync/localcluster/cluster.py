@@ -35,6 +35,10 @@ DEFAULT_NODE_RESOURCES = {
 }
 
 
+#: Every default controller but the node lifecycle one (see the comment where it is passed).
+NODE_CONTROLLERS = "*,-node-lifecycle-controller"
+
+
 _READINESS_GATES = re.compile(r"^[ \t]*\{\{ range \.spec\.readinessGates \}\}.*?\{\{ end \}\}[ \t]*\n", re.S | re.M)
 
 
@@ -153,6 +157,11 @@ class LocalCluster:
                     "--use-service-account-credentials=false",
                     "--cluster-cidr=10.244.0.0/16",
                     "--allocate-node-cidrs=false",
+                    # The node lifecycle controller marks every pod of a node whose lease lapses Ready=False (a
+                    # lease lapses here when the API server is stopped or frozen, or the 2 cores are saturated).
+                    # A kubelet recomputes readiness on its next sync and undoes it; kwok never does, so the mark
+                    # would stick forever. Eviction from dead nodes is not emulated either way.
+                    f"--controllers={NODE_CONTROLLERS}",
                 ],
             )
             self._start(
