@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from weightsync_testing.testbed import netns
+from weightsync_testing.testbed import netns, three_ways
 from weightsync_testing.testbed.runner import Options, run
 from weightsync_testing.testbed.scenario import Layout
 
@@ -64,3 +64,24 @@ def test_loopback_scenario_needs_no_root() -> None:
     )
     assert report["bit_exact"] is True
     assert report["bound_s"] is None and report["p2p_over_bound"] is None
+
+
+def test_three_ways_in_namespaces_are_bit_exact_and_report_every_way() -> None:
+    """Scenario B's machinery at its smallest: broadcast, Miles-style and ours on one engine, one round each."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
+    options = Options(layout=Layout(trainers=2, engines=1, tp=2), mib=8, rounds=1, rate="2gbit", timeout_seconds=60)
+    report = three_ways.run(options, lambda _: None)
+    tag = netns.tag_for(os.getpid())
+    assert not [n for n in netns.namespaces() if n.startswith(tag)], "namespaces left behind"
+    assert report["bit_exact"] is True, report.get("not_bit_exact")
+    for way in three_ways.WAYS:
+        row = report[way]
+        assert row["n"] == 1 and row["median"] > 0 and row["bound_s"] > 0
+        # every live round pauses its engines, for no longer than the round itself
+        assert 0 < row["pause_s"] <= row["round_s"]
+    for way in ("miles", "ours"):  # the trainer's time covers its staging and the round after it
+        assert report[way]["median"] >= report[way]["round_s"] and report[way]["stage_s"] > 0
+    assert report["broadcast"]["stage_s"] == 0
+    assert "ours / Miles-style" in three_ways.table(report)

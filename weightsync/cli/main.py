@@ -260,12 +260,20 @@ def agent(
 
 @app.command()
 def bench(
-    scenario: Annotated[str, typer.Option(help="Scenario: A = 4 trainer nodes -> 2 engines x TP2 on 4 nodes.")] = "A",
+    scenario: Annotated[
+        str,
+        typer.Option(
+            help="A = 4 trainer nodes -> 2 engines x TP2 (p2p vs broadcast, and a sweep); "
+            "B = 8 trainer nodes -> 4 engines x TP2 (broadcast vs Miles-style vs ours)."
+        ),
+    ] = "A",
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     no_caps: Annotated[
         bool, typer.Option("--no-caps", help="No namespaces or caps: every process on loopback (no root needed).")
     ] = False,
-    rate: Annotated[str, typer.Option(help="Link rate per node and direction (tc units: mbit, gbit).")] = "1gbit",
+    rate: Annotated[
+        str | None, typer.Option(help="Link rate per node and direction, tc units (default: A 1gbit, B 500mbit).")
+    ] = None,
     rounds: Annotated[int | None, typer.Option(help="Rounds per mode (default 5, --quick 3).")] = None,
     mib: Annotated[int | None, typer.Option(help="Model size in MiB (default: the scenario's, 512).")] = None,
     plot: Annotated[
@@ -294,7 +302,18 @@ def bench(
             sweep_mib=sweep_mib or (64 if quick else 128),
             plot=(plot or Path(f"weightsync-bench-{scenario.upper()}.png")) if points else None,
         )
-        report = run(options, lambda line: err.print(escape(line), highlight=False))
+
+        def say(line: str) -> None:
+            err.print(escape(line), highlight=False)
+
+        if options.scenario == "B":
+            from weightsync_testing.testbed import three_ways
+
+            report = three_ways.run(options, say)
+            render = three_ways.table
+        else:
+            report = run(options, say)
+            render = table
     except NetnsUnavailableError as exc:
         err.print(f"[yellow]skipped:[/] {escape(str(exc))}")
         raise typer.Exit(2) from exc
@@ -304,7 +323,7 @@ def bench(
     if json_output:
         typer.echo(json.dumps(report, indent=1))
     else:
-        typer.echo(table(report))
+        typer.echo(render(report))
 
 
 @app.command()

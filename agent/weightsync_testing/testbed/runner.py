@@ -76,7 +76,7 @@ TARGET_OVER_BOUND = 1.3  # p2p at most this much slower than the link bound
 class Options:
     scenario: str = "A"
     caps: bool = True
-    rate: str = "1gbit"
+    rate: str | None = None  # per link and direction; the scenario's by default
     rounds: int = 5
     mib: int | None = None  # model size; the scenario's by default
     bucket_mib: int = 64
@@ -138,7 +138,9 @@ def build_testbed(layout: Layout, rate_bits: int | None) -> netns.Testbed:
 # ---------------------------------------------------------------------------------------------- the group
 
 
-def group_plan(layout: Layout, engines: int, mode: str, bucket_mib: int, timeout: int) -> Plan:
+def group_plan(
+    layout: Layout, engines: int, mode: str, bucket_mib: int, timeout: int, planner: str = "balanced"
+) -> Plan:
     spec = WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": layout.trainers, "template": TEMPLATE},
@@ -149,7 +151,13 @@ def group_plan(layout: Layout, engines: int, mode: str, bucket_mib: int, timeout
                 "adapter": "reference",
                 "template": TEMPLATE,
             },
-            "transfer": {"mode": mode, "protocol": "tcp", "bucketSizeMiB": bucket_mib, "timeoutSeconds": timeout},
+            "transfer": {
+                "mode": mode,
+                "protocol": "tcp",
+                "planner": planner,
+                "bucketSizeMiB": bucket_mib,
+                "timeoutSeconds": timeout,
+            },
         }
     )
     return plan_for(spec, group="bench", namespace="testbed")
@@ -199,6 +207,8 @@ class Group:
         self._logs: list[IO[bytes]] = []
         #: The group's credential: engines and agents require it (docs/security.md).
         self.token = secrets.token_urlsafe(32)
+        #: The p2p plan's planner (``transfer.planner``): scenario B runs the agents with both.
+        self.planner = "balanced"
 
     # --- engines ---------------------------------------------------------------------------------
 
@@ -228,7 +238,7 @@ class Group:
 
     def _write_files(self, engines: int) -> Path:
         opts = self.options
-        self.p2p_plan = group_plan(self.layout, engines, "p2p", opts.bucket_mib, opts.timeout_seconds)
+        self.p2p_plan = group_plan(self.layout, engines, "p2p", opts.bucket_mib, opts.timeout_seconds, self.planner)
         self.broadcast_plan = group_plan(self.layout, engines, "broadcast", opts.bucket_mib, opts.timeout_seconds)
         (self.workdir / "plan.json").write_text(self.p2p_plan.to_json())
         (self.workdir / "plan-broadcast.json").write_text(self.broadcast_plan.to_json())
@@ -262,7 +272,8 @@ class Group:
         from weightsync_agent.rounds.remote import AgentClient, AgentError
 
         self.stop_agents()
-        plan = group_plan(self.layout, engines, "p2p", self.options.bucket_mib, self.options.timeout_seconds)
+        opts = self.options
+        plan = group_plan(self.layout, engines, "p2p", opts.bucket_mib, opts.timeout_seconds, self.planner)
         # A trainer rank the plan gives no target (fewer targets than trainer ranks) has nothing to do: no agent.
         ports = {a.source: self.net.port(AGENT_PORT) for a in plan.sources if a.targets}
         self.agent_urls = {p: f"http://{self.net.address(trainer_node(p))}:{ports[p]}" for p in ports}
@@ -373,6 +384,33 @@ class Group:
         return Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
                      _delta(before, after))  # fmt: skip
 
+    def staged_p2p_round(self, version: int) -> TimedRound:
+        """A p2p round as a trainer sees it: every rank stages (in parallel, as separate processes would), then
+        every rank publishes; the time runs from the first staged byte to the last rank's commit."""
+        full = self.full(P2P_SEED)
+        before = self.net.counters()
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            list(pool.map(lambda c: c.stage_many(full), self.clients))
+            staged = time.monotonic()
+            outcomes = list(pool.map(lambda c: c.publish(version, check=False), self.clients))
+        ended = time.monotonic()
+        after = self.net.counters()
+        result = outcomes[0].round
+        done = Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
+                     _delta(before, after))  # fmt: skip
+        return TimedRound(done, stage_s=staged - started, total_s=ended - started, pause_s=self.pause_seconds())
+
+    def pause_seconds(self) -> float:
+        """The longest time an engine did not serve in the last round (the reference engine measures it)."""
+        from weightsync_agent.targets.engine_client import EngineClient
+
+        pauses = [
+            EngineClient(url, timeout=30, api_key=self.token).status().get("last_pause_seconds")
+            for url in self.engine_urls.values()
+        ]
+        return max((float(p) for p in pauses if p is not None), default=0.0)
+
     def broadcast_round(self, version: int) -> Round:
         assert self.broadcaster is not None and self.broadcaster.stdin is not None and self.broadcast_lines
         before = self.net.counters()
@@ -431,6 +469,16 @@ class Round:
     def check(self) -> None:
         if self.result != "Succeeded":
             raise RuntimeError(f"{self.mode} round {self.version} {self.result}: {self.reason}")
+
+
+@dataclass
+class TimedRound:
+    """A round with the trainer's side: staging time, stage-to-commit time, the engines' pause window."""
+
+    round: Round
+    stage_s: float
+    total_s: float
+    pause_s: float
 
 
 Counters = dict[str, tuple[int, int]]
@@ -517,7 +565,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
     layout, default_mib = SCENARIOS[options.scenario]
     layout = options.layout or layout
     mib = options.mib or default_mib
-    rate_bits = parse_rate(options.rate) if options.caps else None
+    rate_bits = parse_rate(options.rate or "1gbit") if options.caps else None
     started = time.monotonic()
     testbed: netns.Testbed | None = None
     if options.caps:

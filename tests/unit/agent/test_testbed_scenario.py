@@ -179,3 +179,25 @@ def test_without_root_the_bench_is_skipped_with_the_reason(monkeypatch: pytest.M
     result = CliRunner().invoke(app, ["bench", "--sweep", ""])
     assert result.exit_code == 2
     assert "skipped" in result.output and "--no-caps" in result.output
+
+
+def test_three_ways_ratios_follow_the_medians() -> None:
+    from weightsync_testing.testbed.three_ways import _ratios
+
+    def way(median: float, stage: float, write: float, bound: float | None = 1.0) -> dict[str, float | None]:
+        return {"median": median, "stage_s": stage, "round_s": write, "bound_s": bound}
+
+    report = {"broadcast": way(30.0, 0.0, 30.0), "miles": way(8.0, 3.0, 5.0), "ours": way(5.5, 3.0, 5.0, 5.0)}
+    out = _ratios(report)
+    assert out["ours_over_miles"] == 5.5 / 8.0 and out["broadcast_over_ours"] == 30.0 / 5.5
+    assert out["ours_over_bound"] == 5.5 / 5.0
+    assert out["streaming_over_slower_half"] == 5.5 / 5.0  # writing alone (5 s) is the slower half
+    assert out["targets"] == {
+        "ours_over_miles_met": True,
+        "broadcast_over_ours_met": True,
+        "ours_over_bound_met": True,
+        "streaming_over_slower_half_met": True,
+    }
+    slow = _ratios({**report, "ours": way(7.9, 3.0, 5.0, None)})
+    assert slow["ours_over_bound"] is None and slow["targets"]["ours_over_bound_met"] is None
+    assert not slow["targets"]["ours_over_miles_met"] and not slow["targets"]["streaming_over_slower_half_met"]
