@@ -7,8 +7,13 @@ possible. Every receiver gets every byte, so it only pays off for few receivers 
 Protocol, one round (no round trips besides the collectives themselves, so all ranks agree from the
 first message on):
 
-1. header: ``int64[4] = [MAGIC, PROTOCOL, version, metadata bytes]``;
-2. metadata: UTF-8 JSON ``{"buckets": [{"nbytes": n, "tensors": [[name, dtype, shape, offset], ...]}]}``;
+1. header: ``int64[5] = [MAGIC, PROTOCOL, version, metadata bytes, metadata digest]``;
+2. metadata: UTF-8 JSON ``{"buckets": [{"nbytes": n, "tensors": [[name, dtype, shape, offset], ...]}]}``,
+   at most ``MAX_METADATA_BYTES``. When it is the same as the group's previous round (same digest, the
+   usual case: a trainer sends the same layout every step), the header says 0 bytes and it is not sent:
+   receivers reuse what they decoded last time, and a receiver that holds nothing under that digest
+   fails the round and marks the group broken. This saves a broadcast, a decode and two device-to-host
+   syncs per round before the first bucket can move;
 3. per bucket, ``uint8`` broadcasts covering its ``nbytes``, tensors at 64-byte aligned offsets, cut
    into the segments the metadata lists per bucket (``"segments": [[[start, end], ...], ...]``; absent:
    one segment per bucket). The sender cuts them (:func:`cut`): a run of tensors that already lie in
@@ -33,6 +38,7 @@ it expects, and a round for another version is drained (the ranks stay in step) 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -48,7 +54,9 @@ from torch._C._distributed_c10d import FileStore, PrefixStore, Store, TCPStore
 from weightsync_agent.transport.base import TransportError
 
 MAGIC = 0x5753_4243  # "WSBC"
-PROTOCOL = 1
+PROTOCOL = 2
+#: A receiver allocates what the header announces: bounded, so a corrupt header cannot exhaust memory.
+MAX_METADATA_BYTES = 64 << 20
 ALIGN = 64
 #: On NCCL, zero-copy runs of at least this many bytes skip the packing copy (see the protocol above).
 DIRECT_BYTES = 4 << 20
@@ -83,6 +91,8 @@ class RoundStats:
     buckets: int
     nbytes: int
     seconds: float
+    #: Bucket metadata this round sent (sender) or received; 0 when the previous round's was reused.
+    metadata_bytes: int = 0
 
 
 def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketPlan]:
@@ -220,6 +230,10 @@ def _decode(raw: bytes) -> tuple[list[BucketPlan], Cuts]:
     return plans, cuts
 
 
+def _digest(meta: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(meta, digest_size=8).digest(), "little", signed=True)
+
+
 def _store(init_method: str, rank: int, world_size: int, source_rank: int, timeout: timedelta) -> Store:
     url = urlparse(init_method)
     if url.scheme == "tcp" and url.hostname and url.port:
@@ -274,6 +288,9 @@ class BroadcastGroup:
             raise TransportError(f"rank {rank}: could not form the broadcast group via {init_method}: {exc}") from exc
         self._buffers: list[torch.Tensor] = []
         self.broken: str | None = None
+        #: Digest of the metadata this sender last sent whole; receivers: the digest and what it decoded to.
+        self._sent_digest: int | None = None
+        self._received: tuple[int, list[BucketPlan], Cuts] | None = None
 
     @property
     def is_source(self) -> bool:
@@ -304,24 +321,43 @@ class BroadcastGroup:
 
     def _exchange_plan(
         self, plans: list[BucketPlan] | None, version: int, cuts: Cuts | None = None
-    ) -> tuple[list[BucketPlan], int, Cuts]:
-        """Send (sender) or learn (receivers) the round's buckets, version and segments."""
-        header = torch.zeros(4, dtype=torch.int64, device=self.device)
-        meta = _encode(plans, cuts) if plans is not None else b""
+    ) -> tuple[list[BucketPlan], int, Cuts, int]:
+        """Send (sender) or learn (receivers) the round's buckets, version and segments; the last item is
+        the metadata bytes that travelled (0: the previous round's were reused)."""
+        header = torch.zeros(5, dtype=torch.int64, device=self.device)
         if self.is_source:
-            header.copy_(torch.tensor([MAGIC, PROTOCOL, version, len(meta)], dtype=torch.int64))
+            assert plans is not None
+            meta = _encode(plans, cuts)
+            digest = _digest(meta)
+            size = 0 if digest == self._sent_digest else len(meta)
+            header.copy_(torch.tensor([MAGIC, PROTOCOL, version, size, digest], dtype=torch.int64))
+            self._wait(self._broadcast(header), "the round header")
+            if size:
+                raw = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
+                self._wait(self._broadcast(raw), "the bucket metadata")
+            self._sent_digest = digest
+            return plans, version, cuts if cuts is not None else _whole(plans), size
         self._wait(self._broadcast(header), "the round header")
-        magic, protocol, version, size = (int(x) for x in header.cpu())
+        magic, protocol, version, size, digest = (int(x) for x in header.cpu())
         if magic != MAGIC or protocol != PROTOCOL:
             raise TransportError(f"rank {self.rank}: not a weightsync broadcast (magic {magic:#x}, v{protocol})")
+        if not size:
+            if self._received is None or self._received[0] != digest:
+                self.broken = "the sender reused bucket metadata this rank never received"
+                raise TransportError(f"rank {self.rank}: {self.broken}; rebuild the group before the next round")
+            return self._received[1], version, self._received[2], 0
+        if not 0 < size <= MAX_METADATA_BYTES:
+            self.broken = f"the header announces {size} bytes of metadata (at most {MAX_METADATA_BYTES})"
+            raise TransportError(f"rank {self.rank}: {self.broken}")
         raw = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if self.is_source:
-            raw.copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         self._wait(self._broadcast(raw), "the bucket metadata")
-        if plans is not None:
-            return plans, version, cuts if cuts is not None else _whole(plans)
-        decoded, decoded_cuts = _decode(bytes(raw.cpu().numpy()))
-        return decoded, version, decoded_cuts
+        received = bytes(raw.cpu().numpy())
+        if _digest(received) != digest:
+            self.broken = "the bucket metadata does not match the header's digest"
+            raise TransportError(f"rank {self.rank}: {self.broken}")
+        decoded, decoded_cuts = _decode(received)
+        self._received = (digest, decoded, decoded_cuts)
+        return decoded, version, decoded_cuts, size
 
     def broadcast_buckets(
         self,
@@ -346,7 +382,9 @@ class BroadcastGroup:
         by_name = dict(named)
         planned = plan_buckets(named, bucket_bytes)
         segmented = [cut(plan, by_name, self.device, self.direct_bytes) for plan in planned]
-        plans, _, _ = self._exchange_plan(planned, version, [[(g.start, g.end) for g in s] for s in segmented])
+        plans, _, _, meta_bytes = self._exchange_plan(
+            planned, version, [[(g.start, g.end) for g in s] for s in segmented]
+        )
         buffers = self._buffer_pair(max((p.nbytes for p in plans), default=0))
         in_flight: list[list[Any]] = [[], []]
         for index, plan in enumerate(plans):
@@ -373,7 +411,7 @@ class BroadcastGroup:
         for slot, works in enumerate(in_flight):
             for work in works:
                 self._wait(work, f"bucket slot {slot}")
-        return RoundStats(version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
+        return RoundStats(version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started, meta_bytes)
 
     def receive_buckets(self, on_bucket: Callable[[NamedViews], None], *, version: int | None = None) -> RoundStats:
         """Receiver: call ``on_bucket`` once per bucket with views of the full tensors it holds.
@@ -386,7 +424,7 @@ class BroadcastGroup:
             raise TransportError(f"rank {self.rank} is the sender; it calls broadcast_buckets")
         self._usable()
         started = time.monotonic()
-        plans, sent_version, cuts = self._exchange_plan(None, 0)
+        plans, sent_version, cuts, meta_bytes = self._exchange_plan(None, 0)
         failure: Exception | None = None
         if version is not None and sent_version != version:
             failure = TransportError(f"rank {self.rank}: expected version {version}, the sender sent {sent_version}")
@@ -409,7 +447,8 @@ class BroadcastGroup:
                     failure = exc
         if failure is not None:
             raise failure
-        return RoundStats(sent_version, len(plans), sum(p.nbytes for p in plans), time.monotonic() - started)
+        seconds = time.monotonic() - started
+        return RoundStats(sent_version, len(plans), sum(p.nbytes for p in plans), seconds, meta_bytes)
 
     def close(self) -> None:
         """Tear the group down; peers blocked in a collective with this rank fail at once (gloo)."""

@@ -28,7 +28,7 @@ from weightsync_agent.modes.broadcast.checksums import layout_checksums, local_b
 from weightsync_agent.modes.broadcast.layout import BroadcastLayout, Member, broadcast_round_plan
 from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.collective import ALIGN, BroadcastGroup, _decode, _encode, cut
+from weightsync_agent.transport.collective import ALIGN, BroadcastGroup, _decode, _digest, _encode, cut
 from weightsync_agent.transport.collective import plan_buckets as plan_broadcast_buckets
 from weightsync_testing.reference_engine.model import RankWeights, full_state, shard
 
@@ -332,3 +332,55 @@ def test_fused_experts_and_padding_are_placed_alike_by_receiver_and_sender_check
         assert torch.equal(dest[name], tensor), name
     for entry_, tensor in ((w13, want["w13"]), (vocab, want["vocab"])):
         assert bytes(local_bytes(entry_, full)) == tensor.numpy().tobytes()
+
+
+def test_a_round_with_the_previous_rounds_layout_sends_no_metadata_and_arrives_whole() -> None:
+    sender, receiver = thread_pair()
+    layouts = {
+        "same": [("a", torch.arange(300.0)), ("b", torch.ones(7, 9, dtype=torch.bfloat16))],
+        "other": [("a", torch.arange(300.0)), ("c", torch.full((5,), 3, dtype=torch.int32))],
+    }
+    sent: list[int] = []
+    with ThreadPoolExecutor(1) as pool:
+        for version, layout in enumerate(("same", "same", "other", "same"), start=1):
+            named = [(n, t + version) for n, t in layouts[layout]]  # new bytes every round
+            sending = pool.submit(sender.broadcast_buckets, named, 512, version=version)
+            received: dict[str, torch.Tensor] = {}
+
+            def keep(views: list[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor] = received) -> None:
+                into.update((n, v.clone()) for n, v in views)
+
+            stats = receiver.receive_buckets(keep)
+            out = sending.result()
+            assert stats.version == version and stats.metadata_bytes == out.metadata_bytes
+            assert received.keys() == dict(named).keys()
+            assert all(torch.equal(received[n], t) for n, t in named)
+            sent.append(out.metadata_bytes)
+    # The metadata travels when the layout is new to the group, and only then.
+    assert sent[0] > 0 and sent[1] == 0 and sent[2] > 0 and sent[3] > 0
+    sender.close()
+    receiver.close()
+
+
+def test_a_receiver_that_missed_the_metadata_fails_the_round_and_marks_the_group_broken() -> None:
+    sender, receiver = thread_pair(timeout=5.0)
+    named = [("a", torch.arange(64.0))]
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(sender.broadcast_buckets, named, 512, version=1)
+        receiver.receive_buckets(lambda views: None)
+        sending.result()
+        receiver._received = None  # as if this rank had never seen the layout
+        sending = pool.submit(sender.broadcast_buckets, named, 512, version=2)
+        with pytest.raises(TransportError, match="reused bucket metadata this rank never received"):
+            receiver.receive_buckets(lambda views: None)
+        assert receiver.broken
+        receiver.close()  # frees the sender, which waits for its bucket
+        with pytest.raises(TransportError):
+            sending.result(timeout=15)
+    sender.close()
+
+
+def test_the_metadata_digest_tells_layouts_apart() -> None:
+    payload = _encode(plan_broadcast_buckets([("a", torch.zeros(4))], 512))
+    assert _digest(payload) != _digest(payload.replace(b'"a"', b'"b"'))
+    assert isinstance(_digest(payload), int) and -(1 << 63) <= _digest(payload) < (1 << 63)
