@@ -81,9 +81,12 @@ class SourceAgent:
         """Held while ``rank``'s replica or source changes, and while it writes."""
         return self._locks[rank]
 
-    def replica_set(self, rank: int, layouts: Collection[Manifest]) -> ReplicaSet:
+    def replica_set(self, rank: int, layouts: Collection[Manifest], *, digest_grain: int = 0) -> ReplicaSet:
         """``rank``'s replicas for these layouts: kept (with their bytes) when the layouts did not change,
-        otherwise created afresh (the old files are unlinked and the rank holds no committed version)."""
+        otherwise created afresh (the old files are unlinked and the rank holds no committed version).
+
+        ``digest_grain``: staging hashes chunks of that size (``writer.digest_grain``); a kept replica keeps its
+        grain, and a Source whose bucket size differs hashes at publish time instead."""
         fingerprints = {m.layout_fingerprint for m in layouts}
         old = self.replicas.get(rank)
         if old is not None and set(old.replicas) == fingerprints:
@@ -92,7 +95,9 @@ class SourceAgent:
             del self.replicas[rank]
             old.close(unlink=True)
         self.held[rank] = None
-        replicas = ReplicaSet.for_manifests(layouts, shm_dir=self.replica_root(rank), pin=self.pin)
+        replicas = ReplicaSet.for_manifests(
+            layouts, shm_dir=self.replica_root(rank), pin=self.pin, digest_grain=digest_grain
+        )
         self.replicas[rank] = replicas
         return replicas
 
