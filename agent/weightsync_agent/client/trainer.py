@@ -385,6 +385,17 @@ class WeightSyncClient:
             return 0
         return self.replicas.stage_many(tensors)
 
+    def staging_order(self) -> list[str]:
+        """The full tensor names in the order the buckets need them (first use in the replica layouts).
+
+        A stream sends each target's buckets in order, so staging in this order lets each one go out as
+        early as it can; any order is correct."""
+        order: dict[str, None] = {}
+        for replica in self.replicas:
+            for slot in replica.layout.slots:
+                order.setdefault(slot.part.source, None)
+        return list(order)
+
     def expected(self) -> set[str]:
         """The full tensor names the targets need."""
         return self.replicas.full_names()
@@ -403,6 +414,7 @@ class WeightSyncClient:
         """
         publisher = self._publisher_for(version)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self.replicas.flush_digests()  # staging's bucket digests are filed before any publisher reads them
         return self._settled(version, publisher.publish(version, deadline), check)
 
     @contextlib.contextmanager
