@@ -172,6 +172,11 @@ class SidecarPublisher:
         #: Where the sidecar leaves its pod-local token; re-read on every publish (a restarted sidecar makes a new one).
         self.replica_folder = replica_folder
 
+    def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> RoundOutcome:
+        """The same call as :meth:`publish`, made when the stream opens: this rank is marked ready at once, and the
+        sidecar reads the stream's progress and end from the replica files the client marks (``mark_stream``)."""
+        return self.publish(version, deadline)
+
     def publish(self, version: int, deadline: float) -> RoundOutcome:
         timeout = max(1.0, deadline - time.monotonic())
         token = None if self.replica_folder is None else read_trainer_token(self.replica_folder)
@@ -415,6 +420,7 @@ class WeightSyncClient:
         publisher = self._publisher_for(version)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self.replicas.flush_digests()  # staging's bucket digests are filed before any publisher reads them
+        self.replicas.mark_stream(version, None)  # a plain publish, even of a version whose stream failed
         return self._settled(version, publisher.publish(version, deadline), check)
 
     @contextlib.contextmanager
@@ -430,12 +436,10 @@ class WeightSyncClient:
         """
         publisher = self._publisher_for(version)
         if not isinstance(publisher, StreamingPublisher):
-            raise ClientError(
-                f"{type(publisher).__name__} cannot stream yet: stage everything, then publish(); streaming runs "
-                "in-process (in_process(...), coordinating(...))"
-            )
+            raise ClientError(f"{type(publisher).__name__} cannot stream: stage everything, then publish()")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self.replicas.reset()
+        self.replicas.mark_stream(version, "open")  # what a sidecar reads: it sends what is staged as it goes
         gate = StreamGate(version)
         future: Future[Outcome] = Future()
 
@@ -445,19 +449,23 @@ class WeightSyncClient:
             except BaseException as exc:  # handed to the trainer's thread below
                 future.set_exception(exc)
 
-        worker = threading.Thread(target=send, name=f"weightsync-stream-v{version}", daemon=True)
-        worker.start()
         handle = Stream(self, gate, future)
-        try:
-            yield handle
-        except BaseException as exc:
-            gate.abort(f"{type(exc).__name__}: {exc}")
+        with self.replicas.streaming():  # this process never restages a part the stream may have sent
+            worker = threading.Thread(target=send, name=f"weightsync-stream-v{version}", daemon=True)
+            worker.start()
+            try:
+                yield handle
+            except BaseException as exc:
+                self.replicas.mark_stream(version, "aborted")
+                gate.abort(f"{type(exc).__name__}: {exc}")
+                worker.join()
+                with contextlib.suppress(Exception):
+                    handle.outcome = self._settled(version, future.result(), check=False)
+                raise
+            self.replicas.flush_digests()
+            self.replicas.mark_stream(version, "closed")
+            gate.close()
             worker.join()
-            with contextlib.suppress(Exception):
-                handle.outcome = self._settled(version, future.result(), check=False)
-            raise
-        gate.close()
-        worker.join()
         handle.outcome = self._settled(version, future.result(), check)
 
     def _publisher_for(self, version: int) -> Publisher:

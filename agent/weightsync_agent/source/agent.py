@@ -26,7 +26,8 @@ from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.control import RoundScope
 from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError, ReplicaError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
-from weightsync_agent.source.writer import Source, SourceConfigError
+from weightsync_agent.source.stream import ReplicaGate
+from weightsync_agent.source.writer import Source, SourceConfigError, first_buckets_staged
 from weightsync_agent.transport.base import Transport
 
 log = logging.getLogger("weightsync.agent.source")
@@ -156,6 +157,11 @@ class SourceAgent:
                     self._check_holds(rank, source, version)
             else:
                 self.wait_ready(rank, version, deadline)
+                gate = self._stream(rank, version)
+                if gate is not None:  # a streamed version: ready at its first complete buckets
+                    error = first_buckets_staged(source, gate, deadline)
+                    if error is not None:
+                        return SourceReport(source=rank, ok=False, error=error)
         except (SourceConfigError, TimeoutError) as exc:
             return SourceReport(source=rank, ok=False, error=str(exc))
         return SourceReport(source=rank, ok=True)
@@ -173,11 +179,17 @@ class SourceAgent:
                 return moved
             with self._locks[rank]:
                 self._check_round(rank, scope)
+                gate = None
                 if scope.catch_up:
                     self._check_holds(rank, source, version)
                 else:
                     self.wait_ready(rank, version, deadline)
-                result = source.publish(version, deadline, targets=targets, require_staged=not scope.catch_up)
+                    gate = self._stream(rank, version)
+                if gate is not None and gate.state == "aborted":
+                    raise SourceConfigError(f"source {rank}: {gate.reason}; version {version} was not sent")
+                result = source.publish(
+                    version, deadline, targets=targets, require_staged=not scope.catch_up, stream=gate
+                )
         except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, TimeoutError) as exc:
             # Each is raised before the first write (source.publish checks the replica before it writes).
             metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
@@ -214,6 +226,13 @@ class SourceAgent:
                 f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
             )
         return source, None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
+
+    def _stream(self, rank: int, version: int) -> ReplicaGate | None:
+        """The trainer process streams ``version`` into ``rank``'s replicas (its client marked the shared files)."""
+        replicas = self.replicas.get(rank)
+        if replicas is None or replicas.stream_state(version) is None:
+            return None
+        return ReplicaGate(replicas, version)
 
     def _check_rank(self, rank: int) -> None:
         if rank not in self.ranks:

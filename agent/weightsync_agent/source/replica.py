@@ -22,6 +22,7 @@ Shared-memory file format (little-endian), one file per replica::
                        bitmap offset, xxh3-64 of the JSON, digest grain (0: no digests)
     [64, 64 + json)    JSON: {"fingerprint": ..., "tensors": [TensorEntry without address, ...]}
     [bitmap, +parts)   one byte per shard part: 1 = staged for the current version
+    [stream, +16)      the version the trainer streams and its state (0 none, 1 open, 2 closed, 3 aborted)
     [digests, +8·n)    per chunk of ``grain`` bytes: xxh3-64 of the chunk as staged (64-aligned)
     [valid, +n)        per chunk: 1 = its digest describes the bytes the replica holds now
     [data, +bytes)     the replica (page-aligned)
@@ -68,6 +69,7 @@ from weightsync_agent.layout.buckets import replica_offsets
 from weightsync_agent.layout.checksums import view
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
 from weightsync_agent.layout.placement import part_view
+from weightsync_agent.source.stream import StreamState
 
 log = logging.getLogger("weightsync.agent.replica")
 
@@ -120,6 +122,13 @@ def _digest_executor() -> ThreadPoolExecutor:
     workers = max(1, min(DIGEST_THREADS, os.cpu_count() or 1))
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replica-digest")
 
+
+def _stream_offset(bitmap_offset: int, parts: int) -> int:
+    return _align(bitmap_offset + max(parts, 1), 64)
+
+
+_STREAM_CODES: Final[dict[StreamState, int]] = {"open": 1, "closed": 2, "aborted": 3}
+_STREAM_STATES: Final[dict[int, StreamState]] = {v: k for k, v in _STREAM_CODES.items()}
 
 #: A chunk's state in the digest table's flag byte.
 _NO_DIGEST, _DIGEST_VALID, _DIGEST_HASHING = 0, 1, 2
@@ -299,7 +308,8 @@ class Replica:
         self.pinned = pin
         chunks = _chunks(self.layout.nbytes, digest_grain)
         flags = memoryview(self._staged.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
-        self._views.append(flags)
+        self._stream_word = memoryview(bytearray(16)).cast("Q")
+        self._views += [flags, self._stream_word]
         self._setup_digests(digest_grain, flags, memoryview(bytearray(8 * chunks)), memoryview(bytearray(chunks)))
 
     def _init(self, layout: ReplicaLayout) -> None:
@@ -310,7 +320,7 @@ class Replica:
         self._host_registered = False
         self._lock = threading.Lock()
         self._publishing = False
-        self._streaming = False
+        self._streaming = 0  # streaming() holders: the client's stream and, in-process, its Source
         self._closed = False
         self._views: list[memoryview] = []
         self.digest_grain = 0
@@ -352,7 +362,7 @@ class Replica:
         body = json.dumps({"fingerprint": layout.fingerprint, "tensors": layout.json}).encode()
         bitmap_offset = _align(_HEADER.size + len(body), 64)
         parts = len(layout.slots)
-        digest_offset = _align(bitmap_offset + max(parts, 1), 64)
+        digest_offset = _stream_offset(bitmap_offset, parts) + 64
         data_offset = _align(digest_offset + 9 * _chunks(layout.nbytes, digest_grain), _DATA_ALIGN)
         size = data_offset + max(layout.nbytes, 1)
         path = Path(shm_path)
@@ -416,7 +426,8 @@ class Replica:
             raise
         _, _, data_offset, data_nbytes, parts, bitmap_offset, _, grain = _HEADER.unpack(mm[: _HEADER.size])
         chunks = _chunks(data_nbytes, grain)
-        digest_offset = _align(bitmap_offset + max(parts, 1), 64)
+        stream_offset = _stream_offset(bitmap_offset, parts)
+        digest_offset = stream_offset + 64
         if (
             data_nbytes != layout.nbytes
             or parts != len(layout.slots)
@@ -433,6 +444,8 @@ class Replica:
         flags = whole[bitmap_offset : bitmap_offset + max(parts, 1)]
         self._views += [whole, flags]
         table = digest_offset + 8 * chunks
+        self._stream_word = whole[stream_offset : stream_offset + 16].cast("Q")
+        self._views.append(self._stream_word)
         self._setup_digests(grain, flags, whole[digest_offset:table], whole[table : table + chunks])
         self.pinned = False
         if pin:
@@ -652,18 +665,32 @@ class Replica:
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
         """Send while the trainer stages (a streamed version): staging stays open, but a part staged once may
-        not be staged again until the stream ends (its bucket may be on the wire). In-process only: the
-        publisher takes no file lock, so the stager must be this process (see docs/replica.md, "Streaming")."""
+        not be staged again until the stream ends (its bucket may be on the wire). No file lock is taken: the
+        stager's process holds its replicas in this mode for the stream (the client does), so it is the one
+        that refuses a restage; the sending process (the sidecar) enters it too, to refuse a plain publish."""
         with self._lock:
             self._check_open()
-            if self._publishing or self._streaming:
+            if self._publishing:
                 raise ReplicaBusyError(f"replica {self.fingerprint} is already being published")
-            self._streaming = True
+            self._streaming += 1
         try:
             yield
         finally:
             with self._lock:
-                self._streaming = False
+                self._streaming -= 1
+
+    def mark_stream(self, version: int, state: StreamState | None) -> None:
+        """File in the shared file that the trainer streams ``version`` (None: no stream), for the sidecar."""
+        self._stream_word[1] = 0  # never a torn (old version, new state) pair for a reader
+        self._stream_word[0] = version
+        self._stream_word[1] = 0 if state is None else _STREAM_CODES[state]
+
+    def stream_state(self, version: int) -> StreamState | None:
+        """The state of the trainer's stream of ``version``, if it streams that version."""
+        code = int(self._stream_word[1])
+        if not code or int(self._stream_word[0]) != version:
+            return None
+        return _STREAM_STATES[code]
 
     def _flock(self, op: int, doing: str) -> None:
         if self._fd is None:
@@ -808,6 +835,16 @@ class ReplicaSet:
 
     def missing(self) -> list[MissingPart]:
         return [m for r in self for m in r.missing()]
+
+    def mark_stream(self, version: int, state: StreamState | None) -> None:
+        for replica in self:
+            replica.mark_stream(version, state)
+
+    def stream_state(self, version: int) -> StreamState | None:
+        """The trainer's stream of ``version`` as the replica files say (every replica carries the same mark)."""
+        for replica in self:
+            return replica.stream_state(version)
+        return None
 
     def flush_digests(self) -> None:
         """Wait for the bucket digests this process's staging is still computing."""

@@ -13,19 +13,43 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from weightsync_agent.source.replica import ReplicaSet
 
 StreamState = Literal["open", "closed", "aborted"]
+
+
+class Gate(Protocol):
+    """What a streaming publish reads: the version, whether the trainer still stages it, and why it gave up."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def state(self) -> StreamState: ...
+
+    @property
+    def reason(self) -> str | None: ...
 
 
 class StreamGate:
     """The trainer's side of one streamed version; thread-safe, shared with the source that sends it."""
 
     def __init__(self, version: int) -> None:
-        self.version = version
+        self._version = version
         self._state: StreamState = "open"
-        self.reason: str | None = None
+        self._reason: str | None = None
         self._cond = threading.Condition()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
 
     @property
     def state(self) -> StreamState:
@@ -42,7 +66,7 @@ class StreamGate:
     def _settle(self, state: StreamState, reason: str | None) -> None:
         with self._cond:
             if self._state == "open":
-                self._state, self.reason = state, reason
+                self._state, self._reason = state, reason
             self._cond.notify_all()
 
     def wait(self, timeout: float) -> StreamState:
@@ -55,3 +79,25 @@ class StreamGate:
                     break
                 self._cond.wait(left)
             return self._state
+
+
+class ReplicaGate:
+    """The sidecar's view of a trainer process's stream: the mark the client files in the shared replica files
+    (:meth:`~weightsync_agent.source.replica.ReplicaSet.mark_stream`). A mark that disappears (the trainer
+    restaged without streaming) reads as aborted."""
+
+    def __init__(self, replicas: ReplicaSet, version: int) -> None:
+        self._replicas = replicas
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def state(self) -> StreamState:
+        return self._replicas.stream_state(self._version) or "aborted"
+
+    @property
+    def reason(self) -> str | None:
+        return "the trainer process aborted the stream (its code raised, or it stopped streaming this version)"

@@ -46,7 +46,7 @@ from weightsync_agent.layout.checksums import source_checksum, tensor_checksum, 
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.replica import IncompleteReplicaError, Replica, ReplicaBusyError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
-from weightsync_agent.source.stream import StreamGate
+from weightsync_agent.source.stream import Gate, StreamGate
 from weightsync_agent.transport.base import Transfer, TransferState, Transport, TransportError
 
 log = logging.getLogger("weightsync.agent.source")
@@ -296,7 +296,7 @@ class Source:
         timeout: float | None = None,
         targets: Collection[Target] | None = None,
         require_staged: bool = True,
-        stream: StreamGate | None = None,
+        stream: Gate | None = None,
     ) -> PublishResult:
         """Write the staged replica(s) to every target of this source (or only to ``targets``).
 
@@ -430,25 +430,8 @@ class InProcessSourceControl:
         return SourceReport(source=self.source, ok=True)
 
     def _first_buckets(self, gate: StreamGate, deadline: float) -> SourceReport:
-        """Ready once every target's first bucket is staged: nothing is paused before the first write needs it."""
-        src = self.sender
-        while not all(src.bucket_ready(t, 0) for t in src.targets if src.buckets[t]):
-            if gate.state == "aborted":
-                error = f"the trainer aborted the stream: {gate.reason}"
-                return SourceReport(source=self.source, ok=False, error=error)
-            if gate.state == "closed":
-                missing = src.replicas.missing()
-                return SourceReport(
-                    source=self.source, ok=False, error=f"stream closed with {len(missing)} part(s) not staged"
-                )
-            if time.monotonic() >= deadline:
-                return SourceReport(
-                    source=self.source,
-                    ok=False,
-                    error=f"trainer rank {self.source} staged no complete bucket of {gate.version} before the deadline",
-                )
-            time.sleep(src.poll_interval)
-        return SourceReport(source=self.source, ok=True)
+        error = first_buckets_staged(self.sender, gate, deadline)
+        return SourceReport(source=self.source, ok=error is None, error=error)
 
     def publish(self, version: int, deadline: float) -> SourceReport:
         gate = self._streaming(version)
@@ -477,7 +460,7 @@ class _Run:
         deadline: float,
         poll_interval: float = 0.001,
         targets: tuple[Target, ...] | None = None,
-        stream: StreamGate | None = None,
+        stream: Gate | None = None,
     ) -> None:
         self.source = source
         self.stream = stream
@@ -758,6 +741,20 @@ class _Run:
     def _said(transfer: Transfer, bucket: Bucket) -> str:
         said = transfer.error() or "no detail from the transport"
         return f"write of {transfer.nbytes} B in a {bucket.nbytes} B bucket failed: {said}"
+
+
+def first_buckets_staged(source: Source, gate: Gate, deadline: float) -> str | None:
+    """Wait until each of ``source``'s targets has its first bucket staged (a streamed version's ``prepare``:
+    nothing is paused before the first write needs it); why not, or None."""
+    while not all(source.bucket_ready(t, 0) for t in source.targets if source.buckets[t]):
+        if gate.state == "aborted":
+            return f"the trainer aborted the stream: {gate.reason}"
+        if gate.state == "closed":
+            return f"the stream closed with {len(source.replicas.missing())} part(s) not staged"
+        if time.monotonic() >= deadline:
+            return f"trainer rank {source.source} staged no complete bucket of {gate.version} before the deadline"
+        time.sleep(source.poll_interval)
+    return None
 
 
 def _resolved(job: Future[str] | str) -> str:

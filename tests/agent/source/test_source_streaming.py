@@ -373,6 +373,6 @@ def test_streaming_needs_an_in_process_publisher(tmp_path: Path) -> None:
             pass
 
     client = WeightSyncClient(ReplicaSet([]), Plain())  # type: ignore[arg-type]
-    with pytest.raises(ClientError, match="cannot stream yet"), client.stream(1):
+    with pytest.raises(ClientError, match="cannot stream: stage everything"), client.stream(1):
         pass
     assert threading.active_count() >= 1
