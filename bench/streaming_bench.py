@@ -38,6 +38,7 @@ from layout_bench import machine, model_config
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync_agent.client.trainer import WeightSyncClient
+from weightsync_agent.layout.checksums import checksum_ranges
 from weightsync_agent.source.writer import InProcessSourceControl, Source
 from weightsync_agent.targets.reference.adapter import reference_adapter
 from weightsync_agent.transport.mooncake import MooncakeTransport
@@ -90,7 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     engine: EngineProcess | None = None
     client: WeightSyncClient | None = None
     times: dict[str, list[float]] = {
-        k: [] for k in ("staging", "writing", "stage_then_publish", "streaming", "verified", "rehashed", "unverified")
+        k: []
+        for k in (
+            "staging",
+            "writing",
+            "stage_then_publish",
+            "streaming",
+            "streaming_staged",
+            "verified",
+            "rehashed",
+            "unverified",
+            "hash_once",
+        )
     }
     try:
         engine = launch_engine(0, 1, seed=7, extra=extra, timeout=300)
@@ -120,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             version += 1
 
             def streamed(v: int = version) -> None:
+                began = time.perf_counter()
                 with client.stream(v) as stream:  # type: ignore[union-attr]
                     stage_all(stream.stage)
+                    times["streaming_staged"].append(time.perf_counter() - began)
 
             times["streaming"].append(timed(streamed))
             # Source.publish alone (no round), to the same target: digests reused / rehashed / not verified.
@@ -154,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 adapter.commit(version, 60, round_id=rid)
                 adapter.resume(60, round_id=rid)
                 times[key].append(result.seconds)
+            whole = [(r.address, r.nbytes) for r in client.replicas]
+            times["hash_once"].append(timed(lambda whole=whole: checksum_ranges(whole)))
             client.replicas.reset()
             shown = ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items())
             print(f"rep {rep + 1}/{args.reps}: {shown}", file=sys.stderr)
@@ -176,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         "writing": "writing alone (round: write, verify, commit)",
         "stage_then_publish": "stage, then publish",
         "streaming": "streaming stage-to-commit",
+        "streaming_staged": "  of which staging done after",
         "verified": "Source.publish verified, staged digests",
         "rehashed": "Source.publish verified, hashing at publish",
         "unverified": "Source.publish unverified",
+        "hash_once": "xxh3 over the whole replica, one thread",
     }
     for key, label in labels.items():
         v = times[key]
