@@ -17,6 +17,11 @@ write, verify, commit, resume) through the same ``RoundDriver``. Per repetition,
 Then, on the same engine, ``Source.publish`` alone (no round) three ways: verified with the digests staging
 filed, verified hashing at publish time (the former path: digests ignored), and unverified.
 
+``--link-gbps R`` paces the link: every write still moves through Mooncake, but completes no earlier than a
+single link of R GB/s would have delivered it (writes queue on the link in submission order), as in the
+emulated cluster's rate-limited links, where the network and not the CPU bounds the writes. Without it,
+on a small CPU box, staging and Mooncake's TCP copies compete for the same cores.
+
 Printed: the medians, ``streaming / max(staging, writing)`` (issue 12's target: <= 1.15) and ``verified /
 unverified`` publish (target: about 1). A benchmark, not a test: nothing is asserted beyond every round
 succeeding.
@@ -41,6 +46,7 @@ from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.layout.checksums import checksum_ranges
 from weightsync_agent.source.writer import InProcessSourceControl, Source
 from weightsync_agent.targets.reference.adapter import reference_adapter
+from weightsync_agent.transport.base import Transfer, TransferState, Transport
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine
 from weightsync_testing.reference_engine.model import full_state
@@ -48,6 +54,56 @@ from weightsync_testing.reference_engine.model import full_state
 MiB = 1 << 20
 TIMEOUT = 300
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
+
+
+class PacedTransfer:
+    """A write that is DONE only once the transport did it *and* the paced link would have delivered it."""
+
+    def __init__(self, inner: Transfer, done_at: float) -> None:
+        self.inner = inner
+        self.peer = inner.peer
+        self.nbytes = inner.nbytes
+        self.done_at = done_at
+
+    def poll(self) -> TransferState:
+        state = self.inner.poll()
+        if state is TransferState.DONE and time.monotonic() < self.done_at:
+            return TransferState.PENDING
+        return state
+
+    def error(self) -> str | None:
+        return self.inner.error()
+
+
+class PacedTransport:
+    """A transport behind one link of ``gbps`` GB/s: writes queue on it in submission order."""
+
+    def __init__(self, inner: MooncakeTransport, gbps: float) -> None:
+        self.inner = inner
+        self.bytes_per_second = gbps * 1e9
+        self.free_at = 0.0
+        self.timeout_seconds = inner.timeout_seconds
+
+    @property
+    def session_id(self) -> str:
+        return self.inner.session_id
+
+    def register(self, address: int, nbytes: int) -> None:
+        self.inner.register(address, nbytes)
+
+    def unregister(self, address: int) -> None:
+        self.inner.unregister(address)
+
+    def probe(self, peer: str, timeout: float) -> bool:
+        return self.inner.probe(peer, timeout)
+
+    def submit_write(self, peer: str, local_address: int, remote_address: int, nbytes: int) -> Transfer:
+        start = max(time.monotonic(), self.free_at)
+        self.free_at = start + nbytes / self.bytes_per_second
+        return PacedTransfer(self.inner.submit_write(peer, local_address, remote_address, nbytes), self.free_at)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def group_plan(bucket_mib: int, *, verify: bool = True) -> Plan:
@@ -79,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mib", type=int, default=16, help="bucketSizeMiB (default 16)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions (default 5)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="stage from here")
+    parser.add_argument("--link-gbps", type=float, default=0.0, help="pace the link at this many GB/s (0: off)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -108,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = launch_engine(0, 1, seed=7, extra=extra, timeout=300)
         manifests = {(0, 0): engine.client(timeout=TIMEOUT).manifest(0)}
         adapter = reference_adapter(0, engine.client(timeout=TIMEOUT).base_url, bucket_bytes=bucket_bytes)
-        transport = MooncakeTransport("127.0.0.1", "tcp", force_tcp=True, timeout_seconds=60)
+        mooncake = MooncakeTransport("127.0.0.1", "tcp", force_tcp=True, timeout_seconds=60)
+        transport: Transport = mooncake if not args.link_gbps else PacedTransport(mooncake, args.link_gbps)
         client = WeightSyncClient.coordinating(transport, plan, 0, manifests, {0: adapter}, pin=False)
         order = client.staging_order()
         source = _own_source(client)
@@ -183,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     bound = max(med["staging"], med["writing"])
     print(
         f"# 1 trainer rank -> 1 reference engine (TP1), {model_bytes / MiB:.0f} MiB of full tensors from "
-        f"{args.device}, bucket {args.bucket_mib} MiB, live rounds over Mooncake TCP loopback; "
+        f"{args.device}, bucket {args.bucket_mib} MiB, live rounds over Mooncake TCP loopback"
+        f"{f' paced at {args.link_gbps} GB/s' if args.link_gbps else ''}; "
         f"{info['cpus_usable']} CPUs ({info['cpu_model']}), load {info['load_average']}"
     )
     print(f"{'what':<48}{'reps':>5}{'min s':>8}{'median s':>10}{'max s':>8}")
