@@ -54,6 +54,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -505,15 +506,18 @@ class Replica:
         """How many digest chunks the replica has (0 without a digest grain)."""
         return len(self._chunk_slots)
 
-    def digest(self, chunk: int) -> str | None:
+    def digest(self, chunk: int, *, until: float | None = None) -> str | None:
         """The xxh3-64 (hex, as :mod:`~weightsync_agent.layout.checksums` writes it) of ``chunk`` as staged, or None
         when staging has not completed it since its bytes last changed.
 
-        A hash this process's staging started is waited for; one another process is still computing reads as
-        None (the caller hashes the chunk itself)."""
+        A hash this process's staging started is waited for; one another process (the trainer's) is still
+        computing is waited for until ``until`` (``time.monotonic``), then reads as None: the caller hashes the
+        chunk itself (the other process may have died mid-hash)."""
         pending = self._pending.get(chunk)
         if pending is not None:
             pending.result()
+        while until is not None and self._valid[chunk] == _DIGEST_HASHING and time.monotonic() < until:
+            time.sleep(0.0005)
         if self._valid[chunk] != _DIGEST_VALID:
             return None
         value = int(self._digests[chunk])

@@ -54,6 +54,9 @@ log = logging.getLogger("weightsync.agent.source")
 MiB = 1 << 20
 #: Most threads hashing one source's buckets (2 sources on a 32-core H100 host: 16 each measured best).
 HASH_THREADS = 16
+#: A streamed publish waits at most this long, in all, for bucket digests the trainer's process is still computing
+#: (one bucket takes bucket_bytes / ~25 GB/s: 40 ms for 1 GiB); past it, or if that process died, it hashes them.
+DIGEST_WAIT_SECONDS = 1.0
 
 
 class SourceConfigError(ValueError):
@@ -274,12 +277,13 @@ class Source:
         fingerprint = self.manifests[target].layout_fingerprint
         return self.replicas[fingerprint].staged(self._bucket_slots[(fingerprint, index)])
 
-    def staged_digest(self, target: Target, index: int) -> str | None:
-        """Bucket ``index``'s checksum as staging computed it, if the replica's digest grain is this bucket size."""
+    def staged_digest(self, target: Target, index: int, *, until: float | None = None) -> str | None:
+        """Bucket ``index``'s checksum as staging computed it, if the replica's digest grain is this bucket size
+        (waiting until ``until`` for one the trainer's process is still computing)."""
         replica = self.replica_for(target)
         if replica.digest_grain != self.bucket_bytes or self.manifests[target].checksum != "bucket-xxh3":
             return None
-        return replica.digest(index)
+        return replica.digest(index, until=until)
 
     @property
     def bytes_per_version(self) -> int:
@@ -521,12 +525,12 @@ class _Run:
             for bucket in self.source.buckets[target]:
                 self._checksum_job(target, bucket, address)
 
-    def _checksum_job(self, target: Target, bucket: Bucket, address: int) -> None:
+    def _checksum_job(self, target: Target, bucket: Bucket, address: int, until: float | None = None) -> None:
         """The digest staging filed for this bucket, else a hashing job; once per (layout, bucket)."""
         key = (self.result.targets[target].fingerprint, bucket.index)
         if key in self._hashing:
             return
-        staged = self.source.staged_digest(target, bucket.index)
+        staged = self.source.staged_digest(target, bucket.index, until=until)
         if staged is not None:
             self._hashing[key] = staged
             self.result.digests_reused += 1
@@ -554,7 +558,11 @@ class _Run:
 
     def _start_stream_hashing(self) -> None:
         """A stream's checksums, once its buckets went out (each was final when sent: no part is staged twice in a
-        stream). Staging filed most of them already; the rest are hashed now, in parallel."""
+        stream). Staging filed most of them already; the rest are hashed now, in parallel.
+
+        Through the sidecar, the trainer's process may still be hashing the last buckets it staged: those are
+        waited for, all together at most ``DIGEST_WAIT_SECONDS``, rather than read a second time."""
+        until = min(self.deadline, time.monotonic() + DIGEST_WAIT_SECONDS)
         for target in self.targets:
             manifest = self.source.manifests[target]
             address = self.source.replica_for(target).address
@@ -566,7 +574,7 @@ class _Run:
                     self._tensor_hashing[layout] = [pool.submit(tensor_checksum, layout[1], a, n) for a, n in ranges]
                 continue
             for bucket in self.source.buckets[target][: self._next[target]]:
-                self._checksum_job(target, bucket, address)
+                self._checksum_job(target, bucket, address, until)
 
     def _send(self) -> None:
         while True:

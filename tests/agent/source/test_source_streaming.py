@@ -208,6 +208,32 @@ def test_digests_live_in_the_shared_file_another_mapping_reads(tmp_path: Path, r
         made.close(unlink=True)
 
 
+def test_a_digest_another_process_is_still_computing_is_waited_for_then_left_to_the_reader(
+    tmp_path: Path, rig: StreamRig
+) -> None:
+    manifest = rig.memory[(0, 0)].manifest
+    made = ReplicaSet.for_manifests([manifest], shm_dir=tmp_path, pin=False, digest_grain=MIB)
+    other = ReplicaSet.attach(tmp_path, pin=False)  # the sidecar's mapping
+    try:
+        made.stage_many(big_fulls(11))
+        made.flush_digests()
+        mine, theirs = next(iter(made)), next(iter(other))
+        want = mine.digest(0)
+        mine._valid[0] = 2  # as while the trainer's digest thread hashes chunk 0
+        threading.Timer(0.1, lambda: mine._valid.__setitem__(0, 1)).start()
+        began = time.monotonic()
+        assert theirs.digest(0, until=began + 5) == want  # waited for the trainer's hash, not recomputed
+        assert 0.05 < time.monotonic() - began < 5
+        mine._valid[0] = 2  # a trainer that died mid-hash: the reader gives up at ``until`` and hashes itself
+        began = time.monotonic()
+        assert theirs.digest(0, until=began + 0.2) is None
+        assert theirs.digest(0) is None  # without a wait: at once
+        assert time.monotonic() - began < 1
+    finally:
+        other.close()
+        made.close(unlink=True)
+
+
 def test_an_unverified_source_hashes_nothing_at_staging(rig: StreamRig) -> None:
     plan = make_plan(1, 1, 1)
     unverified = plan.model_copy(update={"transfer": plan.transfer.model_copy(update={"verify": False})})
