@@ -262,7 +262,10 @@ class WeightSyncClient:
         bucket_bytes: int | None = None,
         shm_dir: str | os.PathLike[str] | None = None,
         pin: bool | None = None,
+        max_inflight: int = 2,
     ) -> WeightSyncClient:
+        """``max_inflight``: buckets on the wire per target at once, the only memory a publish or a stream adds to the
+        replica (the writes read the replica in place)."""
         source = Source(
             transport,
             plan,
@@ -271,6 +274,7 @@ class WeightSyncClient:
             bucket_bytes,
             shm_dir=None if shm_dir is None else str(shm_dir),
             pin=pin,
+            max_inflight=max_inflight,
         )
         return cls(
             source.replicas,
@@ -293,6 +297,7 @@ class WeightSyncClient:
         pin: bool | None = None,
         call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
+        max_inflight: int = 2,
     ) -> WeightSyncClient:
         """This process writes its own targets *and* coordinates the round (pause, verify, commit).
 
@@ -306,7 +311,13 @@ class WeightSyncClient:
                 "(from_env) or weightsync_agent.modes.broadcast.sender.BroadcastSource with broadcast_round_plan"
             )
         source = Source(
-            transport, plan, source_rank, manifests, shm_dir=None if shm_dir is None else str(shm_dir), pin=pin
+            transport,
+            plan,
+            source_rank,
+            manifests,
+            shm_dir=None if shm_dir is None else str(shm_dir),
+            pin=pin,
+            max_inflight=max_inflight,
         )
         control = InProcessSourceControl(source)
         try:
