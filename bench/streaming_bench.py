@@ -167,7 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         adapter = reference_adapter(0, engine.client(timeout=TIMEOUT).base_url, bucket_bytes=bucket_bytes)
         mooncake = MooncakeTransport("127.0.0.1", "tcp", force_tcp=True, timeout_seconds=60)
         transport: Transport = mooncake if not args.link_gbps else PacedTransport(mooncake, args.link_gbps)
-        client = WeightSyncClient.coordinating(transport, plan, 0, manifests, {0: adapter}, pin=False)
+        client = WeightSyncClient.coordinating(
+            transport,
+            plan,
+            0,
+            manifests,
+            {0: adapter},
+            pin=args.device.startswith("cuda"),  # pinned: D2H at full speed
+        )
         order = client.staging_order()
         source = _own_source(client)
         version = 0
