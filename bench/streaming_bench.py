@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 source.checksums = key != "unverified"
                 reuse = source.staged_digest
                 if key == "rehashed":
-                    source.staged_digest = lambda target, index: None  # type: ignore[method-assign]
+                    source.staged_digest = lambda target, index, until=None: None  # type: ignore[method-assign]
                 version += 1
                 rid = f"bench-{version}"  # the engine takes writes only inside an open round
                 adapter.pause(60, round_id=rid)
