@@ -7,6 +7,11 @@
         client.stage(name, tensor)
     client.publish(step)                           # raises PublishError if the version did not land
 
+    with client.stream(step) as s:                 # or: stream, so stage and transfer overlap
+        for name, tensor in gather_layer_by_layer():
+            s.stage(name, tensor)                  # a bucket goes out once all its parts are staged
+    # committed on exit (PublishError if not); an exception inside aborts the version and propagates
+
 Two deployments, one API:
 
 * **Sidecar mode** (the default under the operator): the agent sidecar builds the replica(s) from its
@@ -31,12 +36,15 @@ same version can be retried without restaging.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 import torch
 
@@ -50,6 +58,7 @@ from weightsync_agent.rounds.driver import RoundDriver, RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.replica import MissingPart, ReplicaSet
+from weightsync_agent.source.stream import StreamGate
 from weightsync_agent.source.writer import InProcessSourceControl, Outcome, PublishError, PublishResult, Source
 from weightsync_agent.targets.adapter import EngineRound
 from weightsync_agent.transport.base import Transport
@@ -72,6 +81,13 @@ class Publisher(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class StreamingPublisher(Protocol):
+    """A publisher that can send a version while the trainer still stages it (:meth:`WeightSyncClient.stream`)."""
+
+    def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> Outcome: ...
+
+
 class InProcessPublisher:
     """Writes the targets from this process (no pause, no target verification, no commit)."""
 
@@ -80,6 +96,9 @@ class InProcessPublisher:
 
     def publish(self, version: int, deadline: float) -> PublishResult:
         return self.source.publish(version, deadline)
+
+    def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> PublishResult:
+        return self.source.publish(version, deadline, stream=gate)
 
     def close(self) -> None:
         self.source.close()
@@ -111,12 +130,28 @@ class RoundPublisher:
     :class:`~weightsync_agent.source.writer.InProcessSourceControl`, or clients of other trainer ranks' agents.
     """
 
-    def __init__(self, driver: RoundDriver, *, owns: Source | None = None) -> None:
+    def __init__(
+        self, driver: RoundDriver, *, owns: Source | None = None, control: InProcessSourceControl | None = None
+    ) -> None:
         self.driver = driver
         self.owns = owns
+        #: This process's own source as the driver sees it; a stream hands it the gate.
+        self.control = control
 
     def publish(self, version: int, deadline: float) -> RoundOutcome:
         return RoundOutcome(self.driver.run(version))
+
+    def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> RoundOutcome:
+        """The round starts now: its prepare waits for this rank's first complete bucket (so engines are paused no
+        earlier than the first write needs), its writes follow the staging, and it commits once every source sent
+        everything and every target verified."""
+        if self.control is None:
+            raise ClientError("this round publisher has no in-process source to stream")
+        self.control.stream(gate)
+        try:
+            return RoundOutcome(self.driver.run(version))
+        finally:
+            self.control.stream(None)
 
     def close(self) -> None:
         self.driver.close()
@@ -136,6 +171,11 @@ class SidecarPublisher:
         self.source_rank = source_rank
         #: Where the sidecar leaves its pod-local token; re-read on every publish (a restarted sidecar makes a new one).
         self.replica_folder = replica_folder
+
+    def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> RoundOutcome:
+        """The same call as :meth:`publish`, made when the stream opens: this rank is marked ready at once, and the
+        sidecar reads the stream's progress and end from the replica files the client marks (``mark_stream``)."""
+        return self.publish(version, deadline)
 
     def publish(self, version: int, deadline: float) -> RoundOutcome:
         timeout = max(1.0, deadline - time.monotonic())
@@ -222,7 +262,10 @@ class WeightSyncClient:
         bucket_bytes: int | None = None,
         shm_dir: str | os.PathLike[str] | None = None,
         pin: bool | None = None,
+        max_inflight: int = 2,
     ) -> WeightSyncClient:
+        """``max_inflight``: buckets on the wire per target at once, the only memory a publish or a stream adds to the
+        replica (the writes read the replica in place)."""
         source = Source(
             transport,
             plan,
@@ -231,6 +274,7 @@ class WeightSyncClient:
             bucket_bytes,
             shm_dir=None if shm_dir is None else str(shm_dir),
             pin=pin,
+            max_inflight=max_inflight,
         )
         return cls(
             source.replicas,
@@ -253,6 +297,7 @@ class WeightSyncClient:
         pin: bool | None = None,
         call_timeout: float = HTTP_CALL_SECONDS,
         retries: int = 1,
+        max_inflight: int = 2,
     ) -> WeightSyncClient:
         """This process writes its own targets *and* coordinates the round (pause, verify, commit).
 
@@ -266,13 +311,20 @@ class WeightSyncClient:
                 "(from_env) or weightsync_agent.modes.broadcast.sender.BroadcastSource with broadcast_round_plan"
             )
         source = Source(
-            transport, plan, source_rank, manifests, shm_dir=None if shm_dir is None else str(shm_dir), pin=pin
+            transport,
+            plan,
+            source_rank,
+            manifests,
+            shm_dir=None if shm_dir is None else str(shm_dir),
+            pin=pin,
+            max_inflight=max_inflight,
         )
+        control = InProcessSourceControl(source)
         try:
             driver = RoundDriver(
                 plan,
                 engines,
-                {source_rank: InProcessSourceControl(source), **(other_sources or {})},
+                {source_rank: control, **(other_sources or {})},
                 staging=plan.transfer.target_staging,
                 verify=plan.transfer.verify,
                 timeout_seconds=plan.transfer.timeouts.round_budget,
@@ -284,7 +336,7 @@ class WeightSyncClient:
             raise
         return cls(
             source.replicas,
-            RoundPublisher(driver, owns=source),
+            RoundPublisher(driver, owns=source, control=control),
             source_rank=source_rank,
             timeout=plan.transfer.timeouts.round_budget,
         )
@@ -349,6 +401,17 @@ class WeightSyncClient:
             return 0
         return self.replicas.stage_many(tensors)
 
+    def staging_order(self) -> list[str]:
+        """The full tensor names in the order the buckets need them (first use in the replica layouts).
+
+        A stream sends each target's buckets in order, so staging in this order lets each one go out as
+        early as it can; any order is correct."""
+        order: dict[str, None] = {}
+        for replica in self.replicas:
+            for slot in replica.layout.slots:
+                order.setdefault(slot.part.source, None)
+        return list(order)
+
     def expected(self) -> set[str]:
         """The full tensor names the targets need."""
         return self.replicas.full_names()
@@ -365,6 +428,58 @@ class WeightSyncClient:
         ok, IncompleteReplicaError when something is not staged, ClientError when there is no publisher
         or ``version`` is not newer than the last committed one.
         """
+        publisher = self._publisher_for(version)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self.replicas.flush_digests()  # staging's bucket digests are filed before any publisher reads them
+        self.replicas.mark_stream(version, None)  # a plain publish, even of a version whose stream failed
+        return self._settled(version, publisher.publish(version, deadline), check)
+
+    @contextlib.contextmanager
+    def stream(self, version: int, *, timeout: float | None = None, check: bool = True) -> Iterator[Stream]:
+        """Publish ``version`` while it is staged: ``with client.stream(v) as s: s.stage(name, tensor) ...``.
+
+        The round (or, in-process, the writes) starts at once; each target's next bucket is sent as soon as every
+        part it overlaps is staged, so staging and transfer overlap. On a normal exit the stream closes and the
+        call waits for the outcome (committed, as :meth:`publish`; PublishError when ``check`` and it is not).
+        An exception inside the block aborts the version (the round fails without committing; its engines stay
+        paused in live mode if anything was written, as after any failed live round) and propagates. Each part
+        is staged once per stream; every part is staged anew (the staged flags are reset when it opens).
+        """
+        publisher = self._publisher_for(version)
+        if not isinstance(publisher, StreamingPublisher):
+            raise ClientError(f"{type(publisher).__name__} cannot stream: stage everything, then publish()")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self.replicas.reset()
+        self.replicas.mark_stream(version, "open")  # what a sidecar reads: it sends what is staged as it goes
+        gate = StreamGate(version)
+        future: Future[Outcome] = Future()
+
+        def send() -> None:
+            try:
+                future.set_result(publisher.publish_streaming(version, deadline, gate))
+            except BaseException as exc:  # handed to the trainer's thread below
+                future.set_exception(exc)
+
+        handle = Stream(self, gate, future)
+        with self.replicas.streaming():  # this process never restages a part the stream may have sent
+            worker = threading.Thread(target=send, name=f"weightsync-stream-v{version}", daemon=True)
+            worker.start()
+            try:
+                yield handle
+            except BaseException as exc:
+                self.replicas.mark_stream(version, "aborted")
+                gate.abort(f"{type(exc).__name__}: {exc}")
+                worker.join()
+                with contextlib.suppress(Exception):
+                    handle.outcome = self._settled(version, future.result(), check=False)
+                raise
+            self.replicas.flush_digests()
+            self.replicas.mark_stream(version, "closed")
+            gate.close()
+            worker.join()
+        handle.outcome = self._settled(version, future.result(), check)
+
+    def _publisher_for(self, version: int) -> Publisher:
         if self.publisher is None:
             raise ClientError(
                 "this client can stage but has no publisher: build it with from_env() (sidecar), "
@@ -372,8 +487,9 @@ class WeightSyncClient:
             )
         if self.committed is not None and version <= self.committed:
             raise ClientError(f"version {version} is not newer than the last published version {self.committed}")
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        result = self.publisher.publish(version, deadline)
+        return self.publisher
+
+    def _settled(self, version: int, result: Outcome, check: bool) -> Outcome:
         self.last_result = result
         if result.ok or (isinstance(result, RoundOutcome) and result.round.committed):
             # A round whose resume failed is not ok, but every engine committed v: the next publish is v+1.
@@ -393,6 +509,35 @@ class WeightSyncClient:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class Stream:
+    """One streamed version, as :meth:`WeightSyncClient.stream` hands it to the trainer."""
+
+    def __init__(self, client: WeightSyncClient, gate: StreamGate, future: Future[Outcome]) -> None:
+        self._client = client
+        self._gate = gate
+        self._future = future
+        #: The version's outcome, once the ``with`` block ended.
+        self.outcome: Outcome | None = None
+
+    @property
+    def version(self) -> int:
+        return self._gate.version
+
+    def stage(self, name: str, tensor: torch.Tensor, *, strict: bool = True) -> int:
+        """Stage one full tensor (as :meth:`WeightSyncClient.stage`); its buckets go out once complete.
+
+        Raises PublishError if the version already failed (the round ended early: a target or another rank
+        failed, or the deadline passed), so the trainer stops gathering for nothing."""
+        if self._future.done():
+            outcome = self._future.result()
+            raise PublishError(outcome)
+        return self._client.stage(name, tensor, strict=strict)
+
+    def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        return sum(self.stage(name, tensor) for name, tensor in items)
 
 
 def _source_rank(config: AgentConfig, env: Mapping[str, str]) -> int:

@@ -26,7 +26,8 @@ from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.control import RoundScope
 from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError, ReplicaError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
-from weightsync_agent.source.writer import Source, SourceConfigError
+from weightsync_agent.source.stream import ReplicaGate
+from weightsync_agent.source.writer import Source, SourceConfigError, first_buckets_staged
 from weightsync_agent.transport.base import Transport
 
 log = logging.getLogger("weightsync.agent.source")
@@ -81,9 +82,12 @@ class SourceAgent:
         """Held while ``rank``'s replica or source changes, and while it writes."""
         return self._locks[rank]
 
-    def replica_set(self, rank: int, layouts: Collection[Manifest]) -> ReplicaSet:
+    def replica_set(self, rank: int, layouts: Collection[Manifest], *, digest_grain: int = 0) -> ReplicaSet:
         """``rank``'s replicas for these layouts: kept (with their bytes) when the layouts did not change,
-        otherwise created afresh (the old files are unlinked and the rank holds no committed version)."""
+        otherwise created afresh (the old files are unlinked and the rank holds no committed version).
+
+        ``digest_grain``: staging hashes chunks of that size (``writer.digest_grain``); a kept replica keeps its
+        grain, and a Source whose bucket size differs hashes at publish time instead."""
         fingerprints = {m.layout_fingerprint for m in layouts}
         old = self.replicas.get(rank)
         if old is not None and set(old.replicas) == fingerprints:
@@ -92,7 +96,9 @@ class SourceAgent:
             del self.replicas[rank]
             old.close(unlink=True)
         self.held[rank] = None
-        replicas = ReplicaSet.for_manifests(layouts, shm_dir=self.replica_root(rank), pin=self.pin)
+        replicas = ReplicaSet.for_manifests(
+            layouts, shm_dir=self.replica_root(rank), pin=self.pin, digest_grain=digest_grain
+        )
         self.replicas[rank] = replicas
         return replicas
 
@@ -151,6 +157,11 @@ class SourceAgent:
                     self._check_holds(rank, source, version)
             else:
                 self.wait_ready(rank, version, deadline)
+                gate = self._stream(rank, version)
+                if gate is not None:  # a streamed version: ready at its first complete buckets
+                    error = first_buckets_staged(source, gate, deadline)
+                    if error is not None:
+                        return SourceReport(source=rank, ok=False, error=error)
         except (SourceConfigError, TimeoutError) as exc:
             return SourceReport(source=rank, ok=False, error=str(exc))
         return SourceReport(source=rank, ok=True)
@@ -168,11 +179,17 @@ class SourceAgent:
                 return moved
             with self._locks[rank]:
                 self._check_round(rank, scope)
+                gate = None
                 if scope.catch_up:
                     self._check_holds(rank, source, version)
                 else:
                     self.wait_ready(rank, version, deadline)
-                result = source.publish(version, deadline, targets=targets, require_staged=not scope.catch_up)
+                    gate = self._stream(rank, version)
+                if gate is not None and gate.state == "aborted":
+                    raise SourceConfigError(f"source {rank}: {gate.reason}; version {version} was not sent")
+                result = source.publish(
+                    version, deadline, targets=targets, require_staged=not scope.catch_up, stream=gate
+                )
         except (SourceConfigError, IncompleteReplicaError, ReplicaBusyError, TimeoutError) as exc:
             # Each is raised before the first write (source.publish checks the replica before it writes).
             metrics.SOURCE_FAILURES.labels(self.group, str(rank)).inc()
@@ -209,6 +226,13 @@ class SourceAgent:
                 f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
             )
         return source, None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
+
+    def _stream(self, rank: int, version: int) -> ReplicaGate | None:
+        """The trainer process streams ``version`` into ``rank``'s replicas (its client marked the shared files)."""
+        replicas = self.replicas.get(rank)
+        if replicas is None or replicas.stream_state(version) is None:
+            return None
+        return ReplicaGate(replicas, version)
 
     def _check_rank(self, rank: int) -> None:
         if rank not in self.ranks:

@@ -19,10 +19,23 @@ A :class:`ReplicaSet` holds one replica per distinct layout among a source's tar
 Shared-memory file format (little-endian), one file per replica::
 
     [0, 64)            header: magic, json length, data offset, data bytes, part count,
-                       bitmap offset, xxh3-64 of the JSON, reserved
+                       bitmap offset, xxh3-64 of the JSON, digest grain (0: no digests)
     [64, 64 + json)    JSON: {"fingerprint": ..., "tensors": [TensorEntry without address, ...]}
     [bitmap, +parts)   one byte per shard part: 1 = staged for the current version
+    [stream, +16)      the version the trainer streams and its state (0 none, 1 open, 2 closed, 3 aborted)
+    [digests, +8·n)    per chunk of ``grain`` bytes: xxh3-64 of the chunk as staged (64-aligned)
+    [valid, +n)        per chunk: 1 = its digest describes the bytes the replica holds now
     [data, +bytes)     the replica (page-aligned)
+
+**Digests at staging** (verification at line rate). A bucket of ``bucket_bytes`` is exactly the replica
+range ``[i·bucket_bytes, (i+1)·bucket_bytes)`` (the replica packs tensors as the bucket planner cuts
+them), so its checksum (:mod:`weightsync_agent.layout.checksums`: xxh3-64 over the bucket's bytes) is a
+function of the replica alone. With a ``digest_grain`` equal to the plan's bucket size, staging hashes
+each chunk the moment its last part is written, while the bytes were just touched, and files the digest
+next to the staged flags, where the publisher (this process or the sidecar) reads it instead of a second
+pass over the replica. A write into a chunk clears its digest first; a chunk is hashed only when every
+part of every tensor it overlaps is staged. A digest is a cache: a publisher hashes any chunk whose
+digest is not valid.
 
 A publisher takes an exclusive ``flock`` on the file for the duration of a publish, and staging takes a
 shared one, so a process can't stage into a replica that another process is sending (and vice versa):
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -40,7 +54,10 @@ import mmap
 import os
 import struct
 import threading
+import time
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -50,8 +67,10 @@ import torch
 import xxhash
 
 from weightsync_agent.layout.buckets import replica_offsets
+from weightsync_agent.layout.checksums import view
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
 from weightsync_agent.layout.placement import part_view
+from weightsync_agent.source.stream import StreamState
 
 log = logging.getLogger("weightsync.agent.replica")
 
@@ -68,7 +87,7 @@ TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 MAGIC: Final = b"WSREPLC1"
-_HEADER = struct.Struct("<8sQQQQQQ8x")  # 64 bytes
+_HEADER = struct.Struct("<8sQQQQQQQ")  # 64 bytes; the last field was reserved (0) before digests
 _DATA_ALIGN: Final = 4096
 REPLICA_SUFFIX: Final = ".replica"
 
@@ -87,6 +106,33 @@ class IncompleteReplicaError(ReplicaError):
 
 def _align(value: int, to: int) -> int:
     return -(-value // to) * to
+
+
+def _chunks(nbytes: int, grain: int) -> int:
+    return -(-nbytes // grain) if grain > 0 else 0
+
+
+#: Threads hashing staged chunks in the staging process (xxhash releases the GIL), so staging runs at the speed
+#: of its copies: one xxh3 thread (~25 GB/s) is slower than a device-to-host copy (~54 GB/s on an H200).
+DIGEST_THREADS: Final = 8
+
+
+@functools.cache
+def _digest_executor() -> ThreadPoolExecutor:
+    """One pool per process, made on first use."""
+    workers = max(1, min(DIGEST_THREADS, os.cpu_count() or 1))
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replica-digest")
+
+
+def _stream_offset(bitmap_offset: int, parts: int) -> int:
+    return _align(bitmap_offset + max(parts, 1), 64)
+
+
+_STREAM_CODES: Final[dict[StreamState, int]] = {"open": 1, "closed": 2, "aborted": 3}
+_STREAM_STATES: Final[dict[int, StreamState]] = {v: k for k, v in _STREAM_CODES.items()}
+
+#: A chunk's state in the digest table's flag byte.
+_NO_DIGEST, _DIGEST_VALID, _DIGEST_HASHING = 0, 1, 2
 
 
 # --- Layout ----------------------------------------------------------------------------------------
@@ -183,6 +229,31 @@ class ReplicaLayout:
             by_source.setdefault(slot.part.source, []).append(slot)
         self.by_source: dict[str, tuple[PartSlot, ...]] = {k: tuple(v) for k, v in by_source.items()}
 
+        self._starts = [t.offset for t in self.tensors]
+        self._tensor_slots: dict[str, tuple[int, ...]] = {}
+        for slot in self.slots:
+            self._tensor_slots[slot.tensor.name] = (*self._tensor_slots.get(slot.tensor.name, ()), slot.index)
+
+    def slots_in(self, start: int, end: int) -> tuple[int, ...]:
+        """Every part slot of every tensor overlapping the replica bytes ``[start, end)``.
+
+        A part may be strided inside its tensor (a row-parallel shard), so a byte range is ready only when
+        every part of each tensor it touches is staged."""
+        out: list[int] = []
+        i = max(0, bisect_right(self._starts, start) - 1)
+        while i < len(self.tensors) and self.tensors[i].offset < end:
+            tensor = self.tensors[i]
+            if tensor.offset + tensor.nbytes > start and tensor.nbytes:
+                out.extend(self._tensor_slots.get(tensor.name, ()))
+            i += 1
+        return tuple(out)
+
+    def chunks_of(self, tensor: LocalTensor, grain: int) -> range:
+        """The chunks of ``grain`` bytes ``tensor``'s bytes fall in."""
+        if not grain or not tensor.nbytes:
+            return range(0)
+        return range(tensor.offset // grain, (tensor.offset + tensor.nbytes - 1) // grain + 1)
+
     @classmethod
     def of(cls, manifest: Manifest) -> ReplicaLayout:
         layout = cls(_layout_json(manifest.tensors), manifest.layout_fingerprint)
@@ -230,12 +301,17 @@ class Replica:
     transport once.
     """
 
-    def __init__(self, layout: Manifest | ReplicaLayout, *, pin: bool | None = None) -> None:
+    def __init__(self, layout: Manifest | ReplicaLayout, *, pin: bool | None = None, digest_grain: int = 0) -> None:
         self._init(layout if isinstance(layout, ReplicaLayout) else ReplicaLayout.of(layout))
         pin = torch.cuda.is_available() if pin is None else pin
         self.buffer = torch.zeros(max(self.layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         self._staged = torch.zeros(max(len(self.layout.slots), 1), dtype=torch.uint8)
         self.pinned = pin
+        chunks = _chunks(self.layout.nbytes, digest_grain)
+        flags = memoryview(self._staged.numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
+        self._stream_word = memoryview(bytearray(16)).cast("Q")
+        self._views += [flags, self._stream_word]
+        self._setup_digests(digest_grain, flags, memoryview(bytearray(8 * chunks)), memoryview(bytearray(chunks)))
 
     def _init(self, layout: ReplicaLayout) -> None:
         self.layout = layout
@@ -245,7 +321,26 @@ class Replica:
         self._host_registered = False
         self._lock = threading.Lock()
         self._publishing = False
+        self._streaming = 0  # streaming() holders: the client's stream and, in-process, its Source
         self._closed = False
+        self._views: list[memoryview] = []
+        self.digest_grain = 0
+
+    def _setup_digests(self, grain: int, flags: memoryview, digests: memoryview, valid: memoryview) -> None:
+        """``flags``: the staged bitmap, a byte per part; ``digests`` / ``valid``: the chunk table (module doc)."""
+        self.digest_grain = grain
+        self._flags = flags
+        self._digests = digests.cast("Q") if len(digests) else digests
+        self._valid = valid
+        self._views += [self._digests, self._valid]
+        chunks = _chunks(self.layout.nbytes, grain)
+        # In this process only: a chunk's write generation (a hash of an older generation is never filed) and the
+        # hashing job staging started for it.
+        self._generation = [0] * chunks
+        self._pending: dict[int, Future[None]] = {}
+        self._chunk_slots = [
+            self.layout.slots_in(c * grain, min((c + 1) * grain, self.layout.nbytes)) for c in range(chunks)
+        ]
 
     # --- Construction ------------------------------------------------------------------------
 
@@ -256,14 +351,20 @@ class Replica:
         *,
         shm_path: str | os.PathLike[str] | None = None,
         pin: bool | None = None,
+        digest_grain: int = 0,
     ) -> Replica:
+        """``digest_grain``: hash every chunk of that many bytes as staging completes it (the plan's bucket size,
+        so the chunks are the buckets); 0 for none (``verify: false``, or a per-tensor checksum scheme)."""
+        if digest_grain < 0:
+            raise ReplicaError(f"digest grain must be >= 0, got {digest_grain}")
         if shm_path is None:
-            return cls(layout, pin=pin)
+            return cls(layout, pin=pin, digest_grain=digest_grain)
         layout = layout if isinstance(layout, ReplicaLayout) else ReplicaLayout.of(layout)
         body = json.dumps({"fingerprint": layout.fingerprint, "tensors": layout.json}).encode()
         bitmap_offset = _align(_HEADER.size + len(body), 64)
         parts = len(layout.slots)
-        data_offset = _align(bitmap_offset + max(parts, 1), _DATA_ALIGN)
+        digest_offset = _stream_offset(bitmap_offset, parts) + 64
+        data_offset = _align(digest_offset + 9 * _chunks(layout.nbytes, digest_grain), _DATA_ALIGN)
         size = data_offset + max(layout.nbytes, 1)
         path = Path(shm_path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -272,7 +373,14 @@ class Replica:
             os.ftruncate(fd, size)
             with mmap.mmap(fd, size) as mm:
                 header = _HEADER.pack(
-                    MAGIC, len(body), data_offset, layout.nbytes, parts, bitmap_offset, xxhash.xxh3_64_intdigest(body)
+                    MAGIC,
+                    len(body),
+                    data_offset,
+                    layout.nbytes,
+                    parts,
+                    bitmap_offset,
+                    xxhash.xxh3_64_intdigest(body),
+                    digest_grain,
                 )
                 mm[: _HEADER.size] = header
                 mm[_HEADER.size : _HEADER.size + len(body)] = body
@@ -292,7 +400,7 @@ class Replica:
                 head = handle.read(_HEADER.size)
                 if len(head) < _HEADER.size:
                     raise ReplicaError(f"{path}: too short to be a replica file")
-                magic, body_len, _, _, _, _, digest = _HEADER.unpack(head)
+                magic, body_len, _, _, _, _, digest, _ = _HEADER.unpack(head)
                 if magic != MAGIC:
                     raise ReplicaError(f"{path}: not a weightsync replica file (magic {magic!r})")
                 body = handle.read(body_len)
@@ -317,14 +425,29 @@ class Replica:
         except BaseException:
             os.close(fd)
             raise
-        _, _, data_offset, data_nbytes, parts, bitmap_offset, _ = _HEADER.unpack(mm[: _HEADER.size])
-        if data_nbytes != layout.nbytes or parts != len(layout.slots) or size < data_offset + max(data_nbytes, 1):
+        _, _, data_offset, data_nbytes, parts, bitmap_offset, _, grain = _HEADER.unpack(mm[: _HEADER.size])
+        chunks = _chunks(data_nbytes, grain)
+        stream_offset = _stream_offset(bitmap_offset, parts)
+        digest_offset = stream_offset + 64
+        if (
+            data_nbytes != layout.nbytes
+            or parts != len(layout.slots)
+            or size < data_offset + max(data_nbytes, 1)
+            or digest_offset + 9 * chunks > data_offset
+        ):
             mm.close()
             os.close(fd)
             raise ReplicaError(f"{path}: file size or header does not match its layout")
         self.shm_path, self._fd, self._mmap = path, fd, mm
         self.buffer = torch.frombuffer(mm, dtype=torch.uint8, count=max(data_nbytes, 1), offset=data_offset)
         self._staged = torch.frombuffer(mm, dtype=torch.uint8, count=max(parts, 1), offset=bitmap_offset)
+        whole = memoryview(mm)
+        flags = whole[bitmap_offset : bitmap_offset + max(parts, 1)]
+        self._views += [whole, flags]
+        table = digest_offset + 8 * chunks
+        self._stream_word = whole[stream_offset : stream_offset + 16].cast("Q")
+        self._views.append(self._stream_word)
+        self._setup_digests(grain, flags, whole[digest_offset:table], whole[table : table + chunks])
         self.pinned = False
         if pin:
             self._host_registered = _cuda_host_register(self.address, self.buffer.numel())
@@ -373,6 +496,38 @@ class Replica:
             MissingPart(s.tensor.name, s.part.source, self.fingerprint) for s in self.layout.slots if not flags[s.index]
         ]
 
+    def staged(self, slots: Iterable[int]) -> bool:
+        """Whether every part slot in ``slots`` is staged (cheap: reads the shared bitmap)."""
+        flags = self._flags
+        return all(flags[i] for i in slots)
+
+    @property
+    def chunks(self) -> int:
+        """How many digest chunks the replica has (0 without a digest grain)."""
+        return len(self._chunk_slots)
+
+    def digest(self, chunk: int, *, until: float | None = None) -> str | None:
+        """The xxh3-64 (hex, as :mod:`~weightsync_agent.layout.checksums` writes it) of ``chunk`` as staged, or None
+        when staging has not completed it since its bytes last changed.
+
+        A hash this process's staging started is waited for; one another process (the trainer's) is still
+        computing is waited for until ``until`` (``time.monotonic``), then reads as None: the caller hashes the
+        chunk itself (the other process may have died mid-hash)."""
+        pending = self._pending.get(chunk)
+        if pending is not None:
+            pending.result()
+        while until is not None and self._valid[chunk] == _DIGEST_HASHING and time.monotonic() < until:
+            time.sleep(0.0005)
+        if self._valid[chunk] != _DIGEST_VALID:
+            return None
+        value = int(self._digests[chunk])
+        return f"{value:016x}" if self._valid[chunk] == _DIGEST_VALID else None
+
+    def flush_digests(self) -> None:
+        """Wait for every hash this process's staging started (before another process reads the table)."""
+        for pending in list(self._pending.values()):
+            pending.result()
+
     def is_complete(self) -> bool:
         return not self.layout.slots or bool(self._staged[: len(self.layout.slots)].all())
 
@@ -406,10 +561,45 @@ class Replica:
         slots = self.check(full_name, full)
         if slots:
             with self._staging():
+                self._check_restage(slots)
                 self._write(slots, full)
         return len(slots)
 
+    def _check_restage(self, slots: tuple[PartSlot, ...]) -> None:
+        """While a stream sends this replica, a part staged in it may already be on the wire: refuse a second write."""
+        if self._streaming and any(self._flags[s.index] for s in slots):
+            again = next(s for s in slots if self._flags[s.index])
+            raise ReplicaBusyError(
+                f"{again.tensor.name!r} (from {again.part.source!r}) was already staged in this stream and may be "
+                "sent already; each part is staged once per streamed version"
+            )
+
     def _write(self, slots: tuple[PartSlot, ...], full: torch.Tensor) -> None:
+        """Copy (the caller holds ``_lock``), then hash the chunks this completed, on the digest threads."""
+        grain = self.digest_grain
+        touched = sorted({c for slot in slots for c in self.layout.chunks_of(slot.tensor, grain)})
+        for chunk in touched:  # the bytes change: no stale digest may be read, or filed, from now on
+            self._generation[chunk] += 1
+            self._valid[chunk] = _NO_DIGEST
+        self._copy(slots, full)
+        for chunk in touched:
+            if self.staged(self._chunk_slots[chunk]):
+                self._valid[chunk] = _DIGEST_HASHING
+                self._pending[chunk] = _digest_executor().submit(self._hash_chunk, chunk, self._generation[chunk])
+
+    def _hash_chunk(self, chunk: int, generation: int) -> None:
+        """Hash ``chunk`` (outside the lock: staging goes on), then file it unless it was written again meanwhile."""
+        grain = self.digest_grain
+        start = chunk * grain
+        length = min(grain, self.layout.nbytes - start)
+        value = xxhash.xxh3_64_intdigest(view(self.address + start, length))
+        with self._lock:
+            if self._closed or self._generation[chunk] != generation:
+                return  # a later write cleared it; its own job files the digest
+            self._digests[chunk] = value
+            self._valid[chunk] = _DIGEST_VALID  # after the digest: a reader in another process checks the flag
+
+    def _copy(self, slots: tuple[PartSlot, ...], full: torch.Tensor) -> None:
         with torch.no_grad():
             source = full.detach()
             for slot in slots:
@@ -465,7 +655,7 @@ class Replica:
         """Hold the replica read-only while it is sent; ReplicaBusyError if it is being staged or sent."""
         with self._lock:
             self._check_open()
-            if self._publishing:
+            if self._publishing or self._streaming:
                 raise ReplicaBusyError(f"replica {self.fingerprint} is already being published")
             self._flock(fcntl.LOCK_EX, "published")
             self._publishing = True
@@ -475,6 +665,36 @@ class Replica:
             with self._lock:
                 self._publishing = False
                 self._flock(fcntl.LOCK_UN, "")
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Send while the trainer stages (a streamed version): staging stays open, but a part staged once may
+        not be staged again until the stream ends (its bucket may be on the wire). No file lock is taken: the
+        stager's process holds its replicas in this mode for the stream (the client does), so it is the one
+        that refuses a restage; the sending process (the sidecar) enters it too, to refuse a plain publish."""
+        with self._lock:
+            self._check_open()
+            if self._publishing:
+                raise ReplicaBusyError(f"replica {self.fingerprint} is already being published")
+            self._streaming += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._streaming -= 1
+
+    def mark_stream(self, version: int, state: StreamState | None) -> None:
+        """File in the shared file that the trainer streams ``version`` (None: no stream), for the sidecar."""
+        self._stream_word[1] = 0  # never a torn (old version, new state) pair for a reader
+        self._stream_word[0] = version
+        self._stream_word[1] = 0 if state is None else _STREAM_CODES[state]
+
+    def stream_state(self, version: int) -> StreamState | None:
+        """The state of the trainer's stream of ``version``, if it streams that version."""
+        code = int(self._stream_word[1])
+        if not code or int(self._stream_word[0]) != version:
+            return None
+        return _STREAM_STATES[code]
 
     def _flock(self, op: int, doing: str) -> None:
         if self._fd is None:
@@ -503,12 +723,16 @@ class Replica:
                 self.shm_path.unlink()  # the mapping stays valid until it is closed below
         if self._closed:
             return
+        self.flush_digests()  # a hash still reading the buffer must finish before it is unmapped
         self._closed = True
         if self._host_registered:
             _cudart().cudaHostUnregister(self.address)
             self._host_registered = False
         del self.buffer
         del self._staged
+        for held in reversed(self._views):  # exported views would keep the mapping from closing
+            held.release()
+        self._views.clear()
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -543,8 +767,11 @@ class ReplicaSet:
         *,
         shm_dir: str | os.PathLike[str] | None = None,
         pin: bool | None = None,
+        digest_grain: int = 0,
     ) -> ReplicaSet:
-        """One replica per distinct ``layout_fingerprint``; files ``<shm_dir>/<fingerprint>.replica``."""
+        """One replica per distinct ``layout_fingerprint``; files ``<shm_dir>/<fingerprint>.replica``.
+
+        ``digest_grain``: see :meth:`Replica.create` (the plan's bucket size when targets verify bucket digests)."""
         layouts: dict[str, ReplicaLayout] = {}
         for manifest in manifests:
             if manifest.layout_fingerprint not in layouts:
@@ -555,7 +782,7 @@ class ReplicaSet:
                 path = None if shm_dir is None else Path(shm_dir) / f"{fingerprint}{REPLICA_SUFFIX}"
                 if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                replicas.append(Replica.create(layout, shm_path=path, pin=pin))
+                replicas.append(Replica.create(layout, shm_path=path, pin=pin, digest_grain=digest_grain))
         except BaseException:
             for replica in replicas:
                 replica.close(unlink=True)
@@ -601,6 +828,8 @@ class ReplicaSet:
             for replica, _ in plans:  # every replica must be free before any is written
                 stack.enter_context(replica._staging())
             for replica, slots in plans:
+                replica._check_restage(slots)
+            for replica, slots in plans:
                 replica._write(slots, full)
         return sum(len(slots) for _, slots in plans)
 
@@ -611,6 +840,21 @@ class ReplicaSet:
     def missing(self) -> list[MissingPart]:
         return [m for r in self for m in r.missing()]
 
+    def mark_stream(self, version: int, state: StreamState | None) -> None:
+        for replica in self:
+            replica.mark_stream(version, state)
+
+    def stream_state(self, version: int) -> StreamState | None:
+        """The trainer's stream of ``version`` as the replica files say (every replica carries the same mark)."""
+        for replica in self:
+            return replica.stream_state(version)
+        return None
+
+    def flush_digests(self) -> None:
+        """Wait for the bucket digests this process's staging is still computing."""
+        for replica in self:
+            replica.flush_digests()
+
     def reset(self) -> None:
         for replica in self:
             replica.reset()
@@ -620,6 +864,13 @@ class ReplicaSet:
         with contextlib.ExitStack() as stack:
             for replica in self:
                 stack.enter_context(replica.publishing())
+            yield
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for replica in self:
+                stack.enter_context(replica.streaming())
             yield
 
     def close(self, *, unlink: bool = False) -> None:

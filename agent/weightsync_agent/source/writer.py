@@ -46,6 +46,7 @@ from weightsync_agent.layout.checksums import source_checksum, tensor_checksum, 
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.replica import IncompleteReplicaError, Replica, ReplicaBusyError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
+from weightsync_agent.source.stream import Gate, StreamGate
 from weightsync_agent.transport.base import Transfer, TransferState, Transport, TransportError
 
 log = logging.getLogger("weightsync.agent.source")
@@ -53,13 +54,16 @@ log = logging.getLogger("weightsync.agent.source")
 MiB = 1 << 20
 #: Most threads hashing one source's buckets (2 sources on a 32-core H100 host: 16 each measured best).
 HASH_THREADS = 16
+#: A streamed publish waits at most this long, in all, for bucket digests the trainer's process is still computing
+#: (one bucket takes bucket_bytes / ~25 GB/s: 40 ms for 1 GiB); past it, or if that process died, it hashes them.
+DIGEST_WAIT_SECONDS = 1.0
 
 
 class SourceConfigError(ValueError):
     """The source's plan, manifests or replicas don't fit together; raised before any byte moves."""
 
 
-FailureKind = Literal["transport", "submit", "deadline"]
+FailureKind = Literal["transport", "submit", "deadline", "stream"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class PublishResult:
     bytes: int = 0  # confirmed written, summed over targets
     seconds: float = 0.0
     checksum_seconds: float = 0.0
+    #: Buckets whose checksum staging had already computed (no second pass over the replica), and those hashed here.
+    digests_reused: int = 0
+    digests_hashed: int = 0
     # Fencing: time spent after the last useful work waiting for abandoned writes to settle, and how many
     # were still pending when the publish stopped waiting (the next publish waits for those first).
     settle_seconds: float = 0.0
@@ -224,7 +231,12 @@ class Source:
         fingerprints = {m.layout_fingerprint for m in self.manifests.values()}
         self._owns_replicas = replicas is None
         if replicas is None:
-            replicas = ReplicaSet.for_manifests((self.manifests[t] for t in self.targets), shm_dir=shm_dir, pin=pin)
+            replicas = ReplicaSet.for_manifests(
+                (self.manifests[t] for t in self.targets),
+                shm_dir=shm_dir,
+                pin=pin,
+                digest_grain=digest_grain(self.checksums, self.bucket_bytes, self.manifests.values()),
+            )
         elif set(replicas.replicas) != fingerprints:
             raise SourceConfigError(
                 f"replicas hold layouts {sorted(replicas.replicas)}, the targets need {sorted(fingerprints)}"
@@ -233,6 +245,18 @@ class Source:
         self.buckets: dict[Target, list[Bucket]] = {
             t: plan_buckets(self.manifests[t], self.bucket_bytes) for t in self.targets
         }
+        # Bucket i is the replica range [i·bucket_bytes, +nbytes): the replica packs tensors as the planner cuts
+        # them. Streaming (which parts a bucket waits for) and staging's digests rely on it.
+        self._bucket_slots: dict[tuple[str, int], tuple[int, ...]] = {}
+        for target in self.targets:
+            fingerprint = self.manifests[target].layout_fingerprint
+            for bucket in self.buckets[target]:
+                start = bucket.index * self.bucket_bytes
+                if bucket.pieces and bucket.pieces[0].replica_offset != start:
+                    raise SourceConfigError(f"bucket {bucket.index} of {target} does not start at replica byte {start}")
+                self._bucket_slots[(fingerprint, bucket.index)] = self.replicas[fingerprint].layout.slots_in(
+                    start, start + bucket.nbytes
+                )
         self._registered: list[int] = []
         try:
             for replica in self.replicas:
@@ -247,6 +271,19 @@ class Source:
 
     def replica_for(self, target: Target) -> Replica:
         return self.replicas[self.manifests[target].layout_fingerprint]
+
+    def bucket_ready(self, target: Target, index: int) -> bool:
+        """Whether every part bucket ``index`` of ``target`` overlaps is staged (so its bytes are final)."""
+        fingerprint = self.manifests[target].layout_fingerprint
+        return self.replicas[fingerprint].staged(self._bucket_slots[(fingerprint, index)])
+
+    def staged_digest(self, target: Target, index: int, *, until: float | None = None) -> str | None:
+        """Bucket ``index``'s checksum as staging computed it, if the replica's digest grain is this bucket size
+        (waiting until ``until`` for one the trainer's process is still computing)."""
+        replica = self.replica_for(target)
+        if replica.digest_grain != self.bucket_bytes or self.manifests[target].checksum != "bucket-xxh3":
+            return None
+        return replica.digest(index, until=until)
 
     @property
     def bytes_per_version(self) -> int:
@@ -263,6 +300,7 @@ class Source:
         timeout: float | None = None,
         targets: Collection[Target] | None = None,
         require_staged: bool = True,
+        stream: Gate | None = None,
     ) -> PublishResult:
         """Write the staged replica(s) to every target of this source (or only to ``targets``).
 
@@ -273,6 +311,10 @@ class Source:
 
         ``require_staged=False`` sends what the replica holds whatever its staged flags say: for a
         catch-up of a joining engine, when the caller knows the replica still holds a committed version.
+
+        ``stream``: the trainer is still staging this version (:mod:`weightsync_agent.source.stream`); each
+        target's next bucket goes out once its parts are staged, and the publish waits for the rest until the
+        gate closes (then a bucket still incomplete fails it), aborts, or the deadline passes.
         """
         start = time.monotonic()
         if deadline is None:
@@ -285,8 +327,9 @@ class Source:
                     f"source {self.source} does not serve {sorted(unknown)}; its targets are {list(self.targets)}"
                 )
             chosen = tuple(t for t in self.targets if t in set(targets))
-        with self._fenced(version, deadline), self.replicas.publishing():
-            missing = self.replicas.missing() if require_staged else []
+        guard = self.replicas.publishing() if stream is None else self.replicas.streaming()
+        with self._fenced(version, deadline), guard:
+            missing = self.replicas.missing() if require_staged and stream is None else []
             if missing:
                 shown = ", ".join(str(m) for m in missing[:5])
                 more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -294,7 +337,7 @@ class Source:
                     f"refusing to publish version {version}: {len(missing)} tensor part(s) missing from the "
                     f"replica: {shown}{more}; stage them first (nothing was written)"
                 )
-            run = _Run(self, version, deadline, self.poll_interval, chosen)
+            run = _Run(self, version, deadline, self.poll_interval, chosen, stream)
             result = run.run()
             self._unsettled = run.unsettled
         result.seconds = time.monotonic() - start
@@ -370,17 +413,37 @@ class InProcessSourceControl:
     def __init__(self, sender: Source) -> None:
         self.sender = sender
         self.source = sender.source
+        self.gate: StreamGate | None = None
+
+    def stream(self, gate: StreamGate | None) -> None:
+        """The trainer streams ``gate.version``: prepare waits only for each target's first bucket, publish sends
+        while the trainer stages (None: back to stage-all-then-publish)."""
+        self.gate = gate
+
+    def _streaming(self, version: int) -> StreamGate | None:
+        return self.gate if self.gate is not None and self.gate.version == version else None
 
     def prepare(self, version: int, deadline: float) -> SourceReport:
+        gate = self._streaming(version)
+        if gate is not None:
+            return self._first_buckets(gate, deadline)
         missing = self.sender.replicas.missing()
         if missing:
             error = f"{len(missing)} part(s) not staged for {version}, e.g. {missing[0]}"
             return SourceReport(source=self.source, ok=False, error=error)
         return SourceReport(source=self.source, ok=True)
 
+    def _first_buckets(self, gate: StreamGate, deadline: float) -> SourceReport:
+        error = first_buckets_staged(self.sender, gate, deadline)
+        return SourceReport(source=self.source, ok=error is None, error=error)
+
     def publish(self, version: int, deadline: float) -> SourceReport:
+        gate = self._streaming(version)
+        if gate is not None and gate.state == "aborted":  # a retry after the trainer gave up: nothing to send
+            error = f"the trainer aborted the stream of {version}: {gate.reason}"
+            return SourceReport(source=self.source, ok=False, error=error, wrote=False)
         try:
-            return self.sender.publish(version, deadline).to_report()
+            return self.sender.publish(version, deadline, stream=gate).to_report()
         except (IncompleteReplicaError, ReplicaBusyError) as exc:
             return SourceReport(source=self.source, ok=False, error=str(exc))
 
@@ -401,8 +464,10 @@ class _Run:
         deadline: float,
         poll_interval: float = 0.001,
         targets: tuple[Target, ...] | None = None,
+        stream: Gate | None = None,
     ) -> None:
         self.source = source
+        self.stream = stream
         self.targets = source.targets if targets is None else targets
         self.transport = source.transport
         self.deadline = deadline
@@ -418,7 +483,7 @@ class _Run:
                 for t in self.targets
             },
         )
-        self._hashing: dict[tuple[str, int], Future[str]] = {}
+        self._hashing: dict[tuple[str, int], Future[str] | str] = {}
         self._tensor_hashing: dict[tuple[str, str], list[Future[str]]] = {}  # (layout, scheme) -> per tensor
         self._queues: dict[Target, deque[_Send]] = {t: deque() for t in self.targets}
         self._next: dict[Target, int] = dict.fromkeys(self.targets, 0)
@@ -444,8 +509,8 @@ class _Run:
         bytes. Measured on an H100 host: hashing inline on one thread capped a publish at 0.16 of the
         transport's speed (docs/gpu.md).
         """
-        if not self.source.checksums:
-            return
+        if not self.source.checksums or self.stream is not None:
+            return  # a stream's buckets are not final yet: resolved once sent (_collect_hashes)
         pool = self.source.hash_pool()
         for target in self.targets:
             fingerprint = self.result.targets[target].fingerprint
@@ -458,11 +523,24 @@ class _Run:
                     self._tensor_hashing[layout] = [pool.submit(tensor_checksum, layout[1], a, n) for a, n in ranges]
                 continue
             for bucket in self.source.buckets[target]:
-                key = (fingerprint, bucket.index)
-                if key not in self._hashing:
-                    self._hashing[key] = pool.submit(source_checksum, bucket, address)
+                self._checksum_job(target, bucket, address)
+
+    def _checksum_job(self, target: Target, bucket: Bucket, address: int, until: float | None = None) -> None:
+        """The digest staging filed for this bucket, else a hashing job; once per (layout, bucket)."""
+        key = (self.result.targets[target].fingerprint, bucket.index)
+        if key in self._hashing:
+            return
+        staged = self.source.staged_digest(target, bucket.index, until=until)
+        if staged is not None:
+            self._hashing[key] = staged
+            self.result.digests_reused += 1
+        else:
+            self._hashing[key] = self.source.hash_pool().submit(source_checksum, bucket, address)
+            self.result.digests_hashed += 1
 
     def _collect_hashes(self) -> None:
+        if self.stream is not None and self.source.checksums:
+            self._start_stream_hashing()
         if not self._hashing and not self._tensor_hashing:
             return
         began = time.monotonic()
@@ -474,9 +552,29 @@ class _Run:
                 continue
             sent = self._next[target]  # buckets submitted; a failed target's list stops where it stopped
             report.checksums = [
-                self._hashing[(report.fingerprint, b.index)].result() for b in self.source.buckets[target][:sent]
+                _resolved(self._hashing[(report.fingerprint, b.index)]) for b in self.source.buckets[target][:sent]
             ]
         self.result.checksum_seconds = time.monotonic() - began
+
+    def _start_stream_hashing(self) -> None:
+        """A stream's checksums, once its buckets went out (each was final when sent: no part is staged twice in a
+        stream). Staging filed most of them already; the rest are hashed now, in parallel.
+
+        Through the sidecar, the trainer's process may still be hashing the last buckets it staged: those are
+        waited for, all together at most ``DIGEST_WAIT_SECONDS``, rather than read a second time."""
+        until = min(self.deadline, time.monotonic() + DIGEST_WAIT_SECONDS)
+        for target in self.targets:
+            manifest = self.source.manifests[target]
+            address = self.source.replica_for(target).address
+            if manifest.checksum != "bucket-xxh3":
+                layout = (self.result.targets[target].fingerprint, manifest.checksum)
+                if layout not in self._tensor_hashing:
+                    pool = self.source.hash_pool()
+                    ranges = tensor_ranges(manifest, address)
+                    self._tensor_hashing[layout] = [pool.submit(tensor_checksum, layout[1], a, n) for a, n in ranges]
+                continue
+            for bucket in self.source.buckets[target][: self._next[target]]:
+                self._checksum_job(target, bucket, address, until)
 
     def _send(self) -> None:
         while True:
@@ -486,10 +584,33 @@ class _Run:
                     self._abort()
                 return
             self._fill()
-            if not any(self._queues.values()):
+            if not any(self._queues.values()) and not self._awaiting_stage():
                 return
             if not self._reap():
                 time.sleep(self.poll_interval)
+
+    def _awaiting_stage(self) -> bool:
+        """Streaming: whether a live target waits for the trainer to stage its next bucket. Fails the targets
+        that cannot get it any more (the trainer closed the stream without staging it, or aborted)."""
+        if self.stream is None:
+            return False
+        waiting = [t for t in self.targets if self._live(t) and self._next[t] < len(self.source.buckets[t])]
+        state = self.stream.state
+        if state == "open" or not waiting:
+            return bool(waiting)
+        for target in waiting:
+            index = self._next[target]
+            if state == "closed" and self.source.bucket_ready(target, index):
+                continue  # staged just before the close: the next _fill sends it
+            if state == "aborted":
+                detail = f"the trainer aborted the stream: {self.stream.reason}"
+            else:
+                missing = self.source.replica_for(target).missing()
+                shown = ", ".join(str(m) for m in missing[:3])
+                detail = f"the stream closed with {len(missing)} part(s) not staged (e.g. {shown})"
+            self._fail("stream", target, index, detail)
+            self._abandon(target, self._queues[target])
+        return any(self._live(t) and self._next[t] < len(self.source.buckets[t]) for t in self.targets)
 
     # --- Pipeline ------------------------------------------------------------------------------
 
@@ -499,6 +620,10 @@ class _Run:
         for target in self.targets:
             queue, buckets = self._queues[target], src.buckets[target]
             while self._live(target) and len(queue) < src.max_inflight and self._next[target] < len(buckets):
+                if self.stream is not None and (
+                    self.stream.state == "aborted" or not src.bucket_ready(target, self._next[target])
+                ):
+                    break  # its parts are still being staged (or never will be: the round fails)
                 bucket = buckets[self._next[target]]
                 self._next[target] += 1
                 transfers = self._submit(target, bucket)
@@ -624,6 +749,31 @@ class _Run:
     def _said(transfer: Transfer, bucket: Bucket) -> str:
         said = transfer.error() or "no detail from the transport"
         return f"write of {transfer.nbytes} B in a {bucket.nbytes} B bucket failed: {said}"
+
+
+def first_buckets_staged(source: Source, gate: Gate, deadline: float) -> str | None:
+    """Wait until each of ``source``'s targets has its first bucket staged (a streamed version's ``prepare``:
+    nothing is paused before the first write needs it); why not, or None."""
+    while not all(source.bucket_ready(t, 0) for t in source.targets if source.buckets[t]):
+        if gate.state == "aborted":
+            return f"the trainer aborted the stream: {gate.reason}"
+        if gate.state == "closed":
+            return f"the stream closed with {len(source.replicas.missing())} part(s) not staged"
+        if time.monotonic() >= deadline:
+            return f"trainer rank {source.source} staged no complete bucket of {gate.version} before the deadline"
+        time.sleep(source.poll_interval)
+    return None
+
+
+def _resolved(job: Future[str] | str) -> str:
+    return job if isinstance(job, str) else job.result()
+
+
+def digest_grain(verify: bool, bucket_bytes: int, manifests: Collection[Manifest]) -> int:
+    """The replica digest grain for these targets: the bucket size when they verify bucket digests, else 0.
+
+    Per-tensor schemes (stock SGLang's own hash) are computed at publish time as before."""
+    return bucket_bytes if verify and all(m.checksum == "bucket-xxh3" for m in manifests) else 0
 
 
 def _settle(writes: list[tuple[Target, Transfer]], until: float, poll_interval: float) -> list[tuple[Target, Transfer]]:

@@ -6,6 +6,7 @@ the next version: a catch-up would have to go through the whole group.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -40,6 +41,18 @@ class SidecarBroadcast:
             self.agent.wait_ready(SENDER, version, deadline)
         except TimeoutError as exc:
             return SourceReport(source=SENDER, ok=False, error=str(exc))
+        return self._streamed(version, deadline)
+
+    def _streamed(self, version: int, deadline: float) -> SourceReport:
+        """Broadcast sends whole tensors from a complete replica: a streamed version is taken as stage-then-publish
+        (no overlap yet), so the round starts once the trainer closed its stream."""
+        replicas = self.agent.replicas[SENDER]
+        while replicas.stream_state(version) == "open":
+            if time.monotonic() >= deadline:
+                return SourceReport(source=SENDER, ok=False, error=f"trainer rank 0 still streams {version}")
+            time.sleep(0.01)
+        if replicas.stream_state(version) == "aborted":
+            return SourceReport(source=SENDER, ok=False, error=f"the trainer aborted the stream of {version}")
         return SourceReport(source=SENDER, ok=True)
 
     def publish(self, version: int, deadline: float) -> SourceReport:

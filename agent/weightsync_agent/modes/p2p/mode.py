@@ -13,7 +13,7 @@ from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.modes.base import RoundPeers
 from weightsync_agent.source.agent import ManifestFetcher, SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
-from weightsync_agent.source.writer import SourceConfigError
+from weightsync_agent.source.writer import SourceConfigError, digest_grain
 from weightsync_agent.targets.adapter import EngineAdapter
 
 
@@ -33,7 +33,8 @@ class P2PMode:
                 if not manifests:  # more trainer ranks than targets: this one has nothing to write
                     agent.drop_rank(rank)
                     continue
-                replicas = agent.replica_set(rank, list(manifests.values()))
+                grain = digest_grain(plan.transfer.verify, plan.transfer.bucket_bytes, manifests.values())
+                replicas = agent.replica_set(rank, list(manifests.values()), digest_grain=grain)
                 agent.install_source(rank, plan, manifests, replicas)
         agent.adopt(plan, {t: m for manifests in fetched.values() for t, m in manifests.items()})
 
