@@ -119,9 +119,14 @@ class VllmProcess:
         self.stop()
 
 
-def server_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: this one without the project's Python paths, plus the CPU/dev-mode settings."""
+def server_env(extra_env: Mapping[str, str] | None = None, pythonpath: Sequence[Path] = ()) -> dict[str, str]:
+    """The server's environment: this one without the project's Python paths, plus the CPU/dev-mode settings.
+
+    ``pythonpath``: directories for the server's ``PYTHONPATH`` (a plugin's module and the ``*.dist-info``
+    declaring its ``vllm.general_plugins`` entry point, which vLLM finds through ``importlib.metadata``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
     env.update(
         VLLM_TARGET_DEVICE="cpu",
         VLLM_SERVER_DEV_MODE="1",  # registers the RL routes (vllm/entrypoints/rl/online/api_router.py)
@@ -170,6 +175,7 @@ def launch_vllm(
     dtype: str = "float32",
     max_model_len: int = 256,
     weight_transfer_backend: str | None = None,
+    pythonpath: Sequence[Path] = (),
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     log_dir: Path | None = None,
@@ -180,8 +186,8 @@ def launch_vllm(
 
     ``python``: the vLLM venv's interpreter (default: ``$WEIGHTSYNC_VLLM_PYTHON``, else the cached venv, built
     if missing). ``port`` 0 picks a free one. ``weight_transfer_backend``: ``--weight-transfer-config
-    {"backend": ...}``. Raises :class:`VllmStartError` naming the log file, with its tail, if the server exits
-    or is not ready within ``timeout`` seconds (it is then stopped)."""
+    {"backend": ...}``; ``pythonpath``: see :func:`server_env`. Raises :class:`VllmStartError` naming the log
+    file, with its tail, if the server exits or is not ready within ``timeout`` seconds (it is then stopped)."""
     if python is None:
         from weightsync_testing.vllm_env import vllm_python
 
@@ -213,7 +219,7 @@ def launch_vllm(
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=server_env(extra_env),
+        env=server_env(extra_env, pythonpath),
         start_new_session=True,
     )
     server = VllmProcess(
