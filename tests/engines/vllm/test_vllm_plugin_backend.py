@@ -6,6 +6,9 @@ One round (init -> pause -> start -> update -> finish with a version -> resume) 
 tiny Llama with another seed's: greedy tokens then equal HF on the new checkpoint (so the linear layers, which vLLM
 repacks on CPU, took the new weights through vLLM's layerwise reload), the non-linear parameters' checksums equal
 the new checkpoint's bytes, and the version is the one finish carried.
+
+The same server runs a test-only ``--middleware`` (``probe_plugin/weightsync_vllm_probe_guard.py``) that requires the
+group's token on every path but ``/health``: vLLM's stock hook closes what its ``--api-key`` leaves open.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def probe_server(
         api_key=API_KEY,
         weight_transfer_backend=BACKEND,
         pythonpath=[PLUGIN_DIR],
-        extra_env={"WEIGHTSYNC_VLLM_PROBE_LOG": str(probe_log)},
+        extra_env={"WEIGHTSYNC_VLLM_PROBE_LOG": str(probe_log), "WEIGHTSYNC_GROUP_TOKEN": API_KEY},
+        extra_args=["--middleware", "weightsync_vllm_probe_guard.BearerGuard"],
         log_dir=tmp_path_factory.mktemp("vllm-plugin"),
     )
     print(f"\nvLLM with {BACKEND} ready in {server.started_s:.1f} s ({server.log_path})", file=sys.stderr)
@@ -107,3 +111,24 @@ def test_a_plugin_backend_round_replaces_the_served_weights(
     assert len({e["pid"] for e in round_events}) == 1 and round_events[0]["pid"] in registered
     [receive] = [e for e in seen if e["event"] == "receive"]
     assert receive["names"] == len(safetensors_bytes(new))
+
+
+def test_a_stock_middleware_guards_the_rl_routes(probe_server: VllmProcess) -> None:
+    unauthorized = (401, {"error": "Unauthorized"})
+    for method, path, body in [
+        ("GET", "/is_paused", None),
+        ("POST", "/pause?mode=wait", None),
+        ("POST", "/resume", None),
+        ("GET", "/weight_info", None),
+        ("POST", "/weight_checker", {"action": "reset"}),  # would zero every weight if it went through
+        ("POST", "/update_weight_version", {"new_version": "forged"}),
+        ("POST", "/init_weight_transfer_engine", {"init_info": {}}),
+        ("POST", "/collective_rpc", {"method": "reset_weights"}),
+        ("GET", "/v1/models", None),
+    ]:
+        assert probe_server.request(method, path, body, auth=False) == unauthorized, path
+        assert probe_server.request(method, path, body, api_key="not-the-token") == unauthorized, path
+    assert probe_server.request("GET", "/health", auth=False)[0] == 200
+    assert probe_server.request("GET", "/is_paused") == (200, {"is_paused": False})
+    status, info = probe_server.request("GET", "/weight_info")
+    assert status == 200 and info["weight_version"] != "forged"
