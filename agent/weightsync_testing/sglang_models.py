@@ -1,18 +1,19 @@
-"""Tiny local Hugging Face models for the stock-SGLang test tier, and an HF reference forward.
+"""Tiny local Hugging Face models for the stock-engine test tiers (SGLang, vLLM), and an HF reference forward.
 
 Two sides in one file:
 
 * **project side** (this venv, stdlib only): :func:`ensure_tiny_model` returns a cached model directory,
-  making it once by running this file with the SGLang venv's python; :func:`hf_greedy` runs the HF
-  reference forward the same way. The project venv has no ``transformers``; the SGLang venv has the
-  exact version SGLang pins.
+  making it once by running this file with an engine venv's python (SGLang's or vLLM's); :func:`hf_greedy`
+  runs the HF reference forward the same way. The project venv has no ``transformers``; each engine venv has
+  the exact version its engine pins.
 * **engine-venv side** (``python sglang_models.py make|greedy ...``): builds the model with
   ``transformers`` from a config, seeded random weights, and a byte-level BPE tokenizer trained locally with
   ``tokenizers`` on a built-in corpus (no download; the CI machine cannot reach Hugging Face).
 
-A model directory is deterministic for (architecture, seed, dtype, :data:`MAKER_VERSION`, the engine venv's
-torch/transformers/tokenizers versions); its name carries the first four, and a ``weightsync-tiny.json``
-written last marks it complete.
+A model directory is deterministic for (architecture, head_dim, seed, dtype, :data:`MAKER_VERSION`, the engine
+venv's torch/transformers/tokenizers versions); its name carries the first five, and a ``weightsync-tiny.json``
+written last marks it complete. ``head_dim`` is 16 by default; vLLM's CPU attention needs 32 or more
+(stock-engines note §7b: 16 kills its server at the first request), so the vLLM tier asks for 32.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ARCHS = ("llama", "qwen3")
 DTYPES = ("float32", "bfloat16")
 VOCAB = 512
 STAMP = "weightsync-tiny.json"
+HEAD_DIMS = (16, 32)
 
 # vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads, head_dim 16, MLP 256 (stock-engines note §4, §5b).
 SHAPE: dict[str, Any] = {
@@ -71,23 +73,30 @@ def ensure_tiny_model(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    head_dim: int = 16,
     cache: Path | None = None,
     timeout: float = 300.0,
 ) -> Path:
     """The directory of a tiny ``arch`` model (config, safetensors, tokenizer), made once with ``python``
-    (the SGLang venv's interpreter) and cached under ``<cache>/models/``."""
+    (an engine venv's interpreter) and cached under ``<cache>/models/``. ``head_dim`` other than 16 widens
+    the attention (8 heads / 4 KV heads of ``head_dim`` each; the hidden size stays 128)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny model architecture {arch!r} (known: {', '.join(ARCHS)})")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {head_dim} (known: {', '.join(map(str, HEAD_DIMS))})")
     root = (cache or default_cache()) / "models"
-    out = root / f"tiny-{arch}-s{seed}-{dtype}-v{MAKER_VERSION}"
+    # The default keeps its historical name, so the SGLang tier's cached models stay valid.
+    variant = "" if head_dim == 16 else f"-hd{head_dim}"
+    out = root / f"tiny-{arch}{variant}-s{seed}-{dtype}-v{MAKER_VERSION}"
     if (out / STAMP).is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
     try:
         args = ["make", "--arch", arch, "--seed", str(seed), "--dtype", dtype, "--out", str(work)]
+        args += ["--head-dim", str(head_dim)]
         _run_engine_side(python, args, timeout)
         shutil.rmtree(out, ignore_errors=True)
         work.rename(out)
@@ -173,14 +182,15 @@ def _tokenizer(seed: int, out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _make(arch: str, seed: int, dtype: str, out: Path) -> None:
+def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> None:
     torch: Any = importlib.import_module("torch")
     transformers: Any = importlib.import_module("transformers")
     config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
     extra: dict[str, Any] = {"attention_bias": False}
     if arch == "qwen3":
         extra["sliding_window"] = None
-    config = config_class(**SHAPE, **extra, initializer_range=INIT_STD, torch_dtype=dtype)
+    shape = {**SHAPE, "head_dim": head_dim}
+    config = config_class(**shape, **extra, initializer_range=INIT_STD, torch_dtype=dtype)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
@@ -196,6 +206,8 @@ def _make(arch: str, seed: int, dtype: str, out: Path) -> None:
     _tokenizer(seed, out)
     versions = {m: importlib.import_module(m).__version__ for m in ("torch", "transformers", "tokenizers")}
     stamp = {"arch": arch, "seed": seed, "dtype": dtype, "maker_version": MAKER_VERSION, "versions": versions}
+    if head_dim != 16:
+        stamp["head_dim"] = head_dim
     (out / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
 
 
@@ -225,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--arch", choices=ARCHS, default="llama")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=DTYPES, default="float32")
+    make.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=16)
     make.add_argument("--out", type=Path, required=True)
     greedy = sub.add_parser("greedy", help="HF greedy decoding; prints one JSON line")
     greedy.add_argument("--model", type=Path, required=True)
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "make":
         args.out.mkdir(parents=True, exist_ok=True)
-        _make(args.arch, args.seed, args.dtype, args.out)
+        _make(args.arch, args.seed, args.dtype, args.out, args.head_dim)
         print(args.out)
     else:
         prompts = [[int(i) for i in p.split(",") if i] for p in args.input_ids.split(";")]

@@ -1,0 +1,134 @@
+"""A third-party WeightTransferEngine inside the stock vLLM server, driven over its RL routes: what the weightsync
+backend plugin (issue 13, not built yet) will rely on, checked with a test-only plugin (``probe_plugin/``) that
+reads the new weights from a safetensors file instead of receiving them over Mooncake.
+
+One round (init -> pause -> start -> update -> finish with a version -> resume) replaces every weight of the served
+tiny Llama with another seed's: greedy tokens then equal HF on the new checkpoint (so the linear layers, which vLLM
+repacks on CPU, took the new weights through vLLM's layerwise reload), the non-linear parameters' checksums equal
+the new checkpoint's bytes, and the version is the one finish carried.
+
+The same server runs a test-only ``--middleware`` (``probe_plugin/weightsync_vllm_probe_guard.py``) that requires the
+group's token on every path but ``/health``: vLLM's stock hook closes what its ``--api-key`` leaves open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_helpers import API_KEY, LINEAR, complete, safetensors_bytes
+
+from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
+from weightsync_testing.vllm_server import VllmProcess, launch_vllm
+
+PLUGIN_DIR = Path(__file__).resolve().parent / "probe_plugin"
+BACKEND = "weightsync-probe"
+PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
+NEW_TOKENS = 10
+KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
+
+
+@pytest.fixture(scope="module")
+def probe_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-probe") / "probe.jsonl"
+
+
+@pytest.fixture(scope="module")
+def probe_server(
+    vllm_py: Path, tiny_llama32: Path, probe_log: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmProcess]:
+    server = launch_vllm(
+        tiny_llama32,
+        python=vllm_py,
+        api_key=API_KEY,
+        weight_transfer_backend=BACKEND,
+        pythonpath=[PLUGIN_DIR],
+        extra_env={"WEIGHTSYNC_VLLM_PROBE_LOG": str(probe_log), "WEIGHTSYNC_GROUP_TOKEN": API_KEY},
+        extra_args=["--middleware", "weightsync_vllm_probe_guard.BearerGuard"],
+        log_dir=tmp_path_factory.mktemp("vllm-plugin"),
+    )
+    print(f"\nvLLM with {BACKEND} ready in {server.started_s:.1f} s ({server.log_path})", file=sys.stderr)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def events(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def ok(server: VllmProcess, method: str, path: str, body: Any = None) -> Any:
+    status, answer = server.request(method, path, body, timeout=120.0)
+    assert status == 200, (path, status, answer)
+    return answer
+
+
+def test_a_plugin_backend_round_replaces_the_served_weights(
+    probe_server: VllmProcess, probe_log: Path, vllm_py: Path, tiny_llama32: Path
+) -> None:
+    new = ensure_tiny_model(vllm_py, "llama", seed=1, dtype="float32", head_dim=32)
+    old_tokens = [complete(probe_server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
+    expected_old, expected_new = (hf_greedy(vllm_py, m, PROMPTS, NEW_TOKENS) for m in (tiny_llama32, new))
+    assert old_tokens == [e["output_ids"] for e in expected_old]
+    # The check below means something only if the two checkpoints generate differently.
+    assert [e["output_ids"] for e in expected_old] != [e["output_ids"] for e in expected_new]
+
+    assert ok(probe_server, "POST", "/init_weight_transfer_engine", {"init_info": {"tag": "t1"}}) == {
+        "message": "Weight transfer initialized"
+    }
+    assert ok(probe_server, "POST", "/pause?mode=wait") == {"status": "paused"}
+    assert ok(probe_server, "POST", "/start_weight_update") == {"message": "Weight update started"}
+    update = {"update_info": {"path": str(new / "model.safetensors")}}
+    assert ok(probe_server, "POST", "/update_weights", update) == {"message": "Weights updated"}
+    assert ok(probe_server, "POST", "/finish_weight_update", {"weight_version": "seed-1"}) == {
+        "message": "Weight update finished"
+    }
+    assert ok(probe_server, "POST", "/resume") == {"status": "resumed"}
+
+    assert ok(probe_server, "GET", "/weight_info") == {"weight_version": "seed-1"}
+    served = [complete(probe_server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
+    assert served == [e["output_ids"] for e in expected_new]
+    assert min(min(e["margins"]) for e in expected_new) > 1e-3
+    checksums = ok(probe_server, "POST", "/weight_checker", {"action": "checksum"})["checksums"]
+    for name, data in safetensors_bytes(new).items():
+        if not name.endswith("_proj.weight"):
+            assert checksums[KEY_PREFIX + name] == hashlib.sha256(data).hexdigest(), name
+    assert sum(key.endswith(LINEAR) for key in checksums) == 8
+
+    seen = events(probe_log)
+    # vLLM loads general plugins in every process (3 seen at TP=1 on CPU: API server, engine core, worker); the
+    # round runs in one of them, the worker that holds the model.
+    registered = {e["pid"] for e in seen if e["event"] == "register"}
+    assert len(registered) >= 2, seen
+    round_events = [e for e in seen if e["event"] != "register"]
+    assert [e["event"] for e in round_events] == ["init", "start", "receive", "finish"], seen
+    assert len({e["pid"] for e in round_events}) == 1 and round_events[0]["pid"] in registered
+    [receive] = [e for e in seen if e["event"] == "receive"]
+    assert receive["names"] == len(safetensors_bytes(new))
+
+
+def test_a_stock_middleware_guards_the_rl_routes(probe_server: VllmProcess) -> None:
+    unauthorized = (401, {"error": "Unauthorized"})
+    for method, path, body in [
+        ("GET", "/is_paused", None),
+        ("POST", "/pause?mode=wait", None),
+        ("POST", "/resume", None),
+        ("GET", "/weight_info", None),
+        ("POST", "/weight_checker", {"action": "reset"}),  # would zero every weight if it went through
+        ("POST", "/update_weight_version", {"new_version": "forged"}),
+        ("POST", "/init_weight_transfer_engine", {"init_info": {}}),
+        ("POST", "/collective_rpc", {"method": "reset_weights"}),
+        ("GET", "/v1/models", None),
+    ]:
+        assert probe_server.request(method, path, body, auth=False) == unauthorized, path
+        assert probe_server.request(method, path, body, api_key="not-the-token") == unauthorized, path
+    assert probe_server.request("GET", "/health", auth=False)[0] == 200
+    assert probe_server.request("GET", "/is_paused") == (200, {"is_paused": False})
+    status, info = probe_server.request("GET", "/weight_info")
+    assert status == 200 and info["weight_version"] != "forged"
