@@ -961,7 +961,9 @@ def machine() -> dict[str, Any]:
 
 
 def ratios(bench: Bench) -> list[dict[str, Any]]:
-    targets = {"replica": 0.80, "GPU -> other": None, "BroadcastGroup": 0.90}
+    # Issue 12's targets: a verified publish at 0.90 of pinned H2D; broadcast at 0.93 of raw NCCL with 256 MiB
+    # buckets (the bigger buckets and the ShardAssembler row are held to the same).
+    targets = {"replica": 0.90, "GPU -> other": None, "BroadcastGroup": 0.93}
     out = []
     for row in bench.rows.values():
         if not row.baseline:
