@@ -145,6 +145,9 @@ class Segment:
     start: int
     end: int
     source: torch.Tensor | None = None
+    #: The tensor whose storage holds ``source`` and the address it starts at (zero-copy runs only).
+    holder: str | None = None
+    address: int = 0
 
 
 def cut(plan: BucketPlan, tensors: Mapping[str, torch.Tensor], device: torch.device, direct: int) -> list[Segment]:
@@ -154,24 +157,27 @@ def cut(plan: BucketPlan, tensors: Mapping[str, torch.Tensor], device: torch.dev
         return []
     if not direct:
         return [Segment(0, plan.nbytes)]
-    runs: list[tuple[int, int, int | None, torch.Tensor | None]] = []  # start, end, anchor, storage holder
+    # start, end, anchor, the name of the tensor whose storage holds the run
+    runs: list[tuple[int, int, int | None, str | None]] = []
     for slot in plan.slots:
         if not slot.nbytes:
             continue
         tensor = tensors[slot.name]
         anchor = tensor.data_ptr() - slot.offset if tensor.device == device and tensor.is_contiguous() else None
         end = slot.offset + slot.nbytes
-        if runs and anchor is not None and runs[-1][2] == anchor and _same_storage(runs[-1][3], tensor, anchor, end):
-            start, _, _, holder = runs[-1]
-            runs[-1] = (start, end, anchor, holder)
+        holder = tensors[runs[-1][3]] if runs and runs[-1][3] is not None else None
+        if runs and anchor is not None and runs[-1][2] == anchor and _same_storage(holder, tensor, anchor, end):
+            start, _, _, name = runs[-1]
+            runs[-1] = (start, end, anchor, name)
         elif runs and anchor is None and runs[-1][2] is None:
             runs[-1] = (runs[-1][0], end, None, None)
         else:
-            runs.append((slot.offset, end, anchor, tensor if anchor is not None else None))
+            runs.append((slot.offset, end, anchor, slot.name if anchor is not None else None))
     out: list[Segment] = []
-    for start, end, anchor, holder in runs:
-        if anchor is not None and holder is not None and end - start >= direct:
-            out.append(Segment(start, end, _bytes_at(holder, anchor + start, end - start)))
+    for start, end, anchor, name in runs:
+        if anchor is not None and name is not None and end - start >= direct:
+            address = anchor + start
+            out.append(Segment(start, end, _bytes_at(tensors[name], address, end - start), name, address))
         elif out and out[-1].source is None:
             out[-1] = Segment(out[-1].start, end)
         else:
@@ -199,6 +205,54 @@ def _bytes_at(holder: torch.Tensor, address: int, nbytes: int) -> torch.Tensor:
 
 
 Cuts = list[list[tuple[int, int]]]  # per bucket, the [start, end) of each broadcast
+
+
+@dataclass(frozen=True)
+class SenderLayout:
+    """What a sender derives from its tensors' names, dtypes, shapes, strides and addresses and the bucket
+    size: the buckets, their segments and the metadata. Reused while all of those hold (a trainer sends the
+    same parameters every step), so a round starts without re-planning. Segments keep no tensor: a cached
+    layout must not keep the previous round's memory alive, so zero-copy views are rebuilt per round."""
+
+    key: tuple[Any, ...]
+    plans: list[BucketPlan]
+    segments: list[list[Segment]]
+    meta: bytes
+
+    @classmethod
+    def of(
+        cls, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, device: torch.device, direct: int
+    ) -> SenderLayout:
+        by_name = dict(named)
+        plans = plan_buckets(named, bucket_bytes)
+        segments = [
+            [Segment(g.start, g.end, None, g.holder, g.address) for g in cut(plan, by_name, device, direct)]
+            for plan in plans
+        ]
+        meta = _encode(plans, [[(g.start, g.end) for g in bucket] for bucket in segments])
+        return cls(layout_key(named, bucket_bytes, device, direct), plans, segments, meta)
+
+    def sources(self, by_name: Mapping[str, torch.Tensor]) -> list[list[Segment]]:
+        """The segments with their zero-copy views into this round's tensors."""
+        return [
+            [
+                g if g.holder is None else Segment(g.start, g.end, _bytes_at(by_name[g.holder], g.address,
+                                                                             g.end - g.start), g.holder, g.address)
+                for g in bucket
+            ]
+            for bucket in self.segments
+        ]  # fmt: skip
+
+
+def layout_key(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, device: torch.device, direct: int
+) -> tuple[Any, ...]:
+    return (
+        bucket_bytes,
+        direct,
+        str(device),
+        tuple((n, t.dtype, t.shape, t.stride(), t.data_ptr(), t.device) for n, t in named),
+    )
 
 
 def _whole(plans: list[BucketPlan]) -> Cuts:
@@ -290,6 +344,7 @@ class BroadcastGroup:
         self.broken: str | None = None
         #: Digest of the metadata this sender last sent whole; receivers: the digest and what it decoded to.
         self._sent_digest: int | None = None
+        self._layout: SenderLayout | None = None
         self._received: tuple[int, list[BucketPlan], Cuts] | None = None
 
     @property
@@ -320,14 +375,14 @@ class BroadcastGroup:
         return self._buffers
 
     def _exchange_plan(
-        self, plans: list[BucketPlan] | None, version: int, cuts: Cuts | None = None
+        self, plans: list[BucketPlan] | None, version: int, cuts: Cuts | None = None, meta: bytes | None = None
     ) -> tuple[list[BucketPlan], int, Cuts, int]:
         """Send (sender) or learn (receivers) the round's buckets, version and segments; the last item is
         the metadata bytes that travelled (0: the previous round's were reused)."""
         header = torch.zeros(5, dtype=torch.int64, device=self.device)
         if self.is_source:
             assert plans is not None
-            meta = _encode(plans, cuts)
+            meta = _encode(plans, cuts) if meta is None else meta
             digest = _digest(meta)
             size = 0 if digest == self._sent_digest else len(meta)
             header.copy_(torch.tensor([MAGIC, PROTOCOL, version, size, digest], dtype=torch.int64))
@@ -380,10 +435,18 @@ class BroadcastGroup:
         named = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         started = time.monotonic()
         by_name = dict(named)
-        planned = plan_buckets(named, bucket_bytes)
-        segmented = [cut(plan, by_name, self.device, self.direct_bytes) for plan in planned]
+        key = layout_key(named, bucket_bytes, self.device, self.direct_bytes)
+        layout = self._layout if self._layout is not None and self._layout.key == key else None
+        try:
+            segmented = layout.sources(by_name) if layout is not None else None
+        except TransportError:
+            # Same addresses, but a run is no longer inside one storage (the tensors were reallocated apart).
+            segmented = None
+        if layout is None or segmented is None:
+            layout = self._layout = SenderLayout.of(named, bucket_bytes, self.device, self.direct_bytes)
+            segmented = layout.sources(by_name)
         plans, _, _, meta_bytes = self._exchange_plan(
-            planned, version, [[(g.start, g.end) for g in s] for s in segmented]
+            layout.plans, version, [[(g.start, g.end) for g in s] for s in segmented], layout.meta
         )
         buffers = self._buffer_pair(max((p.nbytes for p in plans), default=0))
         in_flight: list[list[Any]] = [[], []]
@@ -395,10 +458,11 @@ class BroadcastGroup:
                 self.broken = f"the round's deadline passed before bucket {index} of {len(plans)}"
                 raise TransportError(f"rank {self.rank}: {self.broken}")
             buffer = buffers[slot][: plan.nbytes]
-            views = dict(_views(buffer, plan))
+            views: dict[str, torch.Tensor] | None = None  # only where something is packed
             pieces: list[torch.Tensor] = []
             for segment in segmented[index]:
                 if segment.source is None:  # pack this run into the bucket buffer
+                    views = dict(_views(buffer, plan)) if views is None else views
                     for placed in plan.slots:
                         if segment.start <= placed.offset < segment.end:
                             views[placed.name].copy_(by_name[placed.name])

@@ -384,3 +384,44 @@ def test_the_metadata_digest_tells_layouts_apart() -> None:
     payload = _encode(plan_broadcast_buckets([("a", torch.zeros(4))], 512))
     assert _digest(payload) != _digest(payload.replace(b'"a"', b'"b"'))
     assert isinstance(_digest(payload), int) and -(1 << 63) <= _digest(payload) < (1 << 63)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (random bits include NaNs, which ``torch.equal`` calls unequal to themselves)."""
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def test_a_sender_reuses_its_layout_while_its_tensors_stay_put_and_sends_their_current_bytes() -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(BroadcastGroup, rank, 2, init, "gloo", 10.0, direct_bytes=64) for rank in (0, 1)]
+    sender, receiver = futures[0].result(), futures[1].result()
+    flat = torch.zeros(4096, dtype=torch.uint8)  # two tensors laid out as the bucket lays them: zero-copy
+    named = [("a", flat[:1024].view(torch.float32)), ("b", flat[1024:3072].view(torch.float16))]
+
+    def round_trip(tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+
+        def keep(views: list[tuple[str, torch.Tensor]]) -> None:
+            got.update((n, v.clone()) for n, v in views)
+
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(sender.broadcast_buckets, tensors, 4096, version=version)
+            receiver.receive_buckets(keep)
+            sending.result()
+        return got
+
+    flat.random_(0, 256, generator=torch.Generator().manual_seed(1))
+    first = round_trip(named, 1)
+    layout = sender._layout
+    assert layout is not None and any(g.holder for bucket in layout.segments for g in bucket), "no zero-copy run"
+    flat.random_(0, 256, generator=torch.Generator().manual_seed(2))  # new bytes, same places
+    second = round_trip(named, 2)
+    assert sender._layout is layout, "the layout was planned again for tensors that did not move"
+    assert all(same_bytes(second[n], t) for n, t in named) and not same_bytes(first["a"], second["a"])
+    moved = [(n, t.clone() + 1) for n, t in named]  # same shapes, new addresses
+    third = round_trip(moved, 3)
+    assert sender._layout is not layout
+    assert all(same_bytes(third[n], t) for n, t in moved)
+    sender.close()
+    receiver.close()
