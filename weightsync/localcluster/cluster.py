@@ -35,6 +35,17 @@ DEFAULT_NODE_RESOURCES = {
 }
 
 
+#: The audit policy of ``up(audit=True)``: every request at Metadata level (who, what, when; no bodies), once per
+#: request (a watch logs when it starts and when it ends, under one auditID): enough to count requests per user.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [{"level": "Metadata"}],
+}
+#: The audit log, under the cluster's directory.
+AUDIT_LOG = "logs/audit.log"
+
 _READINESS_GATES = re.compile(r"^[ \t]*\{\{ range \.spec\.readinessGates \}\}.*?\{\{ end \}\}[ \t]*\n", re.S | re.M)
 
 
@@ -126,7 +137,18 @@ class LocalCluster:
 
     # --- Lifecycle -------------------------------------------------------------------------------
 
-    def up(self, *, nodes: int = 4, node_resources: dict[str, str] | None = None, timeout: float = 120) -> ClusterState:
+    def up(
+        self,
+        *,
+        nodes: int = 4,
+        node_resources: dict[str, str] | None = None,
+        timeout: float = 120,
+        audit: bool = False,
+        controller_manager_args: Sequence[str] = (),
+    ) -> ClusterState:
+        """Start the cluster. ``audit``: the API server writes an audit log (:data:`AUDIT_POLICY`, at
+        :data:`AUDIT_LOG`; the scale benchmark counts requests per user in it). ``controller_manager_args``: extra
+        flags for kube-controller-manager (e.g. its API rate, which bounds garbage collection)."""
         if (self.directory / "state.json").exists() and self.running():
             raise ClusterError(f"a cluster is already running in {self.directory}; `weightsync cluster down` first")
         started = time.monotonic()
@@ -138,7 +160,7 @@ class LocalCluster:
         state.kubeconfig.write_text(pki_mod.kubeconfig(pki, state.server))
         try:
             self._start_etcd(state)
-            self._start_apiserver(state, pki, timeout)
+            self._start_apiserver(state, pki, timeout, audit=audit)
             self._start(
                 state,
                 "kube-controller-manager",
@@ -153,6 +175,7 @@ class LocalCluster:
                     "--use-service-account-credentials=false",
                     "--cluster-cidr=10.244.0.0/16",
                     "--allocate-node-cidrs=false",
+                    *controller_manager_args,
                 ],
             )
             self._start(
@@ -361,7 +384,19 @@ class LocalCluster:
 
         _wait("etcd", healthy, 30, self.logs / "etcd.log")
 
-    def _start_apiserver(self, state: ClusterState, pki: pki_mod.Pki, timeout: float) -> None:
+    def _start_apiserver(self, state: ClusterState, pki: pki_mod.Pki, timeout: float, *, audit: bool = False) -> None:
+        audit_args: list[str] = []
+        if audit:
+            policy = self.directory / "audit-policy.yaml"
+            policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+            audit_args = [
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={self.directory / AUDIT_LOG}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=2000",
+                "--audit-log-mode=batch",
+                "--audit-log-batch-max-wait=1s",
+            ]
         self._start(
             state,
             "kube-apiserver",
@@ -381,6 +416,7 @@ class LocalCluster:
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
                 f"--cert-dir={self.directory / 'certs'}",
+                *audit_args,
             ],
         )
         self._wait_apiserver(state, timeout)
