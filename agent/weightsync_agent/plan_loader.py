@@ -47,11 +47,11 @@ WATCH_BACKOFF_FIRST_SECONDS: Final = 0.5
 WATCH_BACKOFF_MAX_SECONDS: Final = 30.0
 
 
-def parse_plan(text: str, where: str) -> Plan:
-    """A plan document, refused (PlanError) when over :data:`MAX_PLAN_BYTES`, invalid or tampered with."""
+def parse_plan(text: str, where: str, max_bytes: int = MAX_PLAN_BYTES) -> Plan:
+    """A plan document, refused (PlanError) when over ``max_bytes``, invalid or tampered with."""
     size = len(text.encode())
-    if size > MAX_PLAN_BYTES:
-        raise PlanError(f"{where}: the plan is {size} bytes, more than the {MAX_PLAN_BYTES} taken")
+    if size > max_bytes:
+        raise PlanError(f"{where}: the plan is {size} bytes, more than the {max_bytes} taken")
     return Plan.from_json(text)
 
 
@@ -77,11 +77,11 @@ def read_config_map_plan(api: Any, namespace: str, name: str) -> tuple[Plan, str
     return plan_of(cm.data, name), str(cm.metadata.resource_version)
 
 
-def plan_of(data: dict[str, str] | None, name: str) -> Plan:
+def plan_of(data: dict[str, str] | None, name: str, max_bytes: int = MAX_PLAN_BYTES) -> Plan:
     text = (data or {}).get(names.PLAN_KEY)
     if not text:
         raise PlanError(f"ConfigMap {name} has no {names.PLAN_KEY}")
-    return parse_plan(text, f"ConfigMap {name}")
+    return parse_plan(text, f"ConfigMap {name}", max_bytes)
 
 
 class PlanSource(Protocol):
@@ -132,8 +132,10 @@ class ConfigMapPlanWatch:
         watch_seconds: int = WATCH_SECONDS,
         backoff_first: float = WATCH_BACKOFF_FIRST_SECONDS,
         backoff_max: float = WATCH_BACKOFF_MAX_SECONDS,
+        max_plan_bytes: int = MAX_PLAN_BYTES,
     ) -> None:
         self.api = api
+        self.max_plan_bytes = max_plan_bytes
         self.namespace = namespace
         self.name = name
         self.watch_seconds = watch_seconds
@@ -247,7 +249,7 @@ class ConfigMapPlanWatch:
         version = (obj.get("metadata") or {}).get("resourceVersion")
         if kind in ("ADDED", "MODIFIED"):
             try:
-                self._take(plan_of(obj.get("data"), self.name))
+                self._take(plan_of(obj.get("data"), self.name, self.max_plan_bytes))
             except PlanError as exc:
                 self.refused += 1
                 log.error("plan watch: refused the new plan, keeping revision %s: %s", self._revision(), exc)
