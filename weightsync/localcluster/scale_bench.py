@@ -262,9 +262,7 @@ def group_status(api: Any, name: str) -> dict[str, Any]:
     from kubernetes import client
 
     custom = client.CustomObjectsApi(api.api_client)
-    found: Any = custom.get_namespaced_custom_object(
-        "weightsync.io", "v1alpha1", NAMESPACE, "weightsyncgroups", name
-    )
+    found: Any = custom.get_namespaced_custom_object("weightsync.io", "v1alpha1", NAMESPACE, "weightsyncgroups", name)
     return dict(found.get("status") or {})
 
 
