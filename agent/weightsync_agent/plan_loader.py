@@ -24,7 +24,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -133,7 +133,12 @@ class ConfigMapPlanWatch:
         backoff_first: float = WATCH_BACKOFF_FIRST_SECONDS,
         backoff_max: float = WATCH_BACKOFF_MAX_SECONDS,
         max_plan_bytes: int = MAX_PLAN_BYTES,
+        on_reconnect: Callable[[], None] | None = None,
     ) -> None:
+        """``on_reconnect``: called when the API server answers again after the watch failed (the agent's reporter
+        then re-sends its condition: something may have rewritten the pod meanwhile)."""
+        self.on_reconnect = on_reconnect
+        self._failed = False
         self.api = api
         self.max_plan_bytes = max_plan_bytes
         self.namespace = namespace
@@ -193,12 +198,14 @@ class ConfigMapPlanWatch:
                          self.name)  # fmt: skip
                 self._version = None
             except PlanError as exc:
+                self._failed = True
                 log.warning("plan watch: %s; retrying in %.1f s", exc, delay)
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.backoff_max)
             except Exception as exc:  # the API server's refusals, no answer, a cut stream: back off and reconnect
                 if self._stop.is_set():
                     return
+                self._failed = True
                 log.warning("plan watch of ConfigMap %s failed (%s); reconnecting in %.1f s", self.name,
                             describe(exc), delay)  # fmt: skip
                 self._stop.wait(delay)
@@ -231,6 +238,10 @@ class ConfigMapPlanWatch:
                 raise WatchGoneError from exc
             raise
         self._response = response
+        if self._failed:
+            self._failed = False
+            if self.on_reconnect is not None:
+                self.on_reconnect()
         try:
             for event in events(response, MAX_EVENT_BYTES):
                 if self._stop.is_set():
@@ -288,7 +299,9 @@ def describe(exc: BaseException) -> str:
     return f"{status} {getattr(exc, 'reason', '')}".strip() if status else f"{type(exc).__name__}: {exc}"
 
 
-def plan_source(config: AgentConfig, plan_file: Path | None) -> PlanSource:
+def plan_source(
+    config: AgentConfig, plan_file: Path | None, on_reconnect: Callable[[], None] | None = None
+) -> PlanSource:
     """What the agent reads its plan from: the file (stat-based) or a watch of the ConfigMap, read once now
     (PlanError, OSError: there is no usable plan to start with)."""
     path = plan_file or (Path(config.plan_file) if config.plan_file else None)
@@ -300,4 +313,5 @@ def plan_source(config: AgentConfig, plan_file: Path | None) -> PlanSource:
         raise PlanError(f"no plan: set {names.ENV_PLAN_CONFIG_MAP} or {names.ENV_PLAN_FILE}")
     api = kube_core_api()
     initial = read_config_map_plan(api, config.namespace, config.plan_config_map)
-    return ConfigMapPlanWatch(api, config.namespace, config.plan_config_map, initial=initial)
+    return ConfigMapPlanWatch(api, config.namespace, config.plan_config_map, initial=initial,
+                              on_reconnect=on_reconnect)  # fmt: skip

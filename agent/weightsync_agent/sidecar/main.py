@@ -64,7 +64,8 @@ def run(plan_file: Path | None = None) -> int:
                 f"{exc} (the operator mounts the Secret {names.group_secret(config.group)} at "
                 f"{names.CREDENTIALS_PATH}; docs/security.md)"
             ) from exc
-        source: PlanSource = plan_source(config, plan_file)
+        reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
+        source: PlanSource = plan_source(config, plan_file, reporter.resync_soon if reporter else None)
         plan = source()
         work = duties(config, plan)
         directory = make_directory(config, plan)
@@ -81,7 +82,6 @@ def run(plan_file: Path | None = None) -> int:
     )
     for duty in work:
         log.info("  %s", duty)
-    reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
     runtime = AgentRuntime(
         config,
         source,
