@@ -286,6 +286,8 @@ def events(response: Any, limit: int) -> Iterator[dict[str, Any]]:
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
+            if len(line) > limit:
+                raise PlanError(f"a watch event of more than {limit} bytes")
             if line.strip():
                 yield json.loads(line)
         if len(buffer) > limit:
