@@ -222,9 +222,13 @@ class Bench:
         started = time.monotonic()
         admin.kubectl("-n", NAMESPACE, "patch", "wsg", name, "--type=merge",
                       "-p", json.dumps({"spec": {"inference": {"engines": engines}}}))  # fmt: skip
-        wait_for("the replan", lambda: plan_of(api, name).revision != before.revision, timeout=120, interval=0.1)
-        _, ready = self._until_ready(api, name, pods + more, started, timeout=120)
         self.report.scale_out_from, self.report.scale_out_to = pods, pods + more
+        try:
+            wait_for("the replan", lambda: plan_of(api, name).revision != before.revision, timeout=120, interval=0.1)
+        except AssertionError as exc:
+            self.say(str(exc))
+            return
+        _, ready = self._until_ready(api, name, pods + more, started, timeout=120)
         self.report.scale_out_ready_s = ready
         self.report.moved_targets = plan_of(api, name).moved_targets
 
@@ -253,9 +257,10 @@ def admin_api(state: ClusterState) -> Any:
     from kubernetes import client
     from kubernetes import config as kube_config
 
-    api_client = kube_config.new_client_from_config(str(state.kubeconfig))  # type: ignore[no-untyped-call]
-    api_client.configuration.connection_pool_maxsize = 32
-    return client.CoreV1Api(api_client)
+    config = client.Configuration()
+    kube_config.load_kube_config(str(state.kubeconfig), client_configuration=config)  # type: ignore[no-untyped-call]
+    config.connection_pool_maxsize = 32  # the stand-in kubelet's token requests run 16 at a time
+    return client.CoreV1Api(client.ApiClient(config))
 
 
 def group_status(api: Any, name: str) -> dict[str, Any]:
