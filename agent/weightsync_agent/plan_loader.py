@@ -175,13 +175,15 @@ class ConfigMapPlanWatch:
             self._stop.wait(0.05)
         return False
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the watch; ``wait``: until its thread ended (at most 5 s)."""
         self._stop.set()
         response = self._response
         if response is not None:
             with contextlib.suppress(Exception):  # closing what may already be closed
                 response.close()  # wakes the thread out of its read at once
-        self._thread.join(timeout=5)
+        if wait:
+            self._thread.join(timeout=5)
 
     # --- The thread ----------------------------------------------------------------------------------
 
