@@ -9,6 +9,7 @@ allows a list or watch only with the field selector ``metadata.name=<cm>``, whic
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -90,6 +91,10 @@ def test_the_watch_follows_the_plan_and_refuses_one_too_big(cluster: Any, agent_
         assert watch().hash == bigger.hash, "a refused plan replaced the good one"
         # One read at the start and one watch connection: nothing per plan change, nothing per tick.
         assert watch.requests == 2, watch.requests
+        # Closing wakes the thread out of its read at once (not when the watch next sends or ends: minutes).
+        started = time.monotonic()
+        watch.close()
+        assert time.monotonic() - started < 2 and not watch._thread.is_alive()
     finally:
         watch.close()
 

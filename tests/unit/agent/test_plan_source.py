@@ -52,6 +52,10 @@ class Response:
     def close(self) -> None:
         self.closed.set()
 
+    @property
+    def connection(self) -> Any:
+        return SimpleNamespace(sock=SimpleNamespace(shutdown=lambda how: self.closed.set()))
+
     def release_conn(self) -> None:
         pass
 
