@@ -9,6 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from weightsync.localcluster.scale_bench import Bench, ScaleReport
+from weightsync_agent.plan_loader import WATCH_SECONDS
 
 #: The issue's targets (docs/scale.md), shown beside the measurements.
 TARGETS = {
@@ -79,5 +80,11 @@ def render(report: ScaleReport, console: Console) -> None:
     table.add_row("kube-controller-manager GC", gc)
     console.print(table)
     console.print(f"[yellow]note:[/] {report.note}")
+    if report.idle_window_s is not None and report.idle_window_s < WATCH_SECONDS * 1.25:
+        console.print(
+            f"[yellow]note:[/] the idle window ({report.idle_window_s:g} s) is shorter than the agents' watch period "
+            f"({WATCH_SECONDS}-{WATCH_SECONDS * 1.25:g} s) and starts right after they connected: it does not see their "
+            "periodic reconnects (about 0.37 requests/s per 100 pods); --idle-seconds 330 or more does"
+        )
     for error in report.standin_errors:
         console.print(f"[red]stand-in error:[/] {error}")

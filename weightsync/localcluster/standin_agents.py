@@ -199,7 +199,7 @@ class Kubelet:
             self.token_seconds.append(time.monotonic() - started)
             agent = start_standin(self.state, pod, token)
         except Exception as exc:
-            self.errors.append(f"{meta['name']}: {exc}")
+            self.errors.append(f"{meta['name']}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             return
         with self._lock:
             if self._uids.get(meta["name"]) == meta["uid"]:
