@@ -83,8 +83,8 @@ def render(report: ScaleReport, console: Console) -> None:
     if report.idle_window_s is not None and report.idle_window_s < WATCH_SECONDS * 1.25:
         console.print(
             f"[yellow]note:[/] the idle window ({report.idle_window_s:g} s) is shorter than the agents' watch period "
-            f"({WATCH_SECONDS}-{WATCH_SECONDS * 1.25:g} s) and starts right after they connected: it does not see their "
-            "periodic reconnects (about 0.37 requests/s per 100 pods); --idle-seconds 330 or more does"
+            f"({WATCH_SECONDS}-{WATCH_SECONDS * 1.25:g} s) and starts right after they connected: it does not see "
+            "their periodic reconnects (about 0.37 requests/s per 100 pods); --idle-seconds 330 or more does"
         )
     for error in report.standin_errors:
         console.print(f"[red]stand-in error:[/] {error}")
