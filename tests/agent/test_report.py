@@ -157,3 +157,23 @@ def test_a_refused_resync_backs_off_instead_of_spinning() -> None:
     time.sleep(0.5)
     assert 100 - len(api.failures) < 20  # backoff up to 0.3 s here, not a tight loop
     report.close(flush_seconds=0)
+
+
+def test_an_unchanged_condition_is_resent_slowly_unless_the_api_server_was_away() -> None:
+    """Idle, the condition is re-sent only every ``resync`` (600 s by default: idle API load per pod); after the API
+    server was away (the plan watch reconnected: ``resync_soon``) it is re-sent at once, kwok may have rewritten it."""
+    api = FakeCoreApi()
+    report = reporter(api, resync=600.0)
+    try:
+        report.set_ready(True, "SourcesBuilt")
+        assert report.flush(2)
+        time.sleep(0.3)
+        assert [kind for kind, _ in api.calls] == ["status"]
+        report.resync_soon()
+        deadline = time.monotonic() + 2
+        while len(api.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [kind for kind, _ in api.calls] == ["status", "status"]
+        assert api.calls[1][1] == api.calls[0][1], "the same condition, its transition time kept"
+    finally:
+        report.close()

@@ -264,7 +264,8 @@ def bench(
         str,
         typer.Option(
             help="A = 4 trainer nodes -> 2 engines x TP2 (p2p vs broadcast, and a sweep); "
-            "B = 8 trainer nodes -> 4 engines x TP2 (broadcast vs Miles-style vs ours)."
+            "B = 8 trainer nodes -> 4 engines x TP2 (broadcast vs Miles-style vs ours); "
+            "scale = the control plane with 1,000+ pods on the local cluster (stand-in agents; docs/scale.md)."
         ),
     ] = "A",
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
@@ -284,8 +285,31 @@ def bench(
     ] = None,
     sweep_mib: Annotated[int | None, typer.Option(help="Model size of the sweep (default 128, --quick 64).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="3 rounds; sweep 1,2,4,8 with a 64 MiB model.")] = False,
+    pods: Annotated[
+        str, typer.Option(help="scale: group sizes in pods, in order (multiples of 16); the last is scaled out.")
+    ] = "256,1024",
+    idle_seconds: Annotated[float, typer.Option(help="scale: the idle window the audit log is counted over.")] = 30.0,
+    cluster_dir: Annotated[
+        Path | None, typer.Option(help="scale: where the local cluster lives (removed first).")
+    ] = None,
 ) -> None:
-    """Emulated multi-node benchmark: p2p vs broadcast vs the link bound (namespaces + tc caps; needs root)."""
+    """Emulated multi-node benchmark: p2p vs broadcast vs the link bound (namespaces + tc caps; needs root);
+    ``--scenario scale``: the control plane at 1,000+ pods on the local cluster."""
+    if scenario.lower() == "scale":
+        from weightsync.cli.bench_scale import parse_sizes, render, run_scale
+
+        try:
+            sizes = parse_sizes(pods)
+            where = cluster_dir or Path.home() / ".cache" / "weightsync" / "bench-scale"
+            report_scale = run_scale(where, sizes, err, idle_seconds=idle_seconds)
+        except ValueError as exc:
+            err.print(f"[red]error:[/] {escape(str(exc))}")
+            raise typer.Exit(1) from exc
+        if json_output:
+            typer.echo(report_scale.to_json())
+        else:
+            render(report_scale, Console())
+        return
     from weightsync_testing.testbed.netns import NetnsUnavailableError
     from weightsync_testing.testbed.runner import Options, run, table
     from weightsync_testing.testbed.scenario import parse_points
@@ -310,10 +334,10 @@ def bench(
             from weightsync_testing.testbed import three_ways
 
             report = three_ways.run(options, say)
-            render = three_ways.table
+            show = three_ways.table
         else:
             report = run(options, say)
-            render = table
+            show = table
     except NetnsUnavailableError as exc:
         err.print(f"[yellow]skipped:[/] {escape(str(exc))}")
         raise typer.Exit(2) from exc
@@ -323,7 +347,7 @@ def bench(
     if json_output:
         typer.echo(json.dumps(report, indent=1))
     else:
-        typer.echo(render(report))
+        typer.echo(show(report))
 
 
 @app.command()

@@ -38,6 +38,16 @@ DEFAULT_NODE_RESOURCES = {
 #: Every default controller but the node lifecycle one (see the comment where it is passed).
 NODE_CONTROLLERS = "*,-node-lifecycle-controller"
 
+#: The audit policy of ``up(audit=True)``: every request at Metadata level (who, what, when; no bodies), once per
+#: request (a watch logs when it starts and when it ends, under one auditID): enough to count requests per user.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [{"level": "Metadata"}],
+}
+#: The audit log, under the cluster's directory.
+AUDIT_LOG = "logs/audit.log"
 
 _READINESS_GATES = re.compile(r"^[ \t]*\{\{ range \.spec\.readinessGates \}\}.*?\{\{ end \}\}[ \t]*\n", re.S | re.M)
 
@@ -130,7 +140,18 @@ class LocalCluster:
 
     # --- Lifecycle -------------------------------------------------------------------------------
 
-    def up(self, *, nodes: int = 4, node_resources: dict[str, str] | None = None, timeout: float = 120) -> ClusterState:
+    def up(
+        self,
+        *,
+        nodes: int = 4,
+        node_resources: dict[str, str] | None = None,
+        timeout: float = 120,
+        audit: bool = False,
+        controller_manager_args: Sequence[str] = (),
+    ) -> ClusterState:
+        """Start the cluster. ``audit``: the API server writes an audit log (:data:`AUDIT_POLICY`, at
+        :data:`AUDIT_LOG`; the scale benchmark counts requests per user in it). ``controller_manager_args``: extra
+        flags for kube-controller-manager (e.g. its API rate, which bounds garbage collection)."""
         if (self.directory / "state.json").exists() and self.running():
             raise ClusterError(f"a cluster is already running in {self.directory}; `weightsync cluster down` first")
         started = time.monotonic()
@@ -142,7 +163,7 @@ class LocalCluster:
         state.kubeconfig.write_text(pki_mod.kubeconfig(pki, state.server))
         try:
             self._start_etcd(state)
-            self._start_apiserver(state, pki, timeout)
+            self._start_apiserver(state, pki, timeout, audit=audit)
             self._start(
                 state,
                 "kube-controller-manager",
@@ -162,6 +183,7 @@ class LocalCluster:
                     # A kubelet recomputes readiness on its next sync and undoes it; kwok never does, so the mark
                     # would stick forever. Eviction from dead nodes is not emulated either way.
                     f"--controllers={NODE_CONTROLLERS}",
+                    *controller_manager_args,
                 ],
             )
             self._start(
@@ -370,7 +392,19 @@ class LocalCluster:
 
         _wait("etcd", healthy, 30, self.logs / "etcd.log")
 
-    def _start_apiserver(self, state: ClusterState, pki: pki_mod.Pki, timeout: float) -> None:
+    def _start_apiserver(self, state: ClusterState, pki: pki_mod.Pki, timeout: float, *, audit: bool = False) -> None:
+        audit_args: list[str] = []
+        if audit:
+            policy = self.directory / "audit-policy.yaml"
+            policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+            audit_args = [
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={self.directory / AUDIT_LOG}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=2000",
+                "--audit-log-mode=batch",
+                "--audit-log-batch-max-wait=1s",
+            ]
         self._start(
             state,
             "kube-apiserver",
@@ -390,6 +424,7 @@ class LocalCluster:
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
                 f"--cert-dir={self.directory / 'certs'}",
+                *audit_args,
             ],
         )
         self._wait_apiserver(state, timeout)

@@ -132,7 +132,8 @@ class PodCredentials:
 class OperatorProcess:
     """``weightsync operator`` as a local process."""
 
-    def __init__(self, kubeconfig_path: Path, log: Path, *, resync_seconds: int = 5) -> None:
+    def __init__(self, kubeconfig_path: Path, log: Path, *, resync_seconds: int = 5, verbose: bool = True) -> None:
+        self.verbose = verbose
         self.kubeconfig = kubeconfig_path
         self.log = log
         self.resync_seconds = resync_seconds
@@ -153,7 +154,7 @@ class OperatorProcess:
                     "-m",
                     "weightsync.cli.main",
                     "operator",
-                    "--verbose",
+                    *(["--verbose"] if self.verbose else []),
                     "--liveness",
                     f"http://127.0.0.1:{free_port()}/healthz",
                     "--metrics-port",

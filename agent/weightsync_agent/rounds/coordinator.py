@@ -13,6 +13,14 @@ engines are neither paused nor touched.
 Every round gets a fresh id (:func:`~weightsync_agent.rounds.driver.new_round_id`), carried by every message
 of the round to sources and engines; a call naming another round is refused there (docs/agent.md, "Round ids").
 
+Which engines are behind is *learnt*, not polled (docs/agent.md, "Engine versions"): the coordinator knows what
+every round it ran committed where, so it asks an engine for its version only when it has reason to think the
+engine is behind: an engine it never heard from (its start, a scale-out), one whose last round failed, one whose
+pod agent reported another version than the one the coordinator believes (:meth:`Coordinator.heard`: engine
+agents report on the call they already make for the committed version), and, as a safety net for engines run
+without an agent or a report that was lost, one engine per tick in turn (:data:`SWEEP_PER_TICK`). So the engines'
+load is bounded by a constant, not engines x ticks.
+
 The committed version is kept in memory, so a coordinator that starts (trainer rank 0's agent restarted) learns
 it from the engines before its first round: the newest integer version any engine holds (an engine changes its
 version only on a verified commit, so that version was committed; versions never go back below it). Engines
@@ -60,6 +68,10 @@ Recall = Callable[[], int | None]  # the committed version this coordinator's po
 #: for the round their rank 0 runs ask within seconds); older ones are forgotten, so a training run of a million
 #: rounds holds 64 results, not a million.
 HISTORY = 64
+
+#: Engines asked for their version per catch-up tick although nothing says they are behind (in turn, so each is
+#: asked every ``engines / SWEEP_PER_TICK`` ticks): catches an engine restarted with no agent to report it.
+SWEEP_PER_TICK = 1
 
 #: Why a round could not even start (nothing was paused or written).
 NOT_STARTED = (
@@ -130,6 +142,13 @@ class Coordinator:
         self.recovered = False
         self.mode: SyncMode | None = None
         self._agents: dict[int, AgentClient] = {}  # trainer pod -> its agent, for the round in progress
+        #: The version each engine holds as far as this coordinator knows (what it last answered, or what the last
+        #: round covering it committed); engines in ``_suspects`` are asked on the next catch-up tick.
+        self._held: dict[int, str | None] = {}
+        self._suspects: set[int] = set()
+        self._sweep = 0
+        #: Engine version asks (``held_version`` calls) since start: what catching up costs the engines.
+        self.asked = 0
         self._round = threading.Lock()
         self._cond = threading.Condition()
 
@@ -174,8 +193,10 @@ class Coordinator:
             if result.committed:  # also a round whose resume failed: every engine holds v
                 self.committed = version
                 mode.committed(self, plan, version)
+                self._learnt(range(plan.layout.engines), str(version))
             else:
                 mode.failed()
+                self._doubt(range(plan.layout.engines))
             return self._finish(result, "regular")
 
     def catch_up(self) -> RoundResult | None:
@@ -189,7 +210,7 @@ class Coordinator:
             mode = self._mode_for(plan)
             if not mode.catch_up:
                 return None
-            lagging = [e for e in range(plan.layout.engines) if self._lags(plan, e, version)]
+            lagging = [e for e in self._to_ask(plan) if self._lags(plan, e, version)]
             if not lagging:
                 return None
             log.info("engines %s do not hold committed version %d: catching them up", lagging, version)
@@ -212,10 +233,19 @@ class Coordinator:
                 # staging the next one): nothing was paused; joiners get the next round.
                 log.warning("catch-up of engines %s not possible yet: %s", lagging, result.reason)
                 return None
-            if result.result != "Succeeded":
+            if result.result == "Succeeded":
+                self._learnt(lagging, str(version))
+            else:
+                self._doubt(lagging)
                 reason = f"catch-up of engines {lagging}: {result.reason}"
                 result = dataclasses.replace(result, reason=reason)
             return self._finish(result, "catch-up")
+
+    def heard(self, engine: int, held: str | None) -> None:
+        """An engine's pod agent reports the version its engine holds (a hint: it is asked before a catch-up)."""
+        with self._cond:
+            if engine not in self._held or self._held[engine] != held:
+                self._suspects.add(engine)
 
     def wait(self, version: int, timeout: float, after: float = 0.0) -> RoundResult | None:
         """The result of round ``version`` finished after ``after`` (``time.time()``), waiting up to ``timeout``."""
@@ -313,6 +343,9 @@ class Coordinator:
                     f"this coordinator has not learnt the committed version yet (it asks every engine what it holds "
                     f"once, at its start) and engine {engine} did not answer: {exc}"
                 )
+        self.asked += len(held)
+        with self._cond:
+            self._held.update(held)
         versions = {e: int(v) for e, v in held.items() if v is not None and v.isdigit()}
         floor = self._recalled()
         newest = max([*versions.values(), *([] if floor is None else [floor])], default=None)
@@ -320,6 +353,7 @@ class Coordinator:
             self.committed = newest
         self.recovered = True
         behind = sorted(e for e in held if versions.get(e) != self.committed)
+        self._doubt(behind)
         log.info(
             "committed version %s (learnt from the engines, which hold %s)%s",
             self.committed,
@@ -339,12 +373,41 @@ class Coordinator:
             log.warning("could not read the committed version this coordinator's pod reported: %s", exc)
             return None
 
+    def _to_ask(self, plan: Plan) -> list[int]:
+        """The engines to ask this tick: never heard from, suspected behind, and the next in turn."""
+        engines = plan.layout.engines
+        with self._cond:
+            for gone in [e for e in self._held if e >= engines]:  # scaled in
+                del self._held[gone]
+            self._suspects = {e for e in self._suspects if e < engines}
+            ask = {e for e in range(engines) if e not in self._held} | self._suspects
+            for _ in range(min(SWEEP_PER_TICK, engines)):
+                self._sweep = (self._sweep + 1) % engines
+                ask.add(self._sweep)
+        return sorted(ask)
+
+    def _learnt(self, engines: Collection[int], held: str | None) -> None:
+        with self._cond:
+            for engine in engines:
+                self._held[engine] = held
+                self._suspects.discard(engine)
+
+    def _doubt(self, engines: Collection[int]) -> None:
+        with self._cond:
+            self._suspects.update(engines)
+
     def _lags(self, plan: Plan, engine: int, version: int) -> bool:
+        self.asked += 1
         try:
             held = self._adapter(plan, engine).held_version(timeout=min(self.call_timeout, 5.0))
         except (DirectoryError, HttpCallError, AdapterUnavailableError):
-            return False  # not up yet: caught up once it answers
-        return held != str(version)
+            self._doubt([engine])  # not up yet: asked again next tick, caught up once it answers
+            return False
+        self._learnt([engine], held)
+        if held != str(version):
+            self._doubt([engine])  # stays suspect until a catch-up lands on it
+            return True
+        return False
 
     def _refused(self, version: int, reason: str) -> RoundResult:
         return RoundResult(

@@ -21,6 +21,7 @@ Every route but ``/healthz`` and ``/metrics`` requires the group's credential: t
 from __future__ import annotations
 
 import time
+import urllib.parse
 from typing import Any
 
 from weightsync_agent.http.client import HttpCallError, JsonHttpClient
@@ -57,8 +58,15 @@ class AgentClient:
         except HttpCallError as exc:
             raise AgentError(f"agent {self.base_url}: {exc}") from exc
 
-    def state(self, timeout: float | None = None) -> dict[str, Any]:
-        state = self._call("GET", "/v1/state", timeout=timeout)
+    def state(
+        self, timeout: float | None = None, *, engine: int | None = None, held: str | None = None
+    ) -> dict[str, Any]:
+        """The agent's state; ``engine``: an engine pod's agent asking, which reports the version ``held`` by its
+        engine (None: none, or it does not answer) to the coordinator on the way."""
+        route = "/v1/state"
+        if engine is not None:
+            route += f"?{urllib.parse.urlencode({'engine': engine, 'held': '' if held is None else held})}"
+        state = self._call("GET", route, timeout=timeout)
         if not isinstance(state, dict):
             raise AgentError(f"agent {self.base_url}: /v1/state answered {state!r}")
         return state

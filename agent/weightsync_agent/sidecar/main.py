@@ -15,7 +15,7 @@ from weightsync_agent.directory import Directory, DirectoryError, FileDirectory,
 from weightsync_agent.http.credential import Credential, CredentialError
 from weightsync_agent.http.server import BackgroundServer
 from weightsync_agent.kube import kube_core_api
-from weightsync_agent.plan_loader import load_plan
+from weightsync_agent.plan_loader import PlanSource, plan_source
 from weightsync_agent.sidecar.duties import duties
 from weightsync_agent.sidecar.report import PodReporter
 from weightsync_agent.sidecar.routes import build_app
@@ -64,7 +64,9 @@ def run(plan_file: Path | None = None) -> int:
                 f"{exc} (the operator mounts the Secret {names.group_secret(config.group)} at "
                 f"{names.CREDENTIALS_PATH}; docs/security.md)"
             ) from exc
-        plan = load_plan(config, plan_file)
+        reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
+        source: PlanSource = plan_source(config, plan_file, reporter.resync_soon if reporter else None)
+        plan = source()
         work = duties(config, plan)
         directory = make_directory(config, plan)
     except (AgentConfigError, PlanError, DirectoryError, OSError) as exc:
@@ -80,10 +82,9 @@ def run(plan_file: Path | None = None) -> int:
     )
     for duty in work:
         log.info("  %s", duty)
-    reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
     runtime = AgentRuntime(
         config,
-        lambda: load_plan(config, plan_file),
+        source,
         directory,
         make_transport=lambda p: make_transport(config, p),
         replica_root=lambda rank: replica_root(config, rank),
@@ -103,4 +104,5 @@ def run(plan_file: Path | None = None) -> int:
     finally:
         server.stop()
         runtime.stop()
+        source.close()
     return 0

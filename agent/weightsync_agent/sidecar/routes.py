@@ -69,7 +69,12 @@ def build_app(runtime: AgentRuntime) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def state(_: web.Request) -> web.Response:
+    async def state(request: web.Request) -> web.Response:
+        engine = request.query.get("engine", "")
+        if engine.isdigit() and len(engine) < 8 and runtime.coordinator is not None:
+            # An engine pod's agent reporting what its engine holds (a hint; the coordinator asks the engine itself).
+            held = request.query.get("held", "")[:64]
+            runtime.coordinator.heard(int(engine), held or None)
         return web.json_response(runtime.state())
 
     async def blocking(request: web.Request, work: Callable[..., T], *args: object) -> T:

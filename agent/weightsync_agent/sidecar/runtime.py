@@ -4,7 +4,8 @@
   holds trainer rank 0 also runs the :class:`~weightsync_agent.rounds.coordinator.Coordinator`;
 * inference pods: an :class:`~weightsync_agent.targets.agent.EngineAgent` watching the local engine.
 
-A background loop re-reads the plan (the operator rewrites its ConfigMap when the group scales), rebuilds
+A background loop takes the newest plan from its source (a watch of the ConfigMap the operator rewrites when the
+group scales, or a plan file: ``plan_loader``; a tick costs the API server nothing), rebuilds
 the sources when it changed, lets the coordinator catch up engines that do not hold the committed
 version, and refreshes what the agent reports on its pod. Every step is bounded and failures are logged
 and retried on the next tick: a peer that is not up yet is the normal state during a scale-out.
@@ -82,6 +83,7 @@ class AgentRuntime:
         self.coordinator: Coordinator | None = None
         self.engine: EngineAgent | None = None
         self._ready_reported: bool | None = None
+        self._coordinator_client: AgentClient | None = None
         #: The group's credential: sent on every call to another agent or an engine, required on every route but
         #: the probes; follows a rotation of the mounted Secret (re-read on each tick and on a 401).
         self.token = Credential.from_sources(config.credentials_dir, config.group_token)
@@ -123,12 +125,23 @@ class AgentRuntime:
         metrics.PLAN_REVISION.labels(config.group).set(self.plan.revision)
 
     def _group_committed(self) -> int | None:
-        """The committed version trainer rank 0's coordinator holds (engine pods: whether theirs is behind)."""
+        """The committed version trainer rank 0's coordinator holds (engine pods: whether theirs is behind), telling
+        it the version this pod's engine holds (the coordinator learns engine versions from these reports).
+
+        The coordinator's address is looked up once and kept until a call to it fails: a lookup reads a pod from
+        the API server, and every engine pod asking every few seconds would be most of the group's idle API load."""
+        timeout = min(self.call_timeout, 5.0)
         try:
-            client = AgentClient(self.directory.trainer_url(0), timeout=min(self.call_timeout, 5.0), token=self.token)
-            committed = client.state(timeout=min(self.call_timeout, 5.0)).get("committed")
+            if self._coordinator_client is None:
+                self._coordinator_client = AgentClient(self.directory.trainer_url(0), timeout=timeout,
+                                                       token=self.token)  # fmt: skip
+            held = self.engine.held_now if self.engine is not None else None
+            engine = self.config.engine_index or 0
+            state = self._coordinator_client.state(timeout=timeout, engine=engine, held=held)
         except (AgentError, DirectoryError, HttpCallError) as exc:
+            self._coordinator_client = None
             raise LookupError(str(exc)) from exc
+        committed = state.get("committed")
         return committed if isinstance(committed, int) and not isinstance(committed, bool) else None
 
     def _refusal(self) -> Refusal | None:

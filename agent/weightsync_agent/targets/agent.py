@@ -11,7 +11,10 @@ An engine that holds less than the group's committed version (restarted on its i
 is **not ready** (reason ``CatchingUp``) until the coordinator's catch-up lands: its pod then drops out of the
 Services rollout clients use, instead of serving stale weights. The committed version comes from the coordinator
 (its ``/v1/state``), asked at most every ``committed_every`` seconds; while it cannot be asked the last answer
-holds, and before any answer (or in a group that never committed) nothing is held back.
+holds, and before any answer (or in a group that never committed) nothing is held back. That same call tells the
+coordinator what this engine holds (:attr:`EngineAgent.held_now`), and it is made on the next check as soon as the
+engine's version or readiness changed (a restarted engine): so the coordinator learns of an engine that fell
+behind from its agent, and need not ask every engine every tick.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class EngineAgent:
         self.committed_every = committed_every
         self._group_committed: int | None = None
         self._asked_at: float | None = None
+        #: The version the engine answered on the last check (None: it did not answer, or holds none): what the
+        #: call for the committed version reports to the coordinator.
+        self.held_now: str | None = None
 
     def check(self) -> EngineState:
         """One look at the engine; report what changed."""
@@ -116,6 +122,11 @@ class EngineAgent:
                     f"engine holds weight version {version}, the group committed {committed}: "
                     "not ready until the catch-up lands"
                 )
+        if self.advertise and not isinstance(self.adapter, Refusal):
+            read = version if ready or reason == "CatchingUp" else None
+            if read != self.held_now or (ready, reason) != (self.state.ready, self.state.reason):
+                self._asked_at = None  # tell the coordinator on the next check, not in up to committed_every
+            self.held_now = read
         if (ready, reason) != (self.state.ready, self.state.reason) and self.set_ready is not None:
             self.set_ready(ready, reason, message)
             (log.info if ready else log.warning)("engine %s: %s", reason, message)

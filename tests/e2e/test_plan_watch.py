@@ -1,0 +1,111 @@
+"""The agents' plan watch against the real API server, under the agents' own Role (docs/agent.md, "The plan").
+
+The Role the operator builds (``builders/rbac.py``) names the plan ConfigMap by resourceNames; the API server then
+allows a list or watch only with the field selector ``metadata.name=<cm>``, which is what
+:class:`ConfigMapPlanWatch` sends. The watch delivers a new plan within a second, refuses one over its size bound
+(keeping the old), and costs one request per watch period while idle.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from conftest import Kube, wait_for
+
+from weightsync.api import names
+from weightsync.api.v1alpha1 import WeightSyncGroup
+from weightsync.localcluster.cluster import ClusterState
+from weightsync.localcluster.standin_agents import api_client
+from weightsync.plan import Plan, plan_for, replan
+from weightsync_agent.plan_loader import ConfigMapPlanWatch
+from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
+
+NS = "e2e-plan-watch"
+GROUP = "watched"
+CM = names.plan_config_map(GROUP)
+
+
+def group_object(engines: int) -> WeightSyncGroup:
+    sleeper = {"spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    return WeightSyncGroup.model_validate(
+        {
+            "apiVersion": "weightsync.io/v1alpha1",
+            "kind": "WeightSyncGroup",
+            "metadata": {"name": GROUP, "namespace": NS, "uid": "00000000-0000-0000-0000-000000000001"},
+            "spec": {
+                "trainer": {"replicas": 2, "ranksPerPod": 1, "template": sleeper},
+                "inference": {
+                    "engines": engines,
+                    "ranksPerEngine": 2,
+                    "ranksPerPod": 2,
+                    "adapter": "reference",
+                    "template": sleeper,
+                },
+            },
+        }
+    )
+
+
+def apply(admin: Kube, obj: dict[str, Any]) -> None:
+    obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "ownerReferences"}}
+    admin.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(obj))
+
+
+def put_plan(admin: Kube, plan: Plan, padding: int = 0) -> None:
+    """Store ``plan`` (``padding`` spaces after it: the same plan, a bigger document)."""
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": CM, "namespace": NS},
+            "data": {names.PLAN_KEY: plan.to_json() + " " * padding}}  # fmt: skip
+    admin.kubectl("-n", NS, "apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(body))
+
+
+@pytest.fixture(scope="module")
+def agent_api(cluster: tuple[ClusterState, Kube]) -> tuple[Any, Plan]:
+    """A CoreV1Api as the group's agents (the operator's own RBAC builders), and the plan first stored."""
+    state, admin = cluster
+    admin.kubectl("create", "namespace", NS)
+    group = group_object(2)
+    for obj in (build_service_account(group), build_role(group, [f"{GROUP}-trainer-0"]), build_role_binding(group)):
+        apply(admin, obj)
+    plan = plan_for(group.spec, group=GROUP, namespace=NS)
+    put_plan(admin, plan)
+    token = admin.kubectl("-n", NS, "create", "token", names.agent_service_account(GROUP), "--duration=1h").stdout
+    return api_client(state, token.strip()), plan
+
+
+def test_the_watch_follows_the_plan_and_refuses_one_too_big(cluster: Any, agent_api: tuple[Any, Plan]) -> None:
+    _, admin = cluster
+    api, first = agent_api
+    bigger = replan(first, group_object(3).spec)
+    watch = ConfigMapPlanWatch(api, NS, CM, max_plan_bytes=len(bigger.to_json()) + 64)
+    try:
+        assert watch.wait(10), "no plan read"
+        assert watch().hash == first.hash
+        put_plan(admin, bigger)
+        wait_for("the new plan through the watch", lambda: watch().hash == bigger.hash, timeout=10, interval=0.05)
+        too_big = replan(bigger, group_object(4).spec)
+        put_plan(admin, too_big, padding=watch.max_plan_bytes)
+        wait_for("the refusal", lambda: watch.refused == 1, timeout=10, interval=0.05)
+        assert watch().hash == bigger.hash, "a refused plan replaced the good one"
+        # One read at the start and one watch connection: nothing per plan change, nothing per tick.
+        assert watch.requests == 2, watch.requests
+        # Closing wakes the thread out of its read at once (not when the watch next sends or ends: minutes).
+        started = time.monotonic()
+        watch.close()
+        assert time.monotonic() - started < 2 and not watch._thread.is_alive()
+    finally:
+        watch.close()
+
+
+def test_the_agents_role_allows_no_watch_of_other_config_maps(agent_api: tuple[Any, Plan]) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    api, _ = agent_api
+    with pytest.raises(ApiException) as refused:
+        api.list_namespaced_config_map(NS, watch=False)
+    assert refused.value.status == 403
+    with pytest.raises(ApiException) as refused:
+        api.list_namespaced_config_map(NS, field_selector="metadata.name=kube-root-ca.crt")
+    assert refused.value.status == 403
