@@ -10,6 +10,7 @@ become conditions (and Events); the caller decides whether to retry sooner than 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -119,6 +120,10 @@ class GroupMemory:
     status: dict[str, Any] | None = None
     #: Event keys already reported (pod failures, bad annotations), so each is posted once.
     reported: set[str] = field(default_factory=set)
+    #: The last validation and desired state, by what they are built from: a resync of an unchanged 1,024-pod
+    #: group would otherwise spend ~0.25 CPU-s re-validating (CEL) and rebuilding every pod.
+    validated: tuple[str, WeightSyncGroup | None, Problem | None] | None = None
+    built: tuple[tuple[str, str, int], DesiredState] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,7 @@ class Reconciler:
         memory = self.memory.setdefault(uid or f"{meta.get('namespace')}/{meta.get('name')}", GroupMemory())
         name, namespace = str(meta.get("name", "")), str(meta.get("namespace") or "default")
 
-        group, problem = validate(body)
+        group, problem = self._validated(body, memory)
         if group is not None and (problem := capability_problem(group.spec)) is not None:
             # Refused like an invalid spec: nothing is built, existing pods are left alone.
             group = None
@@ -210,7 +215,7 @@ class Reconciler:
             try:
                 config_map = await self.api.get(KINDS["ConfigMap"].item(namespace, names.plan_config_map(name)))
                 decision = decide_plan(group.spec, group=name, namespace=namespace, config_map=config_map)
-                desired = desired_state(group, decision.plan, self.options)
+                desired = self._desired(group, decision, memory)
             except PlanError as exc:
                 problem, decision = Problem("PlanFailed", f"the planner rejected the spec: {exc}"), None
             except BuildError as exc:
@@ -251,6 +256,30 @@ class Reconciler:
             logger.warning("could not write the status of %s/%s: %s", namespace, name, exc)
             return Result(phase=folded.status.get("phase"), problem=problem, retry=True, status=folded.status)
         return Result(phase=folded.status.get("phase"), problem=problem, retry=retry, status=folded.status)
+
+    # --- Building (memoised) ------------------------------------------------------------------------
+
+    @staticmethod
+    def _source_key(body: Mapping[str, Any]) -> str:
+        """What validation and the builders read: the spec, and the group's name, namespace and uid."""
+        meta = body.get("metadata") or {}
+        return json.dumps(
+            [meta.get("name"), meta.get("namespace"), meta.get("uid"), body.get("spec")], sort_keys=True, default=str
+        )
+
+    def _validated(self, body: Mapping[str, Any], memory: GroupMemory) -> tuple[WeightSyncGroup | None, Problem | None]:
+        key = self._source_key(body)
+        if memory.validated is None or memory.validated[0] != key:
+            memory.validated = (key, *validate(body))
+            memory.built = None
+        return memory.validated[1], memory.validated[2]
+
+    def _desired(self, group: WeightSyncGroup, decision: PlanDecision, memory: GroupMemory) -> DesiredState:
+        assert memory.validated is not None
+        key = (memory.validated[0], decision.plan.hash, decision.plan.revision)
+        if memory.built is None or memory.built[0] != key:
+            memory.built = (key, desired_state(group, decision.plan, self.options))
+        return memory.built[1]
 
     # --- Status ------------------------------------------------------------------------------------
 
