@@ -121,7 +121,8 @@ class Operator:
         return next(iter(store), None) if store is not None else None
 
     async def reconcile_now(self, key: Key, body: Mapping[str, Any]) -> Result:
-        """Reconcile with this (fresh) body, then whatever was requested meanwhile."""
+        """Reconcile with this (fresh) body; what pod events requested meanwhile is left to a drainer task, so
+        kopf's handler returns (and the next change of the group is handled) without waiting for the pods."""
         assert self.reconciler is not None, "the operator has not started"
         lock = self.locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -130,7 +131,8 @@ class Operator:
                 result = await self.reconciler.reconcile(body)
             finally:
                 self.last_done[key] = time.monotonic()
-            await self._drain(key)
+        if key in self.pending:
+            self._drain_later(key)
         return result
 
     async def poke(self, key: Key) -> None:
@@ -138,7 +140,7 @@ class Operator:
         self.pending.add(key)
         lock = self.locks.setdefault(key, asyncio.Lock())
         if lock.locked():
-            return  # the holder drains ``pending`` before it lets go
+            return  # the holder drains ``pending``, or hands it to a drainer task, when it lets go
         async with lock:
             await self._drain(key)
 
@@ -146,6 +148,9 @@ class Operator:
         """Like :meth:`poke`, without waiting: a pod event's handler returns at once, so kopf hands over the
         next event (and the index stays current) while the reconcile runs."""
         self.pending.add(key)
+        self._drain_later(key)
+
+    def _drain_later(self, key: Key) -> None:
         task = self.drainers.get(key)
         if task is None or task.done():
             self.drainers[key] = asyncio.create_task(self.poke(key), name=f"weightsync-reconcile-{key[0]}/{key[1]}")
