@@ -136,13 +136,29 @@ class Operator:
         return result
 
     async def poke(self, key: Key) -> None:
-        """Ask for a reconcile of ``key`` from its latest indexed body; coalesces with a running one."""
+        """Ask for a reconcile of ``key`` from its latest indexed body; coalesces with a running one.
+
+        Requests gather while the group's last reconcile is less than ``status_interval`` old: that bounds
+        reconciles (and status writes) per group to one per interval, and the trailing one always runs, so the final
+        state is always written. The wait holds no lock: a change of the group itself (:meth:`reconcile_now`) never
+        waits for it."""
         self.pending.add(key)
         lock = self.locks.setdefault(key, asyncio.Lock())
-        if lock.locked():
-            return  # the holder drains ``pending``, or hands it to a drainer task, when it lets go
-        async with lock:
-            await self._drain(key)
+        while key in self.pending and self.reconciler is not None:
+            wait = self.last_done.get(key, 0.0) + self.config.status_interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue  # someone may have reconciled meanwhile: look again
+            if lock.locked():
+                return  # the holder hands ``pending`` to a drainer task when it lets go
+            async with lock:
+                self.pending.discard(key)
+                body = self.body_of(key)
+                if body is not None:
+                    try:
+                        await self.reconciler.reconcile(body)
+                    finally:
+                        self.last_done[key] = time.monotonic()
 
     def request(self, key: Key) -> None:
         """Like :meth:`poke`, without waiting: a pod event's handler returns at once, so kopf hands over the
@@ -154,21 +170,6 @@ class Operator:
         task = self.drainers.get(key)
         if task is None or task.done():
             self.drainers[key] = asyncio.create_task(self.poke(key), name=f"weightsync-reconcile-{key[0]}/{key[1]}")
-
-    async def _drain(self, key: Key) -> None:
-        while key in self.pending and self.reconciler is not None:
-            # Let events gather: the wait bounds reconciles (and status writes) per group to one per interval,
-            # and the trailing one always runs, so the final state is always written.
-            wait = self.last_done.get(key, 0.0) + self.config.status_interval - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            self.pending.discard(key)
-            body = self.body_of(key)
-            if body is not None:
-                try:
-                    await self.reconciler.reconcile(body)
-                finally:
-                    self.last_done[key] = time.monotonic()
 
     async def _resync_forever(self) -> None:
         while True:
