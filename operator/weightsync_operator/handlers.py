@@ -1,12 +1,16 @@
 """kopf handlers, kept thin: they decide *when* a group is reconciled; :mod:`apply` decides *what*.
 
 Triggers, all funnelled through one per-group lock (a reconcile never overlaps itself, and a burst of
-pod events collapses into one follow-up reconcile):
+pod events collapses into one follow-up reconcile, run no sooner than ``status_interval`` after the previous
+reconcile of that group: 1,024 pod events cause about one reconcile, and one status write, per second):
 
 - create / update / resume of a WeightSyncGroup;
 - any event of a pod labelled ``weightsync.io/group`` (readiness, annotations, failure, deletion: a
   deleted pod is recreated);
 - a periodic resync of every known group (``WEIGHTSYNC_RESYNC_SECONDS``, default 30 s).
+
+Every pod event also updates :class:`~weightsync_operator.podindex.PodIndex`, which the reconciler reads instead of
+LISTing the group's pods (one LIST per group after a start warms it; see that module).
 
 No finalizer is ever added: there are no deletion handlers, and the resync is an operator-level task
 rather than a kopf timer (kopf puts a finalizer on objects with timers or daemons). Deleting a group
@@ -30,6 +34,7 @@ from weightsync.api.v1alpha1 import GROUP, PLURAL, VERSION
 from weightsync_operator import kube, metrics
 from weightsync_operator.apply import Reconciler, Result
 from weightsync_operator.config import OperatorConfig
+from weightsync_operator.podindex import PodIndex
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +79,13 @@ class Operator:
         self.api: kube.KubeApi | None = None
         self.reconciler: Reconciler | None = None
         self.index: Mapping[Key, Any] | None = None
+        self.pods = PodIndex(relist_seconds=self.config.pod_relist_seconds)
         self.locks: dict[Key, asyncio.Lock] = {}
         self.pending: set[Key] = set()
+        #: When each group's last reconcile ended (monotonic): event-driven reconciles wait ``status_interval``.
+        self.last_done: dict[Key, float] = {}
+        #: The task draining a group's pending reconciles, started by pod events (which must not wait for it).
+        self.drainers: dict[Key, asyncio.Task[None]] = {}
         self.resync_task: asyncio.Task[None] | None = None
         self.last_resync = time.monotonic()
 
@@ -83,11 +93,22 @@ class Operator:
         self._reset()  # a fresh state per run (kopf may run again in the same process, as in tests)
         self.config = config
         self.index = index
-        self.api = kube.KubeApi(lambda: kube.login(settings=settings))
-        self.reconciler = Reconciler(self.api, options=config.build_options)
+        self.pods = PodIndex(relist_seconds=config.pod_relist_seconds)
+        self.api = kube.KubeApi(
+            lambda: kube.login(settings=settings), max_connections=max(32, config.create_concurrency)
+        )
+        self.reconciler = Reconciler(
+            self.api,
+            options=config.build_options,
+            pods=self.pods,
+            create_concurrency=config.create_concurrency,
+            status_interval=config.status_interval,
+        )
         self.resync_task = asyncio.create_task(self._resync_forever(), name="weightsync-resync")
 
     async def stop(self) -> None:
+        for task in self.drainers.values():
+            task.cancel()
         if self.resync_task is not None:
             self.resync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -100,30 +121,55 @@ class Operator:
         return next(iter(store), None) if store is not None else None
 
     async def reconcile_now(self, key: Key, body: Mapping[str, Any]) -> Result:
-        """Reconcile with this (fresh) body, then whatever was requested meanwhile."""
+        """Reconcile with this (fresh) body; what pod events requested meanwhile is left to a drainer task, so
+        kopf's handler returns (and the next change of the group is handled) without waiting for the pods."""
         assert self.reconciler is not None, "the operator has not started"
         lock = self.locks.setdefault(key, asyncio.Lock())
         async with lock:
             self.pending.discard(key)
-            result = await self.reconciler.reconcile(body)
-            await self._drain(key)
+            try:
+                result = await self.reconciler.reconcile(body)
+            finally:
+                self.last_done[key] = time.monotonic()
+        if key in self.pending:
+            self._drain_later(key)
         return result
 
     async def poke(self, key: Key) -> None:
-        """Ask for a reconcile of ``key`` from its latest indexed body; coalesces with a running one."""
+        """Ask for a reconcile of ``key`` from its latest indexed body; coalesces with a running one.
+
+        Requests gather while the group's last reconcile is less than ``status_interval`` old: that bounds
+        reconciles (and status writes) per group to one per interval, and the trailing one always runs, so the final
+        state is always written. The wait holds no lock: a change of the group itself (:meth:`reconcile_now`) never
+        waits for it."""
         self.pending.add(key)
         lock = self.locks.setdefault(key, asyncio.Lock())
-        if lock.locked():
-            return  # the holder drains ``pending`` before it lets go
-        async with lock:
-            await self._drain(key)
-
-    async def _drain(self, key: Key) -> None:
         while key in self.pending and self.reconciler is not None:
-            self.pending.discard(key)
-            body = self.body_of(key)
-            if body is not None:
-                await self.reconciler.reconcile(body)
+            wait = self.last_done.get(key, 0.0) + self.config.status_interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue  # someone may have reconciled meanwhile: look again
+            if lock.locked():
+                return  # the holder hands ``pending`` to a drainer task when it lets go
+            async with lock:
+                self.pending.discard(key)
+                body = self.body_of(key)
+                if body is not None:
+                    try:
+                        await self.reconciler.reconcile(body)
+                    finally:
+                        self.last_done[key] = time.monotonic()
+
+    def request(self, key: Key) -> None:
+        """Like :meth:`poke`, without waiting: a pod event's handler returns at once, so kopf hands over the
+        next event (and the index stays current) while the reconcile runs."""
+        self.pending.add(key)
+        self._drain_later(key)
+
+    def _drain_later(self, key: Key) -> None:
+        task = self.drainers.get(key)
+        if task is None or task.done():
+            self.drainers[key] = asyncio.create_task(self.poke(key), name=f"weightsync-reconcile-{key[0]}/{key[1]}")
 
     async def _resync_forever(self) -> None:
         while True:
@@ -138,12 +184,31 @@ class Operator:
     def forget(self, key: Key, uid: str | None) -> None:
         self.locks.pop(key, None)
         self.pending.discard(key)
+        self.last_done.pop(key, None)
+        drainer = self.drainers.pop(key, None)
+        if drainer is not None:
+            drainer.cancel()
+        self.pods.forget(key)
         if self.reconciler is not None and uid:
             self.reconciler.forget(uid)
         metrics.forget(f"{key[0]}/{key[1]}")
 
 
 OPERATOR = Operator()
+
+#: The namespaces the operator watches (empty: the whole cluster); :func:`weightsync_operator.main.run` sets it.
+WATCH_NAMESPACES: tuple[str, ...] = ()
+
+
+def served_paths(namespaces: tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """What kopf is about to watch, as LIST paths: the groups and their pods, cluster-wide or per namespace
+    (kopf's glob patterns cannot be listed, so they are left out)."""
+    plain_namespaces = [n for n in namespaces if not any(c in n for c in "*?[]!")]
+    scopes: list[str | None] = list(plain_namespaces) if namespaces else [None]
+    group_kind, pod_kind = kube.KINDS["WeightSyncGroup"], kube.KINDS["Pod"]
+    paths: list[tuple[str, str | None]] = [(group_kind.collection(n), None) for n in scopes]
+    paths += [(pod_kind.collection(n), names.LABEL_GROUP) for n in scopes]
+    return paths
 
 
 def plain(value: Any) -> Any:
@@ -160,6 +225,10 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     configure(settings)
     config = OperatorConfig.from_env()
     OPERATOR.start(config, kwargs.get("wsg_index"), settings)
+    assert OPERATOR.api is not None
+    # kopf starts its watches only after the startup handlers: wait out a fresh CRD's cache fill here.
+    if not await kube.wait_until_served(OPERATOR.api, served_paths(WATCH_NAMESPACES)):
+        logger.warning("the API server kept answering 429 for 60 s; starting the watches anyway")
     logger.info(
         "weightsync operator started: default agent image %s, resync every %ss",
         config.agent_image or "(none: groups must set spec.agent.image)",
@@ -206,8 +275,10 @@ def group_event(event: kopf.RawEvent, namespace: str | None, name: str, uid: str
 
 
 @kopf.on.event("v1", "pods", labels={names.LABEL_GROUP: kopf.PRESENT})
-async def pod_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    group = labels.get(names.LABEL_GROUP)
-    key = (namespace or "", group or "")
-    if group and OPERATOR.body_of(key) is not None:
-        await OPERATOR.poke(key)
+async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
+    pod = event.get("object")
+    if not isinstance(pod, Mapping):
+        return
+    key = OPERATOR.pods.observe(event.get("type"), plain(pod))
+    if key is not None and OPERATOR.body_of(key) is not None:
+        OPERATOR.request(key)

@@ -20,9 +20,13 @@ from urllib.parse import quote
 import aiohttp
 import kopf
 
+from weightsync_operator import metrics
+
 logger = logging.getLogger(__name__)
 
 ConnectFn = Callable[[], kopf.ConnectionInfo]
+
+Items = list[dict[str, Any]]
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -113,8 +117,16 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo:
 class KubeApi:
     """The operator's API access. One aiohttp session, created lazily in the running loop."""
 
-    def __init__(self, connect: ConnectFn, *, timeout: float = 30.0, user_agent: str = "weightsync-operator") -> None:
+    def __init__(
+        self,
+        connect: ConnectFn,
+        *,
+        timeout: float = 30.0,
+        user_agent: str = "weightsync-operator",
+        max_connections: int = 32,
+    ) -> None:
         self._connect = connect
+        self._max_connections = max_connections
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._user_agent = user_agent
         self._info: kopf.ConnectionInfo | None = None
@@ -128,7 +140,8 @@ class KubeApi:
                     await self._session.close()
                 info = await asyncio.to_thread(self._connect)
                 use_tls = info.server.startswith("https")
-                connector = aiohttp.TCPConnector(ssl=info.as_ssl_context() if use_tls else False, limit=32)
+                ssl = info.as_ssl_context() if use_tls else False
+                connector = aiohttp.TCPConnector(ssl=ssl, limit=self._max_connections)
                 headers = {"User-Agent": self._user_agent, "Accept": JSON, **info.as_http_headers()}
                 self._session = aiohttp.ClientSession(
                     base_url=info.server.rstrip("/") + "/",
@@ -157,6 +170,7 @@ class KubeApi:
     ) -> Any:
         for attempt in (1, 2):
             session, _ = await self._ensure(fresh=attempt == 2)
+            metrics.API_REQUESTS.labels(verb=_verb(method, params)).inc()
             data = json.dumps(body) if body is not None else None
             headers = {"Content-Type": content_type} if data is not None else {}
             async with session.request(method, path.lstrip("/"), params=params, data=data, headers=headers) as response:
@@ -182,14 +196,20 @@ class KubeApi:
         return result if isinstance(result, dict) else None
 
     async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        result = await self.request("GET", path, params=params)
+        return (await self.list_versioned(path, label_selector=label_selector))[0]
+
+    async def list_versioned(self, path: str, *, label_selector: str | None = None) -> tuple[Items, str | None]:
+        """The items, and the list's own ``resourceVersion`` (what the watch is ordered against)."""
+        params = {"labelSelector": label_selector} if label_selector else {}
+        result = await self.request("GET", path, params=params or None)
         # A real API server leaves kind/apiVersion off the items of a List; put them back from the
         # list's own kind ("PodList" -> "Pod") so every item can be addressed on its own.
         kind = str((result or {}).get("kind") or "").removesuffix("List")
         api_version = (result or {}).get("apiVersion")
         items = [i for i in (result or {}).get("items") or [] if isinstance(i, dict)]
-        return [{"apiVersion": api_version, "kind": kind, **i} if kind and api_version else i for i in items]
+        version = ((result or {}).get("metadata") or {}).get("resourceVersion")
+        listed = [{"apiVersion": api_version, "kind": kind, **i} if kind and api_version else i for i in items]
+        return listed, str(version) if version is not None else None
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj.get("metadata") or {}
@@ -217,6 +237,49 @@ class KubeApi:
                 return False
             raise
         return True
+
+
+async def wait_until_served(
+    api: KubeApi,
+    paths: list[tuple[str, str | None]],
+    *,
+    timeout: float = 60.0,
+    clock: Callable[[], float] | None = None,
+) -> bool:
+    """Wait until the API server answers a LIST of each of ``paths`` (path, label selector) with anything but
+    429 Too Many Requests.
+
+    Why: right after a CRD is created (``helm install``), the API server's watch cache for the new resource is
+    still filling, and it answers LISTs and WATCHes with ``429 storage is (re)initializing`` (``Retry-After: 1``).
+    kopf retries those, but logs every failed attempt at ERROR level. Run before kopf starts its watches (a
+    startup handler), this wait takes that window out of kopf's view. Any other answer (2xx, 403, 404, ...)
+    ends the wait for that path: it is not a cache still initializing. Returns False on timeout (the operator
+    starts anyway; kopf then retries as it always does)."""
+    now = clock or asyncio.get_running_loop().time
+    deadline = now() + timeout
+    for path, selector in paths:
+        params = {"limit": "1", **({"labelSelector": selector} if selector else {})}
+        while True:
+            try:
+                await api.request("GET", path, params=params)
+                break
+            except ApiError as exc:
+                if exc.status != 429:
+                    break
+                logger.info("the API server is still initializing its cache for %s (%s); waiting", path, exc.message)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                logger.info("the API server is not answering %s yet (%r); waiting", path, exc)
+            if now() >= deadline:
+                return False
+            await asyncio.sleep(1.0)
+    return True
+
+
+def _verb(method: str, params: Mapping[str, str] | None) -> str:
+    """The Kubernetes verb of a request (a GET with a label selector is a LIST)."""
+    if method == "GET":
+        return "list" if params and ("labelSelector" in params or "limit" in params) else "get"
+    return {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}.get(method, method.lower())
 
 
 def _error_of(status: int, text: str) -> tuple[str, str]:

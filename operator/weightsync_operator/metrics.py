@@ -23,6 +23,16 @@ DURATION = Histogram(
     "Wall time of one group reconcile.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+API_REQUESTS = Counter(
+    "weightsync_operator_api_requests_total",
+    "Requests the operator's own REST client made to the API server (kopf's watches not included), by verb.",
+    ["verb"],
+)
+STATUS_WRITES = Counter(
+    "weightsync_operator_status_writes_total",
+    "Status patches of groups, by when (progress: during pod creation; final: at the end of a reconcile).",
+    ["when"],
+)
 GROUPS = Gauge("weightsync_operator_groups", "WeightSyncGroups known to the operator, by phase.", ["phase"])
 
 _phases: dict[str, str] = {}

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from weightsync.api import names
 from weightsync.api.crd import render_crd
 from weightsync.cli.main import app
+from weightsync_operator.config import OperatorConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "weightsync"
@@ -292,6 +293,9 @@ def test_deployment_args_default(render: Renderer) -> None:
     env = _env(container)
     assert env[names.OPERATOR_ENV_AGENT_IMAGE] == "ghcr.io/weightsync/weightsync-agent:0.1.0"
     assert env[names.OPERATOR_ENV_RESYNC_SECONDS] == "30"
+    # The scale settings reach the operator under the names it reads (and parse there).
+    config = OperatorConfig.from_env(env)
+    assert (config.create_concurrency, config.status_interval, config.pod_relist_seconds) == (32, 1.0, 600.0)
     probe = container["livenessProbe"]["httpGet"]
     assert probe["path"] == "/healthz"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -473,6 +477,9 @@ BAD_VALUES = {
     "resync-zero": (["--set", "resyncSeconds=0"], "/resyncSeconds"),
     "resync-type": (["--set-string", "resyncSeconds=30"], "/resyncSeconds"),
     "verbose-type": (["--set-string", "verbose=yes"], "/verbose"),
+    "create-concurrency-zero": (["--set", "createConcurrency=0"], "/createConcurrency"),
+    "status-interval-zero": (["--set", "statusIntervalSeconds=0"], "/statusIntervalSeconds"),
+    "pod-relist-too-often": (["--set", "podRelistSeconds=1"], "/podRelistSeconds"),
     "monitor-without-metrics": (
         ["--set", "metrics.enabled=false", "--set", "metrics.serviceMonitor.enabled=true"],
         "/metrics/enabled",

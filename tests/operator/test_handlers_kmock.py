@@ -39,7 +39,8 @@ from weightsync.plan import Plan, PlanError
 from weightsync_operator import apply
 from weightsync_operator.apply import Reconciler
 from weightsync_operator.builders import secret_token
-from weightsync_operator.kube import KubeApi
+from weightsync_operator.kube import KubeApi, wait_until_served
+from weightsync_operator.podindex import PodIndex
 
 NS = "ml"
 GROUPS = "weightsync.io/v1alpha1/weightsyncgroups"
@@ -577,5 +578,126 @@ async def test_the_network_policy_is_kept_as_built_and_removed_only_when_its_gro
         await cluster.call("POST", NETPOL_PATH, theirs)
         await Reconciler(api).reconcile(cluster.group("n"))  # type: ignore[arg-type]
         assert cluster.objects(NETPOLS)["n-ingress"]["spec"] == theirs["spec"]
+    finally:
+        await api.close()
+
+
+# --- Scale: the pod index, bounded concurrent creates, early status --------------------------------
+
+
+class GaugedApi(KubeApi):
+    """The real client, with pod creates slowed down and their concurrency recorded."""
+
+    def __init__(self, server: str, delay: float) -> None:
+        super().__init__(lambda: kopf.ConnectionInfo(server=server))
+        self.delay = delay
+        self.inflight = 0
+        self.peak = 0
+
+    async def create(self, obj: Any) -> dict[str, Any]:
+        if obj.get("kind") != "Pod":
+            return await super().create(obj)
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        try:
+            await asyncio.sleep(self.delay)
+            return await super().create(obj)
+        finally:
+            self.inflight -= 1
+
+
+def requests(cluster: Cluster, action: str, resource: str, subresource: str | None = None) -> list[Any]:
+    return [
+        r
+        for r in cluster.k
+        if r.action is not None
+        and r.action.value == action.upper()
+        and r.resource is not None
+        and r.resource.plural == resource
+        and r.subresource == subresource
+    ]
+
+
+async def test_pods_are_created_concurrently_within_the_bound_and_status_comes_first(cluster: Cluster) -> None:
+    group = GroupBuilder("s", NS).trainers(6).engines(6).build()
+    await cluster.create_group(group)
+    api = GaugedApi(str(cluster.k.url), delay=0.15)
+    reconciler = Reconciler(api, pods=PodIndex(), create_concurrency=3, status_interval=0.1)
+    try:
+        result = await reconciler.reconcile(group)
+    finally:
+        await api.close()
+    assert result.problem is None and len(cluster.pods()) == 12
+    assert api.peak == 3  # 12 slow creates, never more than 3 at once
+    status_writes = requests(cluster, "update", "weightsyncgroups", "status")  # kmock: a PATCH is an UPDATE
+    first_create = min(r.id for r in requests(cluster, "create", "pods"))
+    early = [r for r in status_writes if r.id < first_create]
+    # The desired counts are in the status before any pod is created ...
+    assert len(early) == 1
+    assert early[0].data["status"]["trainers"] == {"desired": 6, "ready": 0}
+    assert early[0].data["status"]["engines"] == {"desired": 6, "ready": 0}
+    # ... and progress is written while creates run (4 waves of 0.15 s, written at most every 0.1 s).
+    during = [r for r in status_writes if first_create < r.id]
+    assert len(during) >= 2
+
+
+async def test_a_warm_index_means_no_list_and_an_idle_group_no_writes(cluster: Cluster) -> None:
+    group = GroupBuilder("w", NS).trainers(2).engines(2).build()
+    await cluster.create_group(group)
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
+    index = PodIndex()
+    reconciler = Reconciler(api, pods=index)
+    try:
+        await reconciler.reconcile(group)
+        assert len(requests(cluster, "list", "pods")) == 1  # the one LIST that warms the index
+        writes = [r for r in cluster.k if r.method != "GET"]
+        for _ in range(3):  # resyncs of an idle group
+            await reconciler.reconcile(cluster.group("w"))  # type: ignore[arg-type]
+    finally:
+        await api.close()
+    assert len(requests(cluster, "list", "pods")) == 1
+    assert [r for r in cluster.k if r.method != "GET"] == writes
+
+
+async def test_creating_a_pod_the_index_had_not_seen_yet_is_not_an_error(cluster: Cluster) -> None:
+    """Right after a start, the index may lag the cluster: 409 AlreadyExists for a pod of this very group means
+    "exists", while a same-named pod of someone else's is still refused."""
+    group = GroupBuilder("x", NS).trainers(2).engines(1).build()
+    await cluster.create_group(group)
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
+    try:
+        await Reconciler(api).reconcile(group)
+        before = {name: pod["metadata"]["uid"] for name, pod in cluster.pods().items() if "uid" in pod["metadata"]}
+        lagging = PodIndex()
+        lagging.seed(("ml", "x"), [], None, now=time.monotonic())  # warm, but it has seen none of the pods
+        result = await Reconciler(api, pods=lagging).reconcile(cluster.group("x"))  # type: ignore[arg-type]
+        assert result.problem is None, result.problem
+        assert len(requests(cluster, "create", "pods")) == 6  # 3 made, 3 answered 409
+        assert sorted(p["metadata"]["name"] for p in lagging.pods(("ml", "x"), time.monotonic()) or []) == sorted(
+            cluster.pods()
+        )
+        assert {n: p["metadata"]["uid"] for n, p in cluster.pods().items() if "uid" in p["metadata"]} == before
+    finally:
+        await api.close()
+
+
+async def test_the_startup_waits_while_the_api_server_fills_a_new_resource_cache(cluster: Cluster) -> None:
+    """``429 storage is (re)initializing`` (a CRD just created) is waited out quietly; any other answer is not a
+    cache filling up and ends the wait."""
+    path = f"/apis/weightsync.io/v1alpha1/namespaces/{NS}/weightsyncgroups"
+    filling = kmock.KubernetesError(429, "TooManyRequests", "storage is (re)initializing")
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
+    try:
+        cluster.k["list", kmock.resource(GROUPS)] << filling
+        started = time.monotonic()
+        assert not await wait_until_served(api, [(path, None)], timeout=1.5)  # still filling: gave up
+        assert 1.0 <= time.monotonic() - started < 4
+        tries = len(requests(cluster, "list", "weightsyncgroups"))
+        assert 2 <= tries <= 4  # about once a second
+    finally:
+        await api.close()
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
+    try:
+        assert await wait_until_served(api, [(POD_PATH, names.LABEL_GROUP)], timeout=1.5)  # served: at once
     finally:
         await api.close()

@@ -10,7 +10,12 @@ import pytest
 
 from weightsync.api import names
 from weightsync_operator import handlers, main
-from weightsync_operator.config import OperatorConfig
+from weightsync_operator.config import (
+    ENV_CREATE_CONCURRENCY,
+    ENV_POD_RELIST_SECONDS,
+    ENV_STATUS_INTERVAL,
+    OperatorConfig,
+)
 
 
 @pytest.fixture
@@ -32,6 +37,10 @@ def test_run_in_namespaces_with_probes_and_metrics(calls: dict[str, Any]) -> Non
     }
     assert calls["metrics"] == 9090
     assert calls["configure"] == {"verbose": True}
+    assert handlers.WATCH_NAMESPACES == ("ml", "rl-*")
+    # The CEL library traces every evaluation step at DEBUG: kept out of the log even with --verbose.
+    assert logging.getLogger("celpy").getEffectiveLevel() == logging.WARNING
+    assert logging.getLogger("celpy.Evaluator").getEffectiveLevel() == logging.WARNING
 
 
 def test_run_clusterwide_by_default(calls: dict[str, Any]) -> None:
@@ -43,12 +52,32 @@ def test_run_clusterwide_by_default(calls: dict[str, Any]) -> None:
 
 def test_config_from_env() -> None:
     assert OperatorConfig.from_env({}) == OperatorConfig(agent_image=None, resync_seconds=30.0)
+    assert OperatorConfig.from_env({}).create_concurrency == 32
+    scale = OperatorConfig.from_env(
+        {ENV_CREATE_CONCURRENCY: "8", ENV_STATUS_INTERVAL: "0.5", ENV_POD_RELIST_SECONDS: "120"}
+    )
+    assert (scale.create_concurrency, scale.status_interval, scale.pod_relist_seconds) == (8, 0.5, 120.0)
+    with pytest.raises(ValueError, match=ENV_CREATE_CONCURRENCY):
+        OperatorConfig.from_env({ENV_CREATE_CONCURRENCY: "1.5"})
+    with pytest.raises(ValueError, match="positive"):
+        OperatorConfig.from_env({ENV_CREATE_CONCURRENCY: "0"})
     env = {names.OPERATOR_ENV_AGENT_IMAGE: " reg/agent:1 ", names.OPERATOR_ENV_RESYNC_SECONDS: "5"}
     assert OperatorConfig.from_env(env) == OperatorConfig(agent_image="reg/agent:1", resync_seconds=5.0)
     with pytest.raises(ValueError, match=names.OPERATOR_ENV_RESYNC_SECONDS):
         OperatorConfig.from_env({names.OPERATOR_ENV_RESYNC_SECONDS: "soon"})
     with pytest.raises(ValueError, match="positive"):
         OperatorConfig.from_env({names.OPERATOR_ENV_RESYNC_SECONDS: "0"})
+
+
+def test_the_startup_waits_for_what_kopf_will_watch() -> None:
+    assert handlers.served_paths(()) == [
+        ("/apis/weightsync.io/v1alpha1/weightsyncgroups", None),
+        ("/api/v1/pods", names.LABEL_GROUP),
+    ]
+    assert handlers.served_paths(("ml", "rl-*")) == [  # a pattern cannot be listed
+        ("/apis/weightsync.io/v1alpha1/namespaces/ml/weightsyncgroups", None),
+        ("/api/v1/namespaces/ml/pods", names.LABEL_GROUP),
+    ]
 
 
 def test_kopf_settings_keep_kopf_out_of_the_way() -> None:
