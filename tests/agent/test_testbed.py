@@ -84,4 +84,5 @@ def test_three_ways_in_namespaces_are_bit_exact_and_report_every_way() -> None:
     for way in ("miles", "ours"):  # the trainer's time covers its staging and the round after it
         assert report[way]["median"] >= report[way]["round_s"] and report[way]["stage_s"] > 0
     assert report["broadcast"]["stage_s"] == 0
+    assert report["ours_streams"] is True, "ours staged, then published: the client did not stream"
     assert "ours / Miles-style" in three_ways.table(report)

@@ -401,6 +401,31 @@ class Group:
                      _delta(before, after))  # fmt: skip
         return TimedRound(done, stage_s=staged - started, total_s=ended - started, pause_s=self.pause_seconds())
 
+    def streamed_p2p_round(self, version: int) -> TimedRound:
+        """A streamed p2p round: every rank opens the version's stream and stages into it, in the order its
+        buckets need the tensors, while its buckets go out; the time runs from the streams' opening to the
+        last rank's commit, and ``stage_s`` is when the last rank finished staging."""
+        full = self.full(P2P_SEED)
+        before = self.net.counters()
+        started = time.monotonic()
+        staged: list[float] = []
+
+        def one(client: Any) -> Any:
+            with client.stream(version, check=False) as stream:
+                for name in client.staging_order():
+                    stream.stage(name, full[name])
+                staged.append(time.monotonic())
+            return stream.outcome
+
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            outcomes = list(pool.map(one, self.clients))
+        ended = time.monotonic()
+        after = self.net.counters()
+        result = outcomes[0].round
+        done = Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
+                     _delta(before, after))  # fmt: skip
+        return TimedRound(done, stage_s=max(staged) - started, total_s=ended - started, pause_s=self.pause_seconds())
+
     def pause_seconds(self) -> float:
         """The longest time an engine did not serve in the last round (the reference engine measures it)."""
         from weightsync_agent.targets.engine_client import EngineClient

@@ -137,7 +137,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
         report["ours_streams"] = streaming
         for rep in range(options.rounds):
             version += 1
-            o = group.staged_p2p_round(version)
+            o = group.streamed_p2p_round(version) if streaming else group.staged_p2p_round(version)
             o.round.check()
             rounds["ours"].append(o)
             say(f"  round {rep + 1}/{options.rounds}: ours {o.total_s:.2f} s")
