@@ -35,8 +35,8 @@ DEFAULT_NODE_RESOURCES = {
 }
 
 
-#: Every default controller but the node lifecycle one (see the comment where it is passed).
-NODE_CONTROLLERS = "*,-node-lifecycle-controller"
+#: How long a node's lease may lapse before the node lifecycle controller calls it NotReady (see where it is passed).
+NODE_MONITOR_GRACE = "1h"
 
 #: The audit policy of ``up(audit=True)``: every request at Metadata level (who, what, when; no bodies), once per
 #: request (a watch logs when it starts and when it ends, under one auditID): enough to count requests per user.
@@ -181,8 +181,9 @@ class LocalCluster:
                     # The node lifecycle controller marks every pod of a node whose lease lapses Ready=False (a
                     # lease lapses here when the API server is stopped or frozen, or the 2 cores are saturated).
                     # A kubelet recomputes readiness on its next sync and undoes it; kwok never does, so the mark
-                    # would stick forever. Eviction from dead nodes is not emulated either way.
-                    f"--controllers={NODE_CONTROLLERS}",
+                    # would stick forever. The controller stays (it lifts the not-ready taint new nodes carry),
+                    # with a grace period no test outage comes near.
+                    f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
                     *controller_manager_args,
                 ],
             )
