@@ -679,6 +679,8 @@ class _Run:
                     pending = sum(t.poll() is TransferState.PENDING for t in send.transfers)
                     what = f"{pending} write(s) of this {send.bucket.nbytes} B bucket still pending at the deadline"
                     index = send.bucket.index
+                elif self.stream is not None:  # the bucket never became whole: its parts were still being staged
+                    what, index = "not staged by the trainer before the round's deadline", report.written
                 else:
                     what, index = "not submitted before the deadline", report.written
                 self._fail(
