@@ -32,6 +32,10 @@ JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 
 
+#: ``ApiError.status`` when the API server did not answer at all (refused, reset, timed out).
+UNAVAILABLE = 0
+
+
 class ApiError(Exception):
     """A non-2xx answer from the API server."""
 
@@ -173,15 +177,25 @@ class KubeApi:
             metrics.API_REQUESTS.labels(verb=_verb(method, params)).inc()
             data = json.dumps(body) if body is not None else None
             headers = {"Content-Type": content_type} if data is not None else {}
-            async with session.request(method, path.lstrip("/"), params=params, data=data, headers=headers) as response:
-                text = await response.text()
-                if response.status == 401 and attempt == 1:
-                    logger.info("API server answered 401; logging in again")
-                    continue
-                if response.status >= 400:
-                    reason, message = _error_of(response.status, text)
-                    raise ApiError(response.status, reason, message, method=method, path=path)
-                return json.loads(text) if text else None
+            try:
+                async with session.request(
+                    method, path.lstrip("/"), params=params, data=data, headers=headers
+                ) as response:
+                    text = await response.text()
+                    status = response.status
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # No answer (refused, reset, timed out): an API error like any other, retried on the next resync,
+                # not a bug with a traceback.
+                raise ApiError(
+                    UNAVAILABLE, "Unavailable", f"no answer from the API server: {exc!r}", method=method, path=path
+                ) from exc
+            if status == 401 and attempt == 1:
+                logger.info("API server answered 401; logging in again")
+                continue
+            if status >= 400:
+                reason, message = _error_of(status, text)
+                raise ApiError(status, reason, message, method=method, path=path)
+            return json.loads(text) if text else None
         raise AssertionError("unreachable")  # pragma: no cover
 
     # --- Verbs -----------------------------------------------------------------------------------
@@ -264,11 +278,13 @@ async def wait_until_served(
                 await api.request("GET", path, params=params)
                 break
             except ApiError as exc:
-                if exc.status != 429:
+                if exc.status == UNAVAILABLE:
+                    logger.info("the API server is not answering %s yet (%s); waiting", path, exc.message)
+                elif exc.status != 429:
                     break
-                logger.info("the API server is still initializing its cache for %s (%s); waiting", path, exc.message)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                logger.info("the API server is not answering %s yet (%r); waiting", path, exc)
+                else:
+                    logger.info("the API server is still initializing its cache for %s (%s); waiting", path,
+                                exc.message)  # fmt: skip
             if now() >= deadline:
                 return False
             await asyncio.sleep(1.0)

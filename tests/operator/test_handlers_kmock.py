@@ -36,10 +36,11 @@ from prometheus_client import REGISTRY
 from weightsync.api import names
 from weightsync.cli.rotation import ROTATED_AT
 from weightsync.plan import Plan, PlanError
+from weightsync.ports import free_port
 from weightsync_operator import apply
 from weightsync_operator.apply import Reconciler
 from weightsync_operator.builders import secret_token
-from weightsync_operator.kube import KubeApi, wait_until_served
+from weightsync_operator.kube import UNAVAILABLE, ApiError, KubeApi, wait_until_served
 from weightsync_operator.podindex import PodIndex
 
 NS = "ml"
@@ -699,5 +700,21 @@ async def test_the_startup_waits_while_the_api_server_fills_a_new_resource_cache
     api = KubeApi(lambda: kopf.ConnectionInfo(server=str(cluster.k.url)))
     try:
         assert await wait_until_served(api, [(POD_PATH, names.LABEL_GROUP)], timeout=1.5)  # served: at once
+    finally:
+        await api.close()
+
+
+async def test_an_api_server_that_does_not_answer_is_an_api_error_and_is_waited_for_at_startup() -> None:
+    """A refused connection (the API server restarting) is an ``ApiError`` a reconcile reports and retries, not a
+    bug with a traceback; the startup wait waits for it like for a filling cache."""
+    nobody = f"https://127.0.0.1:{free_port()}"
+    api = KubeApi(lambda: kopf.ConnectionInfo(server=nobody), timeout=2.0)
+    try:
+        with pytest.raises(ApiError) as caught:
+            await api.get("/api/v1/namespaces/ns/configmaps/x")
+        assert caught.value.status == UNAVAILABLE and "no answer from the API server" in str(caught.value)
+        started = time.monotonic()
+        assert not await wait_until_served(api, [(POD_PATH, names.LABEL_GROUP)], timeout=1.5)
+        assert 1.0 <= time.monotonic() - started < 5
     finally:
         await api.close()
