@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from weightsync.api import names
+from weightsync.api.token import new_token
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for, replan
 from weightsync.ports import free_port
@@ -88,7 +88,7 @@ class LoopbackGroup:
         self.engine_agents: dict[int, AgentProcess] = {}
         self.directory = StaticDirectory({}, {})
         #: The group's credential, as the operator's Secret would hold it: agents and engines require it.
-        self.token = secrets.token_urlsafe(32)
+        self.token = new_token()
         self.mounted_credentials = mounted_credentials
         self.previous_token: str | None = None
 

@@ -11,7 +11,6 @@ range, and rounds land. A range with no free port fails with one clear line; a r
 
 from __future__ import annotations
 
-import secrets
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from weightsync.api.engines import ENGINE_KINDS
+from weightsync.api.token import new_token
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.transport.mooncake_config import MooncakeSettings, check_port_range
 from weightsync_testing.engine_harness import ReferenceEngines
@@ -187,7 +187,7 @@ def test_engine_memory_refuses_foreign_writes_outside_a_round_and_takes_them_ins
     window is what protects, not an unreachable port); after the abort it is refused again."""
     assert ENGINE_KINDS["reference"].capabilities is not None
     assert ENGINE_KINDS["reference"].capabilities.writable_only_in_round
-    token = secrets.token_urlsafe(16)
+    token = new_token()
     engine = launch_engine(0, 2, seed=7, staged=staged, token=token)
     try:
         client = engine.client()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from weightsync.api.token import new_token
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client import WeightSyncClient
 from weightsync_testing.loopback_group import LoopbackGroup
@@ -121,7 +121,7 @@ def test_a_rotation_keeps_rounds_landing_without_restarting_agents(
     assert_engines_hold(group, 1)
 
     # 1. The Secret rotated; only trainer pod 0's kubelet (the coordinator's) refreshed its volume so far.
-    new = secrets.token_urlsafe(32)
+    new = new_token()
     group.write_credentials(new, old, agents=["agent-0"])
     time.sleep(2 * TICK)
     publish(clients, 2)  # the coordinator sends `new`, agent 1 knows only `old`: each falls back once
@@ -169,7 +169,7 @@ def test_finishing_before_an_engine_restarted_locks_it_out(
     no longer be synced: the round fails and engine 1 keeps serving its last version. What ``rotate-token --finish``
     refuses to do while an engine pod predates the rotation."""
     old = group.token
-    new = secrets.token_urlsafe(32)
+    new = new_token()
     group.write_credentials(new, old)
     group.restart_engine(0, token=new)
     wait_engine_caught_up(group, 0, 5)

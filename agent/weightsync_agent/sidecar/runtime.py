@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 from weightsync.api import names
 from weightsync.api.engines import Refusal, refusal
+from weightsync.api.token import new_token
 from weightsync.plan import Plan, PlanError
 from weightsync_agent import metrics
 from weightsync_agent.config import AgentConfig, trainer_token_file
@@ -90,7 +90,7 @@ class AgentRuntime:
         #: Trainer pods: a pod-local token, accepted from trainer code on /v1/publish and /v1/state only.
         self.trainer_token: str | None = None
         if config.role == "trainer":
-            self.trainer_token = secrets.token_urlsafe(32)
+            self.trainer_token = new_token()
             for rank in config.ranks:
                 write_private(trainer_token_file(replica_root(rank)), self.trainer_token)
             self.sources = SourceAgent(config.group, config.ranks, lambda: make_transport(self.plan), replica_root)

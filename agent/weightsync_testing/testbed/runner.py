@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import queue
-import secrets
 import shutil
 import signal
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from weightsync.api import names
+from weightsync.api.token import new_token
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
 from weightsync_testing.testbed import netns
@@ -206,7 +206,7 @@ class Group:
         self._full: dict[int, Any] = {}
         self._logs: list[IO[bytes]] = []
         #: The group's credential: engines and agents require it (docs/security.md).
-        self.token = secrets.token_urlsafe(32)
+        self.token = new_token()
         #: The p2p plan's planner (``transfer.planner``): scenario B runs the agents with both.
         self.planner = "balanced"
 

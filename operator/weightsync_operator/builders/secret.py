@@ -10,20 +10,15 @@ the reconciler calls only to create.
 from __future__ import annotations
 
 import base64
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from weightsync.api import names
+from weightsync.api.token import TOKEN_BYTES, new_token
 from weightsync.api.v1alpha1 import WeightSyncGroup
 from weightsync_operator.builders.common import JsonDict, object_meta
 
-#: 32 random bytes, URL-safe base64 (43 characters): fits a header and a command line unquoted.
-TOKEN_BYTES = 32
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(TOKEN_BYTES)
+__all__ = ["TOKEN_BYTES", "build_group_secret", "new_token", "secret_token"]
 
 
 def build_group_secret(group: WeightSyncGroup, token: str | None = None) -> JsonDict:

@@ -40,9 +40,9 @@ def seconds(scenario: Scenario, hw: Hardware = H100_IB) -> dict[str, float]:
     return {mode: getattr(sim, mode).seconds for mode in MODES}
 
 
-def no_slower(faster: dict[str, float], slower: dict[str, float]) -> None:
+def no_slower(faster: dict[str, float], slower: dict[str, float], tolerance: float = 1e-9) -> None:
     for mode in MODES:
-        assert faster[mode] <= slower[mode] * (1 + 1e-9), mode
+        assert faster[mode] <= slower[mode] * (1 + tolerance), mode
 
 
 # --- Calibration: the six published numbers, one set of constants ----------------------------------
@@ -86,8 +86,11 @@ def test_more_nics_are_never_slower(scenario: Scenario, nics: int, extra: int) -
 @FAST
 @given(scenarios(), st.floats(1.0, 4.0))
 def test_a_bigger_model_is_never_faster(scenario: Scenario, factor: float) -> None:
+    """Up to 1 %: a stage's bytes are cut into whole buckets, so a model just past a bucket boundary gets one more,
+    smaller bucket, and the pipelined modes' fill (one pass through the stages of one bucket) shrinks. Hypothesis
+    found ``ours`` 0.02 % faster for a 0.8 % bigger model; a grid over the strategy's space found at most 0.34 %."""
     bigger = replace(scenario, model=scenario.model.scaled(factor))
-    no_slower(seconds(scenario), seconds(bigger))
+    no_slower(seconds(scenario), seconds(bigger), tolerance=0.01)
 
 
 @FAST
