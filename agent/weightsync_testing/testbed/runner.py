@@ -592,26 +592,10 @@ def run(options: Options, say: Say) -> dict[str, Any]:
     mib = options.mib or default_mib
     rate_bits = parse_rate(options.rate or "1gbit") if options.caps else None
     started = time.monotonic()
-    testbed: netns.Testbed | None = None
-    if options.caps:
-        netns.check_available()
-        removed = netns.cleanup_leftovers()
-        if removed:
-            say(f"removed leftovers of earlier runs: {', '.join(removed)}")
-        max_engines = max([layout.engines, *options.sweep])
-        testbed = build_testbed(Layout(layout.trainers, max_engines, layout.tp), rate_bits)
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    workdir = Path(tempfile.mkdtemp(prefix="weightsync-bench-", dir=root))
-    report: dict[str, Any] = {
-        "scenario": options.scenario,
-        "layout": {"trainers": layout.trainers, "engines": layout.engines, "tp": layout.tp},
-        "caps": options.caps,
-        "network": "namespaces, capped links" if options.caps else "loopback, no caps",
-        "rate": None if rate_bits is None else format_rate(rate_bits),
-        "rate_bits": rate_bits,
-        "bucket_mib": options.bucket_mib,
-        "machine": _machine(),
-    }
+    max_engines = max([layout.engines, *options.sweep])
+    testbed = open_testbed(options, Layout(layout.trainers, max_engines, layout.tp), rate_bits, say)
+    workdir = new_workdir()
+    report = report_header(options.scenario, layout, options, rate_bits)
     group: Group | None = None
     previous = _exit_on_sigterm()
     try:
@@ -688,15 +672,52 @@ def run(options: Options, say: Say) -> dict[str, Any]:
                 plot_sweep(report, options.plot)
                 report["plot"] = str(options.plot)
     finally:
-        if group is not None:
-            group.stop()
-        if testbed is not None:
-            testbed.destroy()
-        shutil.rmtree(workdir, ignore_errors=True)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        tear_down(group, testbed, workdir, previous)
     report["runtime_s"] = round(time.monotonic() - started, 1)
     return report
+
+
+def open_testbed(options: Options, layout: Layout, rate_bits: int | None, say: Say) -> netns.Testbed | None:
+    """The namespaces and capped links for ``layout`` (leftovers of earlier runs removed first), not yet
+    created; None on loopback (``--no-caps``)."""
+    if not options.caps:
+        return None
+    netns.check_available()
+    removed = netns.cleanup_leftovers()
+    if removed:
+        say(f"removed leftovers of earlier runs: {', '.join(removed)}")
+    return build_testbed(layout, rate_bits)
+
+
+def new_workdir() -> Path:
+    """Where plans, replicas and logs of one run live: /dev/shm where there is one (replicas are memory)."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    return Path(tempfile.mkdtemp(prefix="weightsync-bench-", dir=root))
+
+
+def report_header(scenario: str, layout: Layout, options: Options, rate_bits: int | None) -> dict[str, Any]:
+    """What every scenario's report starts with: the shape, the network and the machine."""
+    return {
+        "scenario": scenario,
+        "layout": {"trainers": layout.trainers, "engines": layout.engines, "tp": layout.tp},
+        "caps": options.caps,
+        "network": "namespaces, capped links" if options.caps else "loopback, no caps",
+        "rate": None if rate_bits is None else format_rate(rate_bits),
+        "rate_bits": rate_bits,
+        "bucket_mib": options.bucket_mib,
+        "machine": _machine(),
+    }
+
+
+def tear_down(group: Group | None, testbed: netns.Testbed | None, workdir: Path, previous: Any) -> None:
+    """Stop the processes, delete the namespaces and the work directory, restore the SIGTERM handler."""
+    if group is not None:
+        group.stop()
+    if testbed is not None:
+        testbed.destroy()
+    shutil.rmtree(workdir, ignore_errors=True)
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm() -> Any:

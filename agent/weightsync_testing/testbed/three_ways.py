@@ -19,15 +19,10 @@ plan); ours runs after them with the balanced plan's agents.
 
 from __future__ import annotations
 
-import shutil
-import signal
-import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from weightsync_testing.testbed import netns
 from weightsync_testing.testbed.runner import (
     BROADCAST_SEED,
     P2P_SEED,
@@ -37,10 +32,12 @@ from weightsync_testing.testbed.runner import (
     Say,
     TimedRound,
     _exit_on_sigterm,
-    _machine,
     _model_bytes,
     bounds,
-    build_testbed,
+    new_workdir,
+    open_testbed,
+    report_header,
+    tear_down,
 )
 from weightsync_testing.testbed.scenario import Layout, MiB, Stats, format_rate, model_shape, parse_rate
 
@@ -75,25 +72,9 @@ def run(options: Options, say: Say) -> dict[str, Any]:
     mib = options.mib or DEFAULT_MIB
     rate_bits = parse_rate(options.rate or DEFAULT_RATE) if options.caps else None
     started = time.monotonic()
-    testbed: netns.Testbed | None = None
-    if options.caps:
-        netns.check_available()
-        removed = netns.cleanup_leftovers()
-        if removed:
-            say(f"removed leftovers of earlier runs: {', '.join(removed)}")
-        testbed = build_testbed(layout, rate_bits)
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    workdir = Path(tempfile.mkdtemp(prefix="weightsync-bench-", dir=root))
-    report: dict[str, Any] = {
-        "scenario": "B",
-        "layout": {"trainers": layout.trainers, "engines": layout.engines, "tp": layout.tp},
-        "caps": options.caps,
-        "network": "namespaces, capped links" if options.caps else "loopback, no caps",
-        "rate": None if rate_bits is None else format_rate(rate_bits),
-        "rate_bits": rate_bits,
-        "bucket_mib": options.bucket_mib,
-        "machine": _machine(),
-    }
+    testbed = open_testbed(options, layout, rate_bits, say)
+    workdir = new_workdir()
+    report = report_header("B", layout, options, rate_bits)
     group: Group | None = None
     previous = _exit_on_sigterm()
     try:
@@ -156,13 +137,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
             report[way] = _way(rounds[way], bound_of[way])
         report.update(_ratios(report))
     finally:
-        if group is not None:
-            group.stop()
-        if testbed is not None:
-            testbed.destroy()
-        shutil.rmtree(workdir, ignore_errors=True)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        tear_down(group, testbed, workdir, previous)
     report["runtime_s"] = round(time.monotonic() - started, 1)
     return report
 
