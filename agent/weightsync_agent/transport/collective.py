@@ -218,6 +218,7 @@ class SenderLayout:
     plans: list[BucketPlan]
     segments: list[list[Segment]]
     meta: bytes
+    digest: int
 
     @classmethod
     def of(
@@ -230,7 +231,7 @@ class SenderLayout:
             for plan in plans
         ]
         meta = _encode(plans, [[(g.start, g.end) for g in bucket] for bucket in segments])
-        return cls(layout_key(named, bucket_bytes, device, direct), plans, segments, meta)
+        return cls(layout_key(named, bucket_bytes, device, direct), plans, segments, meta, _digest(meta))
 
     def sources(self, by_name: Mapping[str, torch.Tensor]) -> list[list[Segment]]:
         """The segments with their zero-copy views into this round's tensors."""
@@ -374,24 +375,22 @@ class BroadcastGroup:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._buffers
 
-    def _exchange_plan(
-        self, plans: list[BucketPlan] | None, version: int, cuts: Cuts | None = None, meta: bytes | None = None
-    ) -> tuple[list[BucketPlan], int, Cuts, int]:
-        """Send (sender) or learn (receivers) the round's buckets, version and segments; the last item is
-        the metadata bytes that travelled (0: the previous round's were reused)."""
+    def _send_plan(self, layout: SenderLayout, version: int) -> int:
+        """Sender: the round's header, then its metadata unless the receivers hold it already (the previous
+        round's); returns the metadata bytes sent."""
+        size = 0 if layout.digest == self._sent_digest else len(layout.meta)
+        header = torch.tensor([MAGIC, PROTOCOL, version, size, layout.digest], dtype=torch.int64).to(self.device)
+        self._wait(self._broadcast(header), "the round header")
+        if size:
+            raw = torch.frombuffer(bytearray(layout.meta), dtype=torch.uint8).to(self.device)
+            self._wait(self._broadcast(raw), "the bucket metadata")
+        self._sent_digest = layout.digest
+        return size
+
+    def _receive_plan(self) -> tuple[list[BucketPlan], int, Cuts, int]:
+        """Receivers: the round's buckets, version and segments, and the metadata bytes that travelled (0: the
+        previous round's were reused)."""
         header = torch.zeros(5, dtype=torch.int64, device=self.device)
-        if self.is_source:
-            assert plans is not None
-            meta = _encode(plans, cuts) if meta is None else meta
-            digest = _digest(meta)
-            size = 0 if digest == self._sent_digest else len(meta)
-            header.copy_(torch.tensor([MAGIC, PROTOCOL, version, size, digest], dtype=torch.int64))
-            self._wait(self._broadcast(header), "the round header")
-            if size:
-                raw = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
-                self._wait(self._broadcast(raw), "the bucket metadata")
-            self._sent_digest = digest
-            return plans, version, cuts if cuts is not None else _whole(plans), size
         self._wait(self._broadcast(header), "the round header")
         magic, protocol, version, size, digest = (int(x) for x in header.cpu())
         if magic != MAGIC or protocol != PROTOCOL:
@@ -445,9 +444,8 @@ class BroadcastGroup:
         if layout is None or segmented is None:
             layout = self._layout = SenderLayout.of(named, bucket_bytes, self.device, self.direct_bytes)
             segmented = layout.sources(by_name)
-        plans, _, _, meta_bytes = self._exchange_plan(
-            layout.plans, version, [[(g.start, g.end) for g in s] for s in segmented], layout.meta
-        )
+        meta_bytes = self._send_plan(layout, version)
+        plans = layout.plans
         buffers = self._buffer_pair(max((p.nbytes for p in plans), default=0))
         in_flight: list[list[Any]] = [[], []]
         for index, plan in enumerate(plans):
@@ -488,7 +486,7 @@ class BroadcastGroup:
             raise TransportError(f"rank {self.rank} is the sender; it calls broadcast_buckets")
         self._usable()
         started = time.monotonic()
-        plans, sent_version, cuts, meta_bytes = self._exchange_plan(None, 0)
+        plans, sent_version, cuts, meta_bytes = self._receive_plan()
         failure: Exception | None = None
         if version is not None and sent_version != version:
             failure = TransportError(f"rank {self.rank}: expected version {version}, the sender sent {sent_version}")
