@@ -84,5 +84,9 @@ def test_three_ways_in_namespaces_are_bit_exact_and_report_every_way() -> None:
     for way in ("miles", "ours"):  # the trainer's time covers its staging and the round after it
         assert report[way]["median"] >= report[way]["round_s"] and report[way]["stage_s"] > 0
     assert report["broadcast"]["stage_s"] == 0
+    # the emulated gather (shard groups of 2): half of every tensor came into each trainer node over its link
+    assert report["gather_shards"] == 2
+    for way in ("miles", "ours"):
+        assert report["model_bytes"] // 2 <= report[way]["trainer_in_bytes"] < 0.6 * report["model_bytes"] + (1 << 20)
     assert report["ours_streams"] is True, "ours staged, then published: the client did not stream"
     assert "ours / Miles-style" in three_ways.table(report)

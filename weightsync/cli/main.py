@@ -285,6 +285,15 @@ def bench(
     ] = None,
     sweep_mib: Annotated[int | None, typer.Option(help="Model size of the sweep (default 128, --quick 64).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="3 rounds; sweep 1,2,4,8 with a 64 MiB model.")] = False,
+    gather_shards: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Trainer shard-group size S: a rank receives (S-1)/S of every tensor over its node's link before "
+            "staging it, the emulated all-gather (default: A 1 = none, B 2; docs/testbed.md).",
+        ),
+    ] = None,
     pods: Annotated[
         str, typer.Option(help="scale: group sizes in pods, in order (multiples of 16); the last is scaled out.")
     ] = "256,1024",
@@ -325,6 +334,7 @@ def bench(
             sweep=points,
             sweep_mib=sweep_mib or (64 if quick else 128),
             plot=(plot or Path(f"weightsync-bench-{scenario.upper()}.png")) if points else None,
+            gather_shards=gather_shards,
         )
 
         def say(line: str) -> None:

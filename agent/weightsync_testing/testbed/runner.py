@@ -66,6 +66,7 @@ TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 P2P_SEED, BROADCAST_SEED = 1, 2
 AGENT_PORT = 9470
 STORE_PORT = 29471
+GATHER_PORT = 9480
 
 SCENARIOS: dict[str, tuple[Layout, int]] = {"A": (Layout(trainers=4, engines=2, tp=2), 512)}
 TARGET_SPEEDUP = 3.5  # p2p at least this much faster than broadcast
@@ -87,6 +88,10 @@ class Options:
     layout: Layout | None = None  # override the scenario's (tests)
     timeout_seconds: int = 600
     check: bool = True  # compare every target's bytes with the source's full tensors after the rounds
+    #: Trainer shard-group size: before staging a tensor, a rank receives (S - 1)/S of its bytes over its node's
+    #: inbound link (the emulated all-gather, ``gather.py``); 1 = the rank holds full tensors (no gather);
+    #: None = the scenario's (A: 1, B: 2).
+    gather_shards: int | None = None
 
 
 # ------------------------------------------------------------------------------------------- the network
@@ -199,6 +204,11 @@ class Group:
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.agent_urls: dict[int, str] = {}
         self.clients: list[Any] = []
+        #: The trainer pod of each client (same order), and its gather link when the gather is emulated.
+        self.client_pods: list[int] = []
+        self.gather_links: list[Any] = []
+        self.gather_sinks: dict[int, subprocess.Popen[bytes]] = {}
+        self._gather_address: dict[int, tuple[str, int]] = {}
         self.broadcaster: subprocess.Popen[str] | None = None
         self.broadcast_lines: LineReader | None = None
         self.p2p_plan: Plan | None = None
@@ -305,12 +315,49 @@ class Group:
             env = {**self.agent_env(pod, port), "LOCAL_RANK": "0"}
             publisher = SidecarPublisher(self.agent_urls[pod], pod, env[names.ENV_REPLICA_PATH])
             self.clients.append(WeightSyncClient.from_env(env, publisher=publisher, plan=self.p2p_plan))
+            self.client_pods.append(pod)
         self.say(f"  {len(ports)} agents built their sources in {time.monotonic() - started:.1f} s")
+        if (self.options.gather_shards or 1) > 1:
+            self._start_gather()
+
+    def _start_gather(self) -> None:
+        """A gather sink in every client's trainer node, and each client's link to it (see ``gather.py``)."""
+        from weightsync_testing.testbed.gather import GatherLink
+
+        for pod in self.client_pods:
+            if pod in self.gather_sinks:
+                continue
+            host, port = self.net.address(trainer_node(pod)), self.net.port(GATHER_PORT)
+            command = [*self.net.wrap(trainer_node(pod)), sys.executable, "-m", "weightsync_testing.testbed.gather",
+                       "--host", host, "--port", str(port)]  # fmt: skip
+            sink = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True)
+            assert sink.stdout is not None
+            if not sink.stdout.readline():  # its "gather sink on ..." line: listening
+                raise RuntimeError(f"the gather sink of trainer node {pod} did not start")
+            self.gather_sinks[pod] = sink
+            self._gather_address[pod] = (host, port)
+        self.gather_links = [GatherLink(*self._gather_address[pod]) for pod in self.client_pods]
+
+    def _stage_all(self, index: int, full: Mapping[str, Any], stage: Callable[[str, Any], Any]) -> None:
+        """Rank ``index`` stages every tensor its targets need, in bucket order, each after its gather."""
+        from weightsync_testing.testbed.gather import gathered_bytes
+
+        client = self.clients[index]
+        link = self.gather_links[index] if self.gather_links else None
+        for name in client.staging_order():
+            tensor = full[name]
+            if link is not None:
+                link.pull(gathered_bytes(tensor.numel() * tensor.element_size(), self.options.gather_shards or 1))
+            stage(name, tensor)
 
     def stop_agents(self) -> None:
+        for link in self.gather_links:
+            link.close()
+        self.gather_links = []
         for client in self.clients:
             client.close()
         self.clients = []
+        self.client_pods = []
         for process in self.agents.values():
             _stop(process)
         self.agents = {}
@@ -391,7 +438,7 @@ class Group:
         before = self.net.counters()
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            list(pool.map(lambda c: c.stage_many(full), self.clients))
+            list(pool.map(lambda i: self._stage_all(i, full, self.clients[i].stage), range(len(self.clients))))
             staged = time.monotonic()
             outcomes = list(pool.map(lambda c: c.publish(version, check=False), self.clients))
         ended = time.monotonic()
@@ -410,15 +457,14 @@ class Group:
         started = time.monotonic()
         staged: list[float] = []
 
-        def one(client: Any) -> Any:
-            with client.stream(version, check=False) as stream:
-                for name in client.staging_order():
-                    stream.stage(name, full[name])
+        def one(index: int) -> Any:
+            with self.clients[index].stream(version, check=False) as stream:
+                self._stage_all(index, full, stream.stage)
                 staged.append(time.monotonic())
             return stream.outcome
 
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            outcomes = list(pool.map(one, self.clients))
+            outcomes = list(pool.map(one, range(len(self.clients))))
         ended = time.monotonic()
         after = self.net.counters()
         result = outcomes[0].round
@@ -472,6 +518,9 @@ class Group:
     def stop(self) -> None:
         self.stop_broadcaster()
         self.stop_agents()
+        for sink in self.gather_sinks.values():
+            _stop(sink)
+        self.gather_sinks = {}
         for engine in self.engines.values():
             engine.stop()
         self.engines = {}

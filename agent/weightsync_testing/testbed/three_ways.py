@@ -10,6 +10,10 @@
   written as soon as it is staged), when the client offers streaming; otherwise stage-then-publish, and the
   report says so.
 
+Staging includes the trainer's gather (``gather.py``): with shard groups of ``gather_shards`` nodes (2 by
+default) a rank receives half of every tensor over its own node's inbound link before it stages it, as an
+FSDP/HSDP rank all-gathers its parameters; broadcast's sender is credited with full tensors and no gather.
+
 A p2p way's time is the trainer's: from the first staged byte to the last rank's commit. Broadcast's is the
 sender's round (it sends from the full tensors it holds; a real trainer's rank 0 sends from the GPU and
 stages nothing). The engines' pause window (the longest time an engine did not serve) is read from the
@@ -19,6 +23,7 @@ plan); ours runs after them with the balanced plan's agents.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +51,9 @@ DEFAULT_MIB = 512
 #: 8 links at 500 Mbit/s move what scenario A's 4 links at 1 Gbit/s move: the 2 cores keep up, so the
 #: links stay the bottleneck.
 DEFAULT_RATE = "500mbit"
+#: Each trainer node gathers half of every tensor over its own link before staging it (HSDP shard groups
+#: of two nodes; ``gather.py``): the staging a real trainer does, scaled like the links.
+DEFAULT_GATHER_SHARDS = 2
 
 OURS_OVER_MILES_MAX = 0.85
 BROADCAST_OVER_OURS_MIN = 5.0
@@ -68,6 +76,7 @@ def _streams(group: Group) -> bool:
 def run(options: Options, say: Say) -> dict[str, Any]:
     if options.rounds < 1:
         raise ValueError("--rounds must be at least 1")
+    options = dataclasses.replace(options, gather_shards=options.gather_shards or DEFAULT_GATHER_SHARDS)
     layout = options.layout or LAYOUT
     mib = options.mib or DEFAULT_MIB
     rate_bits = parse_rate(options.rate or DEFAULT_RATE) if options.caps else None
@@ -75,6 +84,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
     testbed = open_testbed(options, layout, rate_bits, say)
     workdir = new_workdir()
     report = report_header("B", layout, options, rate_bits)
+    report["gather_shards"] = options.gather_shards
     group: Group | None = None
     previous = _exit_on_sigterm()
     try:
@@ -150,9 +160,17 @@ def _way(rounds: list[TimedRound], bound_s: float | None) -> dict[str, Any]:
         "stage_s": Stats.of(r.stage_s for r in rounds).median,
         "pause_s": Stats.of(r.pause_s for r in rounds).median,
         "wire_bytes": rounds[-1].round.bytes,
+        # The busiest trainer node's inbound bytes in the last round (the link counters): the emulated gather.
+        "trainer_in_bytes": _trainer_in(rounds[-1].round.links),
         "bound_s": bound_s,
         "rounds_s": [round(r.total_s, 4) for r in rounds],
     }
+
+
+def _trainer_in(links: Mapping[tuple[str, str], int] | None) -> int | None:
+    if links is None:
+        return None
+    return max((n for (node, way), n in links.items() if way == "in" and node.startswith("t")), default=0)
 
 
 def _ratios(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -175,6 +193,15 @@ def _ratios(report: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _staging_line(shards: int) -> str:
+    if shards <= 1:
+        return "# staging: a copy of the full tensors into the replicas (no gather)"
+    return (
+        f"# staging: each rank gathers {shards - 1}/{shards} of every tensor over its node's link (shard groups of"
+        f" {shards}), then copies it into its replicas; broadcast's sender holds full tensors (no gather)"
+    )
+
+
 def _met(flag: bool | None) -> str:
     return "-" if flag is None else ("met" if flag else "NOT met")
 
@@ -190,6 +217,7 @@ def table(report: Mapping[str, Any]) -> str:
         f"# network: {report['network']}" + (f", {report['rate']} per link and direction" if report["rate"] else "")
         + f"; {report['machine']['cpus']} CPUs ({report['machine']['cpu']}), load {report['machine']['load']}",
         "# time: stage-to-commit (p2p ways) or the sender's round (broadcast); pause: longest engine pause",
+        _staging_line(report.get("gather_shards") or 1),
         f"{'way':<40}{'rounds':>7}{'median s':>10}{'staging s':>10}{'round s':>9}{'pause s':>9}{'bound s':>9}",
     ]  # fmt: skip
     for way in WAYS:
