@@ -37,6 +37,25 @@ DEFAULT_NODE_RESOURCES = {
 
 #: How long a node's lease may lapse before the node lifecycle controller calls it NotReady (see where it is passed).
 NODE_MONITOR_GRACE = "1h"
+#: How many pods kwok moves through a stage (Pending -> Running, deletion) at once, for all its nodes together. On a
+#: real cluster every node's kubelet starts its own pods; kwok's default of 4 made pods go Running at ~28/s here,
+#: which alone kept a 1,024-pod group from Ready for 36 s (docs/scale.md).
+KWOK_POD_PARALLELISM = 64
+KWOK_CONFIGURATION = f"""---
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+# kwok applies its defaults only without a configuration: the rest are its documented defaults (v0.8.0).
+options:
+  podPlayStageParallelism: {KWOK_POD_PARALLELISM}
+  nodePlayStageParallelism: 4
+  nodeLeaseParallelism: 4
+  podsOnNodeSyncParallelism: 1
+  enablePodsOnNodeSyncListPager: true
+  enablePodsOnNodeSyncStreamWatch: false
+  enableDebuggingHandlers: true
+  enableProfilingHandler: true
+  enableContentionProfiling: false
+"""
 
 #: The audit policy of ``up(audit=True)``: every request at Metadata level (who, what, when; no bodies), once per
 #: request (a watch logs when it starts and when it ends, under one auditID): enough to count requests per user.
@@ -199,7 +218,7 @@ class LocalCluster:
                 ],
             )
             stages = self.directory / "kwok-stages.yaml"
-            stages.write_text(without_readiness_gates(self.binaries.kwok_stages.read_text()))
+            stages.write_text(without_readiness_gates(self.binaries.kwok_stages.read_text()) + KWOK_CONFIGURATION)
             self._start(
                 state,
                 "kwok",

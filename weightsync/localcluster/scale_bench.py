@@ -33,7 +33,7 @@ import yaml
 
 from weightsync.api import names
 from weightsync.localcluster import binaries as binaries_mod
-from weightsync.localcluster.cluster import AUDIT_LOG, ClusterState, LocalCluster
+from weightsync.localcluster.cluster import AUDIT_LOG, KWOK_POD_PARALLELISM, ClusterState, LocalCluster
 from weightsync.localcluster.session import Kube, OperatorProcess, install_chart, token_kubeconfig, wait_for
 from weightsync.localcluster.standin_agents import Kubelet
 from weightsync.plan import Plan
@@ -44,6 +44,9 @@ NODES = 64
 #: kube-controller-manager's garbage-collector settings: its defaults, stated in the report (they bound delete).
 GC_SETTINGS = {"--concurrent-gc-syncs": "20 (default)", "--kube-api-qps": "20 (default)",
                "--kube-api-burst": "30 (default)"}  # fmt: skip
+#: What paces pods from created to Running: the scheduler's binding requests and kwok's stage parallelism.
+START_SETTINGS = {"kube-scheduler --kube-api-qps/--kube-api-burst": "50/100 (defaults)",
+                  "kwok podPlayStageParallelism": f"{KWOK_POD_PARALLELISM} (kwok's default: 4)"}  # fmt: skip
 OPERATOR_USER = f"system:serviceaccount:{SYSTEM_NS}:weightsync"
 
 Say = Callable[[str], None]
@@ -75,6 +78,7 @@ class ScaleReport:
     operator_cpu_s: float | None = None
     operator_peak_rss_mib: float | None = None
     gc_settings: dict[str, str] = field(default_factory=lambda: dict(GC_SETTINGS))
+    start_settings: dict[str, str] = field(default_factory=lambda: dict(START_SETTINGS))
     standin_errors: list[str] = field(default_factory=list)
     note: str = (
         "agents are stand-ins: one process making every pod's agent API calls (plan watch, readiness condition, "
