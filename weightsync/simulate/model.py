@@ -239,12 +239,16 @@ def broadcast(scenario: Scenario, hw: Hardware, g: Geometry) -> ModeResult:
     sc = scenario
     members = g.engines if sc.broadcast_receivers == "engine" else g.inference_ranks
     if hw.collective == "binomial":
-        # gloo: whole-bucket sends, one tree round after the other. Round i moves the bucket over one link
-        # per pair at once, so a bucket takes ceil(log2 W) sends of the sender's link, and the tree's last
-        # round ends with the sender's last send: nothing to fill.
-        sends = math.ceil(math.log2(members + 1))
-        wire = sends * g.bucket_wire_bytes / (hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency)
-        fill, fill_name, busiest_link = 0.0, "tree fill", sends * sc.model.wire_bytes
+        # gloo: the sender's link carries every bucket once per child, back to back (period); the last
+        # bucket then still has to travel the tree's critical path (binomial_critical_path), spread over
+        # the buckets as a per-bucket fill so that the total is (nb - 1) periods + one critical path.
+        unit = g.bucket_wire_bytes / (hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency)
+        children = binomial_children(members + 1)
+        sends = len(children[0])
+        wire = sends * unit
+        last = (binomial_critical_path(children) - sends) * unit
+        fill = last / (g.buckets_per_stage * sc.train_pp)
+        fill_name, busiest_link = "tree fill", sends * sc.model.wire_bytes
     else:
         ring_bw = min(hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency, hw.nvlink_gbs * 1e9)
         gpu_ib = hw.nic_bytes_per_s * min(1.0, hw.nics_per_node / hw.gpus_per_node) * hw.nccl_efficiency
@@ -277,6 +281,34 @@ def broadcast(scenario: Scenario, hw: Hardware, g: Geometry) -> ModeResult:
     )
 
 
+def binomial_children(world: int) -> list[list[int]]:
+    """Per virtual rank (the root is 0), the ranks it sends to in one ``gloo::broadcast`` (gloo/broadcast.cc):
+    in iteration ``i`` every rank with no bit set above ``i`` and bit ``i`` clear sends to ``rank | 2^i``."""
+    if world < 1:
+        raise ValueError(f"a broadcast group has at least one member, not {world}")
+    dim = math.ceil(math.log2(world)) if world > 1 else 0
+    children: list[list[int]] = [[] for _ in range(world)]
+    for i in range(dim):
+        for vrank in range(world):
+            if vrank >> (i + 1) or vrank & (1 << i):
+                continue
+            if (peer := vrank | (1 << i)) < world:
+                children[vrank].append(peer)
+    return children
+
+
+def binomial_critical_path(children: list[list[int]]) -> int:
+    """When the last member holds one bucket, in whole-bucket transfers over one link. gloo blocks on the
+    receive before it queues any send, then queues all its sends at once: a rank forwards only a complete
+    bucket, and its children share its link, so they all finish ``len(children)`` transfers after it
+    received. Children have higher ranks than their parent, so one pass in rank order suffices."""
+    done = [0] * len(children)
+    for vrank, kids in enumerate(children):
+        for child in kids:
+            done[child] = done[vrank] + len(kids)
+    return max(done)
+
+
 def miles_p2p(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> ModeResult:
     """Miles ``UpdateWeightP2P``: per bucket, gather, then for each replica shape ``load_weights`` into the
     one shared pinned buffer and RDMA-write it to that shape's targets. Non-last shapes wait for their
@@ -296,7 +328,9 @@ def miles_p2p(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> Mode
         load = len(counts) * load_one
         writes = [n * g.slice_bytes / bw for n in counts]
         blocking, last = sum(writes[:-1]), writes[-1]
-        period = max(g.gather_s + load + blocking, last, ingress)
+        # The last shape's writes overlap the next bucket's gather and load, but share the source's NIC with
+        # its blocking writes: a period is never shorter than all of a bucket's writes.
+        period = max(g.gather_s + load + blocking, blocking + last, ingress)
         if nb * period + last > worst[0]:
             worst = (nb * period + last, period, load, blocking, last)
     _, period, load, blocking, last = worst

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightsync.simulate import H100_IB, SCENARIOS, Scenario, simulate
+from weightsync.simulate.model import binomial_children, binomial_critical_path
 from weightsync_testing.testbed.scenario import binomial_sends
 
 FAST = settings(max_examples=int(os.environ.get("SIMULATE_EXAMPLES", "40")), deadline=None)
@@ -33,6 +34,35 @@ def test_binomial_sender_sends_as_often_as_gloos_tree(engines: int) -> None:
     assert sim.broadcast.busiest_link_bytes == root_sends * sc.model.wire_bytes
     line = BINOMIAL.nic_bytes_per_s * BINOMIAL.nics_per_node * BINOMIAL.nccl_efficiency
     assert math.isclose(dict(sim.broadcast.phases)["wire"], root_sends * sc.model.wire_bytes / line, rel_tol=1e-9)
+    # The fill is the last bucket's way down the tree beyond the sender's own sends.
+    path = binomial_critical_path(binomial_children(engines + 1))
+    bucket = sim.geometry.bucket_wire_bytes / line
+    assert math.isclose(dict(sim.broadcast.phases)["tree fill"], (path - root_sends) * bucket, abs_tol=1e-9)
+
+
+@FAST
+@given(st.integers(1, 64))
+def test_binomial_children_are_gloos_tree(world: int) -> None:
+    """The same pairs as the testbed's ``binomial_sends`` (written separately, from the same gloo source)."""
+    children = binomial_children(world)
+    assert sorted((p, c) for p, kids in enumerate(children) for c in kids) == sorted(binomial_sends(world))
+    assert sorted(c for kids in children for c in kids) == list(range(1, world))  # every member receives once
+
+
+@FAST
+@given(st.integers(1, 64))
+def test_critical_path_lies_between_the_senders_link_and_lock_step_rounds(world: int) -> None:
+    children = binomial_children(world)
+    sends = len(children[0])
+    path = binomial_critical_path(children)
+    assert sends <= path <= sends * (sends + 1) // 2
+
+
+@pytest.mark.parametrize("dim", range(6))
+def test_critical_path_of_a_full_tree(dim: int) -> None:
+    """W = 2^d: the path 0 -> 1 -> 3 -> 7 ... waits d + (d-1) + ... + 1 transfers, each rank on it sharing
+    its link with all its children."""
+    assert binomial_critical_path(binomial_children(2**dim)) == dim * (dim + 1) // 2
 
 
 def test_members_per_engine_receive_once_per_engine() -> None:
