@@ -65,6 +65,20 @@ WAYS: tuple[Way, ...] = get_args(Way)
 the Miles-style way's staging and its stage-to-commit, and ours' stage-to-commit (scenario B)."""
 
 
+BENCH_WAYS: dict[str, Way] = {"broadcast": "broadcast_s", "p2p": "p2p_s", "miles": "miles_style_s", "ours": "ours_s"}
+
+
+def replicated_from_shard(model_bytes: float, shard_bytes: float, tp: int) -> float:
+    """The replicated part, from one rank's shard (its manifest's bytes): ``shard = (model - r) / tp + r``,
+    so the bench passes what its engines hold instead of re-deriving which tensors the engine replicates."""
+    if tp < 2:
+        return 0.0
+    replicated = (shard_bytes - model_bytes / tp) * tp / (tp - 1)
+    if not -1 <= replicated <= model_bytes + 1:  # a byte of float slack
+        raise ValueError(f"a TP{tp} shard of {shard_bytes} bytes does not fit a {model_bytes}-byte model")
+    return min(max(replicated, 0.0), float(model_bytes))
+
+
 @dataclass(frozen=True)
 class Measured:
     """A run's documented medians (docs/testbed.md); ``None`` where the way was not run."""
@@ -101,6 +115,11 @@ class Prediction:
     def seconds(self, way: Way) -> float:
         value: float = getattr(self, way)
         return value
+
+    def by_bench_way(self) -> dict[str, float]:
+        """Keyed as the bench's reports name their ways: scenario A's ``p2p`` and ``broadcast``, scenario B's
+        ``broadcast``, ``miles`` and ``ours`` (``weightsync_testing.testbed.three_ways.WAYS``)."""
+        return {bench: round(self.seconds(way), 4) for bench, way in BENCH_WAYS.items()}
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {way: round(self.seconds(way), 4) for way in WAYS}

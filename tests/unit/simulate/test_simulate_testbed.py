@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from weightsync.simulate.models import ModelSpec
 from weightsync.simulate.testbed import (
     SWEEP_MEASURED,
     TESTBED,
@@ -20,6 +21,7 @@ from weightsync.simulate.testbed import (
     compare,
     fit_runs,
     p2p_fit_error,
+    replicated_from_shard,
     sweep_run,
 )
 from weightsync_testing.testbed.scenario import bound_seconds, broadcast_link_loads, engine_node
@@ -124,3 +126,29 @@ def test_a_faster_link_is_never_slower(run: BenchRun, factor: int) -> None:
     slow, fast = run.predict(), replace(run, rate_bits=run.rate_bits * factor).predict()
     for way in TIMED:
         assert fast.seconds(way) <= slow.seconds(way) * (1 + 1e-9), way
+
+
+@FAST
+@given(st.integers(1, 2**34), st.floats(0.0, 1.0), st.integers(1, 16))
+def test_replicated_bytes_come_back_from_a_shard(model_bytes: int, share: float, tp: int) -> None:
+    replicated = share * model_bytes
+    spec = ModelSpec("m", model_bytes / 4, model_bytes, 4.0, 1.0, 0, 0, "float32", replicated_bytes=replicated)
+    found = replicated_from_shard(model_bytes, spec.shard_bytes(tp), tp)
+    assert found == 0.0 if tp == 1 else abs(found - replicated) <= 1e-6 * model_bytes + 1e-6
+
+
+def test_scenario_a_shard_gives_the_reference_engines_replicated_part() -> None:
+    """docs/testbed.md: each target of scenario A holds 272 MiB, 240 MiB of layers and 32 MiB replicated."""
+    assert replicated_from_shard(512 * MiB, 272 * MiB, 2) == TESTBED_RUNS["A"].replicated_bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        replicated_from_shard(512 * MiB, 600 * MiB, 2)
+
+
+def test_bench_ways_name_the_predictions() -> None:
+    out = TESTBED_RUNS["B"].predict()
+    assert out.by_bench_way() == {
+        "broadcast": round(out.broadcast_s, 4),
+        "p2p": round(out.p2p_s, 4),
+        "miles": round(out.miles_style_s, 4),
+        "ours": round(out.ours_s, 4),
+    }
