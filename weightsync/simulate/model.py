@@ -252,8 +252,9 @@ def broadcast(scenario: Scenario, hw: Hardware, g: Geometry) -> ModeResult:
     else:
         ring_bw = min(hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency, hw.nvlink_gbs * 1e9)
         gpu_ib = hw.nic_bytes_per_s * min(1.0, hw.nics_per_node / hw.gpus_per_node) * hw.nccl_efficiency
-        ib_hops = sc.inference_nodes
-        nvlink_hops = g.inference_ranks - sc.inference_nodes
+        # One hop per member; a node's first member is reached over IB, its others over NVLink.
+        ib_hops = min(sc.inference_nodes, members)
+        nvlink_hops = members - ib_hops
         fill = ib_hops * (hw.nccl_chunk_bytes / gpu_ib + hw.ib_hop_latency_s) + nvlink_hops * (
             hw.nccl_chunk_bytes / (hw.nvlink_gbs * 1e9) + hw.nvlink_hop_latency_s
         )

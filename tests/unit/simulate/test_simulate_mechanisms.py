@@ -65,12 +65,14 @@ def test_critical_path_of_a_full_tree(dim: int) -> None:
     assert binomial_critical_path(binomial_children(2**dim)) == dim * (dim + 1) // 2
 
 
-def test_members_per_engine_receive_once_per_engine() -> None:
+@pytest.mark.parametrize("collective", ["ring", "binomial"])
+def test_members_per_engine_receive_once_per_engine(collective: str) -> None:
+    hw = BINOMIAL.with_overrides(collective=collective)
     ranks = replace(SCENARIOS["qwen3-235b"], published=None)
     engines = replace(ranks, broadcast_receivers="engine")
-    by_rank, by_engine = simulate(ranks, BINOMIAL), simulate(engines, BINOMIAL)
+    by_rank, by_engine = simulate(ranks, hw), simulate(engines, hw)
     assert by_rank.broadcast.total_bytes == by_engine.broadcast.total_bytes * ranks.infer_tp
-    assert by_engine.broadcast.seconds < by_rank.broadcast.seconds  # a shallower tree
+    assert by_engine.broadcast.seconds < by_rank.broadcast.seconds  # a shallower tree, a shorter ring
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
