@@ -386,6 +386,12 @@ def simulate(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Any other hardware constant, NAME=VALUE (see docs/simulator.md).")
     ] = None,
+    testbed: Annotated[
+        str | None,
+        typer.Option(
+            help="Model the emulated testbed instead (A, B, B-no-gather: docs/testbed.md), against its measurement."
+        ),
+    ] = None,
 ) -> None:
     """Model one weight sync at cluster scale with the real planner: NCCL broadcast, Miles P2P and ours."""
     import json
@@ -393,6 +399,10 @@ def simulate(
 
     from weightsync.simulate import H100_IB, PRESETS, SCENARIOS, simulate
     from weightsync.simulate.view import breakdown_table, hardware_dict, summary_table
+
+    if testbed is not None:
+        _simulate_testbed(testbed, as_json)
+        return
 
     names = list(PRESETS) if preset == "all" else [preset]
     if any(name not in SCENARIOS for name in names):
@@ -438,6 +448,24 @@ def simulate(
 
         write_plot(plot, sweep(names, hw))
         err.print(f"wrote {plot}")
+
+
+def _simulate_testbed(name: str, as_json: bool) -> None:
+    """``weightsync simulate --testbed``: the model with the testbed's constants, next to what was measured."""
+    from weightsync.simulate.testbed import TESTBED, TESTBED_RUNS
+    from weightsync.simulate.view import hardware_dict, testbed_dict, testbed_table
+
+    if name not in TESTBED_RUNS:
+        raise typer.BadParameter(
+            f"unknown testbed {name!r}; choose from {', '.join(TESTBED_RUNS)}", param_hint="--testbed"
+        )
+    run = TESTBED_RUNS[name]
+    if as_json:
+        payload = testbed_dict(run, TESTBED)
+        payload["hardware"] = hardware_dict(TESTBED)
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        Console().print(testbed_table(run, TESTBED))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ Bandwidths are in bytes per second (GB = 1e9 bytes), times in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 GB = 1e9
+
+Collective = Literal["ring", "binomial"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class Hardware:
     nccl_efficiency: float = 0.92
     """Calibrated (NCCL collectives over IB as a fraction of line rate); 0.9-0.95 is what nccl-tests
     bus bandwidth reaches on 400G IB at GB-sized messages."""
+
+    collective: Collective = "ring"
+    """How the broadcast moves a bucket. ``ring``: NCCL's pipelined ring, every member sends and receives the
+    bucket once, in chunks. ``binomial``: gloo's ``broadcast`` (gloo/broadcast.cc), a binomial tree of
+    whole-message sends, store-and-forward: the sender sends each bucket ``ceil(log2 W)`` times for a group
+    of ``W``, one tree round after the other."""
 
     # --- Intra-node links ------------------------------------------------------------------------
     nvlink_gbs: float = 450.0
@@ -82,12 +90,17 @@ class Hardware:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def check(self) -> None:
-        positive = {f.name: getattr(self, f.name) for f in fields(self)}
+        positive = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NUMBERS}
         bad = [name for name, value in positive.items() if value <= 0 and name not in _MAY_BE_ZERO]
         if bad:
             raise ValueError(f"hardware constants must be positive: {', '.join(bad)}")
         if self.rdma_efficiency > 1 or self.nccl_efficiency > 1:
             raise ValueError("efficiencies are fractions of line rate, at most 1")
+        if self.collective not in ("ring", "binomial"):
+            raise ValueError(f"collective {self.collective!r}: ring or binomial")
+
+
+_NOT_NUMBERS = frozenset({"collective"})
 
 
 _MAY_BE_ZERO = frozenset(

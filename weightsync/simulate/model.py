@@ -154,7 +154,7 @@ def geometry(scenario: Scenario, hw: Hardware) -> Geometry:
     stage_train_bytes = model.train_bytes / sc.train_pp
     buckets = max(1, math.ceil(stage_train_bytes / hw.bucket_bytes))
     bucket_train = stage_train_bytes / buckets
-    shard = model.wire_bytes / sc.infer_tp
+    shard = model.shard_bytes(sc.infer_tp)
     # EP all-gather: the part of the EP group on other nodes comes in over this GPU's share of the NICs
     # (IB, GPUDirect); the rest over NVLink. Non-expert tensors gather over TP inside the node.
     cross = max(0.0, 1 - gpn / sc.train_ep)
@@ -231,18 +231,35 @@ def _ingress_per_bucket(scenario: Scenario, hw: Hardware, g: Geometry) -> float:
 
 
 def broadcast(scenario: Scenario, hw: Hardware, g: Geometry) -> ModeResult:
-    """Miles/slime ``UpdateWeightFromDistributed``: each stage's head rank NCCL-broadcasts full tensors to
-    every inference rank; a global lock serialises the stages' buckets (the engines take one update at a
-    time), and each bucket is a lock-step ``update_weights_from_distributed`` call on every engine."""
+    """Miles/slime ``UpdateWeightFromDistributed``: each stage's head rank broadcasts full tensors to
+    every member (every inference rank, or one per engine: ``Scenario.broadcast_receivers``); a global lock
+    serialises the stages' buckets (the engines take one update at a time), and each bucket is a lock-step
+    ``update_weights_from_distributed`` call on every engine. The collective is NCCL's ring or gloo's
+    binomial tree (``Hardware.collective``)."""
     sc = scenario
-    ring_bw = min(hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency, hw.nvlink_gbs * 1e9)
-    gpu_ib = hw.nic_bytes_per_s * min(1.0, hw.nics_per_node / hw.gpus_per_node) * hw.nccl_efficiency
-    ib_hops = sc.inference_nodes
-    nvlink_hops = g.inference_ranks - sc.inference_nodes
-    fill = ib_hops * (hw.nccl_chunk_bytes / gpu_ib + hw.ib_hop_latency_s) + nvlink_hops * (
-        hw.nccl_chunk_bytes / (hw.nvlink_gbs * 1e9) + hw.nvlink_hop_latency_s
-    )
-    wire = g.bucket_wire_bytes / ring_bw
+    members = g.engines if sc.broadcast_receivers == "engine" else g.inference_ranks
+    if hw.collective == "binomial":
+        # gloo: the sender's link carries every bucket once per child, back to back (period); the last
+        # bucket then still has to travel the tree's critical path (binomial_critical_path), spread over
+        # the buckets as a per-bucket fill so that the total is (nb - 1) periods + one critical path.
+        unit = g.bucket_wire_bytes / (hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency)
+        children = binomial_children(members + 1)
+        sends = len(children[0])
+        wire = sends * unit
+        last = (binomial_critical_path(children) - sends) * unit
+        fill = last / (g.buckets_per_stage * sc.train_pp)
+        fill_name, busiest_link = "tree fill", sends * sc.model.wire_bytes
+    else:
+        ring_bw = min(hw.nic_bytes_per_s * hw.nics_per_node * hw.nccl_efficiency, hw.nvlink_gbs * 1e9)
+        gpu_ib = hw.nic_bytes_per_s * min(1.0, hw.nics_per_node / hw.gpus_per_node) * hw.nccl_efficiency
+        # One hop per member; a node's first member is reached over IB, its others over NVLink.
+        ib_hops = min(sc.inference_nodes, members)
+        nvlink_hops = members - ib_hops
+        fill = ib_hops * (hw.nccl_chunk_bytes / gpu_ib + hw.ib_hop_latency_s) + nvlink_hops * (
+            hw.nccl_chunk_bytes / (hw.nvlink_gbs * 1e9) + hw.nvlink_hop_latency_s
+        )
+        wire = g.bucket_wire_bytes / ring_bw
+        fill_name, busiest_link = "ring fill", sc.model.wire_bytes
     rpc = hw.engine_rpc_s_per_rank * sc.infer_tp
     per_bucket = wire + fill + rpc
     total_buckets = g.buckets_per_stage * sc.train_pp
@@ -253,26 +270,57 @@ def broadcast(scenario: Scenario, hw: Hardware, g: Geometry) -> ModeResult:
         ("control", hw.control_s),
         ("gather (exposed)", transfer - serial),
         ("wire", total_buckets * wire),
-        ("ring fill", total_buckets * fill),
+        (fill_name, total_buckets * fill),
         ("engine lock-step", total_buckets * rpc),
     )
     return ModeResult(
         seconds=sum(v for _, v in phases),
         phases=phases,
-        total_bytes=sc.model.wire_bytes * g.inference_ranks,
-        busiest_link_bytes=sc.model.wire_bytes,
-        bottleneck="engine lock-step" if rpc >= wire + fill else "ring",
+        total_bytes=sc.model.wire_bytes * members,
+        busiest_link_bytes=busiest_link,
+        bottleneck="engine lock-step" if rpc >= wire + fill else hw.collective,
     )
+
+
+def binomial_children(world: int) -> list[list[int]]:
+    """Per virtual rank (the root is 0), the ranks it sends to in one ``gloo::broadcast`` (gloo/broadcast.cc):
+    in iteration ``i`` every rank with no bit set above ``i`` and bit ``i`` clear sends to ``rank | 2^i``."""
+    if world < 1:
+        raise ValueError(f"a broadcast group has at least one member, not {world}")
+    dim = math.ceil(math.log2(world)) if world > 1 else 0
+    children: list[list[int]] = [[] for _ in range(world)]
+    for i in range(dim):
+        for vrank in range(world):
+            if vrank >> (i + 1) or vrank & (1 << i):
+                continue
+            if (peer := vrank | (1 << i)) < world:
+                children[vrank].append(peer)
+    return children
+
+
+def binomial_critical_path(children: list[list[int]]) -> int:
+    """When the last member holds one bucket, in whole-bucket transfers over one link. gloo blocks on the
+    receive before it queues any send, then queues all its sends at once: a rank forwards only a complete
+    bucket, and its children share its link, so they all finish ``len(children)`` transfers after it
+    received. Children have higher ranks than their parent, so one pass in rank order suffices."""
+    done = [0] * len(children)
+    for vrank, kids in enumerate(children):
+        for child in kids:
+            done[child] = done[vrank] + len(kids)
+    return max(done)
 
 
 def miles_p2p(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> ModeResult:
     """Miles ``UpdateWeightP2P``: per bucket, gather, then for each replica shape ``load_weights`` into the
     one shared pinned buffer and RDMA-write it to that shape's targets. Non-last shapes wait for their
-    writes (the buffer is reused); the last shape's writes overlap the next bucket (notes §1.7)."""
+    writes (the buffer is reused); the last shape's writes overlap the next bucket (notes §1.7).
+    With ``Scenario.miles_schedule == "stage_then_write"``: :func:`stage_then_write` instead."""
+    if scenario.miles_schedule == "stage_then_write":
+        return stage_then_write(scenario, hw, g, plan)
     sc = scenario
     bw = _source_write_bw(hw)
     ingress = _ingress_per_bucket(sc, hw, g)
-    load_one = hw.replica_load_s_per_shape + g.slice_bytes / (hw.d2h_gbs * 1e9)
+    load_one = _load_one(hw, g)
     nb = g.buckets_per_stage
     worst = (-1.0, 0.0, 0.0, 0.0, 0.0)  # total, period, load, blocking writes, last write
     for counts in _shape_counts(plan):
@@ -281,7 +329,9 @@ def miles_p2p(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> Mode
         load = len(counts) * load_one
         writes = [n * g.slice_bytes / bw for n in counts]
         blocking, last = sum(writes[:-1]), writes[-1]
-        period = max(g.gather_s + load + blocking, last, ingress)
+        # The last shape's writes overlap the next bucket's gather and load, but share the source's NIC with
+        # its blocking writes: a period is never shorter than all of a bucket's writes.
+        period = max(g.gather_s + load + blocking, blocking + last, ingress)
         if nb * period + last > worst[0]:
             worst = (nb * period + last, period, load, blocking, last)
     _, period, load, blocking, last = worst
@@ -297,6 +347,53 @@ def miles_p2p(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> Mode
     return _p2p_result(sc, g, plan, phases, bottleneck="serial bucket loop")
 
 
+def stage_then_write(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> ModeResult:
+    """Stage everything, then write: every source gathers and stages all its buckets, and only then runs a
+    round, whose buckets are written, received and verified as a pipeline (:func:`_round_stages`). This is
+    the testbed's Miles-style way (the Miles planner's targets, our round protocol); the phases ``gather``
+    and ``replica load`` are its staging, the ``round: ...`` phases and ``control`` its round."""
+    sc = scenario
+    load_one = _load_one(hw, g)
+    nb = g.buckets_per_stage
+    worst: tuple[float, float, float, dict[str, float]] = (-1.0, 0.0, 0.0, {})
+    for counts in _shape_counts(plan):
+        staging = nb * (g.gather_s + len(counts) * load_one)
+        stages = _round_stages(sc, hw, g, counts)
+        round_s = (nb - 1) * max(stages.values()) + sum(stages.values())
+        if staging + round_s > worst[0]:
+            worst = (staging + round_s, staging, round_s, stages)
+    _, staging, round_s, stages = worst
+    bottleneck = max(stages, key=lambda k: stages[k])
+    period = stages[bottleneck]
+    phases = (
+        ("control", hw.control_s),
+        ("gather", nb * g.gather_s),
+        ("replica load", staging - nb * g.gather_s),
+        (f"round: {bottleneck}", nb * period),
+        ("round: fill", round_s - nb * period),
+        ("post-process", sc.model.post_process_s),
+    )
+    return _p2p_result(sc, g, plan, phases, bottleneck=f"staging, then {bottleneck}")
+
+
+def _load_one(hw: Hardware, g: Geometry) -> float:
+    """Staging one bucket's slice into one replica shape: ``load_weights`` plus the copy into host memory."""
+    return hw.replica_load_s_per_shape + g.slice_bytes / (hw.d2h_gbs * 1e9)
+
+
+def _round_stages(sc: Scenario, hw: Hardware, g: Geometry, counts: list[int]) -> dict[str, float]:
+    """Per bucket, the stages of our round for a source whose replica shapes feed ``counts`` targets each:
+    the transfer, and the target's xxh3 verify. The transfer is one stage, named after its slower end: the
+    source's writes (NIC out) or the busiest target node's ingress. They are the same bytes in flight, so
+    they bound the period together but the ingress adds no pipeline step of its own."""
+    write = sum(counts) * g.slice_bytes / _source_write_bw(hw)
+    ingress = _ingress_per_bucket(sc, hw, g)
+    return {
+        "write" if write >= ingress else "target ingress": max(write, ingress),
+        "verify": sc.train_pp * g.slice_bytes / (hw.verify_gbs * 1e9),
+    }
+
+
 def ours(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> ModeResult:
     """Our pipelined design: one replica per shape (no shared buffer), and the four stages of a bucket —
     all-gather (NIC in / NVLink), staging into the replicas (D2H), RDMA writes (NIC out from host memory)
@@ -304,21 +401,12 @@ def ours(scenario: Scenario, hw: Hardware, g: Geometry, plan: Plan) -> ModeResul
     bucket ``i`` is staged and ``i-1`` written. InfiniBand is full duplex, so the gather (inbound) and
     the writes (outbound) share a NIC without contention."""
     sc = scenario
-    bw = _source_write_bw(hw)
-    ingress = _ingress_per_bucket(sc, hw, g)
-    verify = sc.train_pp * g.slice_bytes / (hw.verify_gbs * 1e9)
-    load_one = hw.replica_load_s_per_shape + g.slice_bytes / (hw.d2h_gbs * 1e9)
+    load_one = _load_one(hw, g)
     nb = g.buckets_per_stage
     stages: dict[str, float] = {}
     worst = -1.0
     for counts in _shape_counts(plan):
-        candidate = {
-            "gather": g.gather_s,
-            "stage": len(counts) * load_one,
-            "write": sum(counts) * g.slice_bytes / bw,
-            "target ingress": ingress,
-            "verify": verify,
-        }
+        candidate = {"gather": g.gather_s, "stage": len(counts) * load_one, **_round_stages(sc, hw, g, counts)}
         # This source's time: nb periods of its slowest stage plus one pass through the others.
         own = (nb - 1) * max(candidate.values()) + sum(candidate.values())
         if own > worst:

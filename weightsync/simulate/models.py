@@ -26,6 +26,20 @@ class ModelSpec:
     post_process_s: float = 0.0
     """Engine-side ``post_load_weights`` after a P2P write (requantisation, MLA splits), per rank."""
     source: str = ""
+    replicated_bytes: float = 0.0
+    """Part of ``wire_bytes`` that every inference rank holds whole instead of a ``1/TP`` slice of it (the
+    embedding and LM head of an engine that does not shard its vocabulary, as the reference engine). P2P
+    writes it to every rank; a broadcast sends it once per member like everything else. Zero for the
+    published presets: SGLang shards the vocabulary."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replicated_bytes <= self.wire_bytes:
+            raise ValueError(f"replicated bytes {self.replicated_bytes} outside 0..wire bytes {self.wire_bytes}")
+
+    def shard_bytes(self, tp: int) -> float:
+        """What one inference rank of a TP-``tp`` engine holds: its slice of the split part, plus the
+        replicated part whole."""
+        return (self.wire_bytes - self.replicated_bytes) / tp + self.replicated_bytes
 
     @property
     def train_bytes(self) -> float:
@@ -44,6 +58,7 @@ class ModelSpec:
             dtype=self.dtype,
             post_process_s=self.post_process_s,
             source=self.source,
+            replicated_bytes=self.replicated_bytes * factor,
         )
 
 

@@ -8,6 +8,7 @@ engine count is inference GPUs / TP.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from weightsync.simulate.models import MODELS, ModelSpec
 
@@ -33,6 +34,14 @@ class Scenario:
     """Ranks per engine (TP = EP in every published run)."""
     published: Published | None = None
     scale: int = 1
+    broadcast_receivers: Literal["rank", "engine"] = "rank"
+    """Who joins the broadcast group: every inference rank (SGLang's ``update_weights_from_distributed``),
+    or one member per engine process that cuts its ranks' shards itself (the reference engine's
+    ``broadcast: engine``, the testbed)."""
+    miles_schedule: Literal["per_bucket", "stage_then_write"] = "per_bucket"
+    """How the Miles P2P way orders its work. ``per_bucket``: Miles' own loop (gather, load each replica
+    shape, write; notes §1.7). ``stage_then_write``: the testbed's Miles-style way, which gathers and stages
+    everything and then runs one of our rounds (writes, per-bucket verify) over the staged replicas."""
 
     def scaled(self, factor: int) -> Scenario:
         """``factor`` times the nodes on both sides: more trainer data parallelism and more engines, with the

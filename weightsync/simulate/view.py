@@ -10,6 +10,7 @@ from rich.table import Table
 
 from weightsync.simulate.hardware import Hardware
 from weightsync.simulate.model import Simulation
+from weightsync.simulate.testbed import BenchRun, compare
 
 
 def _err(value: float | None) -> str:
@@ -51,3 +52,43 @@ def breakdown_table(sim: Simulation) -> Table:
 
 def hardware_dict(hw: Hardware) -> dict[str, Any]:
     return asdict(hw)
+
+
+_WAY_LABELS = {
+    "broadcast_s": "broadcast (gloo, one member per engine)",
+    "p2p_s": "p2p round over staged replicas",
+    "miles_style_staging_s": "Miles-style: staging (gather, copy)",
+    "miles_style_s": "Miles-style: staging, then the round",
+    "ours_s": "ours: gather, copy and write pipelined",
+}
+
+
+def testbed_table(run: BenchRun, hw: Hardware) -> Table:
+    kind = "constants fitted here" if run.fitted else "prediction: constants fitted to scenario A and the sweep"
+    shape = f"{run.trainers} trainers -> {run.engines} engines x TP{run.tp}, {run.model_bytes / 2**20:.0f} MiB"
+    link = f"{run.rate_bits / 1e6:g} Mbit/s, gather shards {run.gather_shards}"
+    table = Table(title=f"testbed {run.name}: {shape}, {link}\n({kind})")
+    for column in ("way", "modelled s", "measured s", "error"):
+        table.add_column(column, justify="left" if column == "way" else "right", no_wrap=True)
+    for row in compare(run, hw):
+        measured = "" if row.measured is None else f"{row.measured:.3f}"
+        table.add_row(_WAY_LABELS[row.way], f"{row.modelled:.3f}", measured, _err(row.error))
+    return table
+
+
+def testbed_dict(run: BenchRun, hw: Hardware) -> dict[str, Any]:
+    rows = compare(run, hw)
+    return {
+        "testbed": run.name,
+        "layout": {"trainers": run.trainers, "engines": run.engines, "tp": run.tp},
+        "model_bytes": run.model_bytes,
+        "replicated_bytes": run.replicated_bytes,
+        "rate_bits": run.rate_bits,
+        "bucket_bytes": run.bucket_bytes,
+        "gather_shards": run.gather_shards,
+        "fitted": run.fitted,
+        "modelled": run.predict(hw).to_dict(),
+        "measured": {row.way: row.measured for row in rows if row.measured is not None},
+        "relative_error": {row.way: round(row.error, 4) for row in rows if row.error is not None},
+        "measured_source": None if run.measured is None else run.measured.source,
+    }

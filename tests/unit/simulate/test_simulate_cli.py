@@ -53,3 +53,24 @@ def test_plot_writes_a_small_png(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size < 200_000
+
+
+def test_testbed_json_is_the_prediction_next_to_the_measurement() -> None:
+    from weightsync.simulate.testbed import TESTBED_RUNS
+
+    result = runner.invoke(app, ["simulate", "--testbed", "A", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["fitted"] is True and data["layout"] == {"trainers": 4, "engines": 2, "tp": 2}
+    expected = TESTBED_RUNS["A"].predict().to_dict()
+    assert data["modelled"] == expected
+    assert set(data["measured"]) == {"broadcast_s", "p2p_s"} == set(data["relative_error"])
+    assert all(abs(e) <= 0.15 for e in data["relative_error"].values())
+    assert data["hardware"]["collective"] == "binomial"
+
+
+def test_testbed_table_says_b_is_a_prediction_and_unknown_names_exit_2() -> None:
+    result = runner.invoke(app, ["simulate", "--testbed", "B"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "prediction" in result.output and "Miles-style" in result.output
+    assert runner.invoke(app, ["simulate", "--testbed", "C"]).exit_code == 2
