@@ -12,18 +12,30 @@ import pytest
 from weightsync_testing.testbed.gather import HEADER, MAX_PULL_BYTES, GatherLink, gathered_bytes
 
 
-@pytest.fixture
-def sink() -> Iterator[tuple[str, int]]:
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    command = [sys.executable, "-m", "weightsync_testing.testbed.gather", "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        return int(probe.getsockname()[1])
+
+
+def _start(*args: str) -> subprocess.Popen[str]:
+    process = subprocess.Popen([sys.executable, "-m", "weightsync_testing.testbed.gather", *args],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert process.stdout is not None
-    assert "gather sink on" in process.stdout.readline()
-    yield "127.0.0.1", port
-    process.kill()
-    process.wait()
+    assert "gather" in process.stdout.readline()  # listening
+    return process
+
+
+@pytest.fixture
+def sink() -> Iterator[tuple[str, int]]:
+    """A source and a sink, each its own process, as the testbed runs them (without namespaces)."""
+    source_port, sink_port = _free_port(), _free_port()
+    source = _start("source", "--host", "127.0.0.1", "--port", str(source_port))
+    relay = _start("sink", "--host", "127.0.0.1", "--port", str(sink_port), "--source", f"127.0.0.1:{source_port}")
+    yield "127.0.0.1", sink_port
+    for process in (relay, source):
+        process.kill()
+        process.wait()
 
 
 def test_pull_moves_the_bytes_and_waits_for_them(sink: tuple[str, int]) -> None:
@@ -65,3 +77,9 @@ def test_gathered_bytes(size: int, shards: int, expected: int) -> None:
 def test_gathered_bytes_needs_a_shard() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         gathered_bytes(10, 0)
+
+
+def test_a_sink_needs_its_source() -> None:
+    done = subprocess.run([sys.executable, "-m", "weightsync_testing.testbed.gather", "sink", "--host", "127.0.0.1",
+                           "--port", "1"], capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 2 and "--source HOST:PORT" in done.stderr

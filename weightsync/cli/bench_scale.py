@@ -78,6 +78,7 @@ def render(report: ScaleReport, console: Console) -> None:
     table.add_row("operator peak RSS (MiB)", _mark(report.operator_peak_rss_mib, TARGETS["operator_peak_rss_mib"]))
     gc = ", ".join(f"{k}={v}" for k, v in report.gc_settings.items())
     table.add_row("kube-controller-manager GC", gc)
+    table.add_row("pod starts", ", ".join(f"{k}={v}" for k, v in report.start_settings.items()))
     console.print(table)
     console.print(f"[yellow]note:[/] {report.note}")
     if report.idle_window_s is not None and report.idle_window_s < WATCH_SECONDS * 1.25:

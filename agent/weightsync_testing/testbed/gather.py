@@ -14,11 +14,15 @@ else into that node, full duplex with the node's outbound writes, as on InfiniBa
 is the process's own copy of the tensor (the same values a real gather would assemble), so the rounds
 stay bit-exact.
 
-Protocol (one TCP connection per trainer rank): ``!Q`` length, then that many bytes, answered with one
-byte once the sink has read them all; a zero length ends the connection. A length above
-:data:`MAX_PULL_BYTES` closes it (the sink trusts nothing it reads).
+Two processes per trainer node, neither of them the trainer's (a real all-gather runs in NCCL's threads, not
+in the training loop): a **source** in the root namespace (the other shard holders), a **sink** in the node's
+namespace, and the trainer rank's :class:`GatherLink` to the sink. The rank asks the sink for ``n`` bytes; the
+sink asks its source for them over its own connection, reads them (they cross the node's inbound cap) and
+answers the rank with one byte. Every message is ``!Q`` length; a zero length ends a connection, a length above
+:data:`MAX_PULL_BYTES` closes it (nothing read is trusted).
 
-Run the sink as ``python -m weightsync_testing.testbed.gather --host H --port P``.
+Run them as ``python -m weightsync_testing.testbed.gather source --host H --port P`` and ``python -m
+weightsync_testing.testbed.gather sink --host H --port P --source SH:SP``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 HEADER = struct.Struct("!Q")
 MAX_PULL_BYTES = 1 << 32
@@ -51,26 +56,54 @@ def _read_exactly(conn: socket.socket, buffer: memoryview, count: int) -> bool:
     return True
 
 
-def _serve_one(conn: socket.socket) -> None:
-    scratch = memoryview(bytearray(_CHUNK))
+def _feed(conn: socket.socket) -> None:
+    """The source's side of one sink's connection: send each asked-for count of bytes."""
+    zeros = memoryview(bytes(_CHUNK))
     header = memoryview(bytearray(HEADER.size))
     with conn:
         while _read_exactly(conn, header, HEADER.size):
             (count,) = HEADER.unpack(header)
             if count == 0 or count > MAX_PULL_BYTES:
                 return
-            if not _read_exactly(conn, scratch, count):
+            while count:
+                piece = min(count, _CHUNK)
+                conn.sendall(zeros[:piece])
+                count -= piece
+
+
+def _relay(rank: socket.socket, source: tuple[str, int]) -> None:
+    """The sink's side of one rank's connection: fetch each asked-for count from the source, then answer."""
+    scratch = memoryview(bytearray(_CHUNK))
+    header = memoryview(bytearray(HEADER.size))
+    with rank, socket.create_connection(source, timeout=30) as feed:
+        feed.settimeout(None)
+        while _read_exactly(rank, header, HEADER.size):
+            (count,) = HEADER.unpack(header)
+            if count == 0 or count > MAX_PULL_BYTES:
                 return
-            conn.sendall(_ACK)
+            feed.sendall(HEADER.pack(count))
+            if not _read_exactly(feed, scratch, count):
+                return
+            rank.sendall(_ACK)
 
 
-def serve(host: str, port: int) -> None:
-    """Accept gather connections on ``host:port`` forever, one thread each."""
-    with socket.create_server((host, port), reuse_port=False) as server:
-        print(f"gather sink on {host}:{port}", flush=True)
+def _accept_forever(host: str, port: int, what: str, handle: Callable[[socket.socket], None]) -> None:
+    with socket.create_server((host, port)) as server:
+        print(f"gather {what} on {host}:{port}", flush=True)
         while True:
             conn, _ = server.accept()
-            threading.Thread(target=_serve_one, args=(conn,), daemon=True).start()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+def serve_source(host: str, port: int) -> None:
+    """The shard holders' side: feed every connecting sink the bytes it asks for."""
+    _accept_forever(host, port, "source", _feed)
+
+
+def serve(host: str, port: int, source: tuple[str, int]) -> None:
+    """A trainer node's sink: relay each rank's gathers from ``source`` into this node."""
+    _accept_forever(host, port, "sink", lambda conn: _relay(conn, source))
 
 
 class GatherLink:
@@ -80,20 +113,15 @@ class GatherLink:
         self._sock = socket.create_connection((host, port), timeout=connect_timeout)
         self._sock.settimeout(timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._zeros = memoryview(bytes(_CHUNK))
         self.pulled = 0
 
     def pull(self, count: int) -> None:
+        """Gather ``count`` bytes into the rank's node: returns once the sink has received them all."""
         if count <= 0:
             return
         if count > MAX_PULL_BYTES:
             raise ValueError(f"a gather of {count} bytes is over {MAX_PULL_BYTES}")
         self._sock.sendall(HEADER.pack(count))
-        left = count
-        while left:
-            piece = min(left, _CHUNK)
-            self._sock.sendall(self._zeros[:piece])
-            left -= piece
         if self._sock.recv(1) != _ACK:
             raise ConnectionError("the gather sink closed the connection")
         self.pulled += count
@@ -105,11 +133,19 @@ class GatherLink:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="The gather sink of an emulated trainer node.")
+    parser = argparse.ArgumentParser(description="The emulated all-gather of a trainer node (see the module).")
+    parser.add_argument("role", choices=("source", "sink"))
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--source", help="sink: the source's HOST:PORT")
     args = parser.parse_args(argv)
-    serve(args.host, args.port)
+    if args.role == "source":
+        serve_source(args.host, args.port)
+        return
+    if not args.source or ":" not in args.source:
+        parser.error("a sink needs --source HOST:PORT")
+    source_host, source_port = args.source.rsplit(":", 1)
+    serve(args.host, args.port, (source_host, int(source_port)))
 
 
 if __name__ == "__main__":

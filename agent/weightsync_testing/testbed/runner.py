@@ -67,6 +67,7 @@ P2P_SEED, BROADCAST_SEED = 1, 2
 AGENT_PORT = 9470
 STORE_PORT = 29471
 GATHER_PORT = 9480
+GATHER_SOURCE_PORT = 29480  # + the trainer node's index, on the bridge's address
 
 SCENARIOS: dict[str, tuple[Layout, int]] = {"A": (Layout(trainers=4, engines=2, tp=2), 512)}
 TARGET_SPEEDUP = 3.5  # p2p at least this much faster than broadcast
@@ -81,6 +82,9 @@ class Options:
     rounds: int = 5
     mib: int | None = None  # model size; the scenario's by default
     bucket_mib: int = 64
+    #: The p2p plans' bucket, when not ``bucket_mib`` (scenario B: a streamed round drains its last bucket after
+    #: the trainer staged it, so its buckets are small; broadcast keeps ``bucket_mib``).
+    p2p_bucket_mib: int | None = None
     sweep: list[int] = field(default_factory=lambda: list(range(1, 9)))
     sweep_mib: int = 128
     sweep_rounds: int = 1
@@ -110,6 +114,10 @@ class Net:
         if self.testbed is not None:
             return self.testbed.wrap(namespace, env)
         return ("env", *(f"{k}={v}" for k, v in env.items())) if env else ()
+
+    def gateway(self) -> str:
+        """The root namespace's address every node reaches (the bridge's), or loopback."""
+        return self.testbed.gateway if self.testbed else "127.0.0.1"
 
     def interface(self, node: str) -> str:
         return self.testbed.links[node].ns_if if self.testbed else "lo"
@@ -207,6 +215,7 @@ class Group:
         #: The trainer pod of each client (same order), and its gather link when the gather is emulated.
         self.client_pods: list[int] = []
         self.gather_links: list[Any] = []
+        #: The gather's processes: a node's sink under its pod index, its source under ``-1 - pod``.
         self.gather_sinks: dict[int, subprocess.Popen[bytes]] = {}
         self._gather_address: dict[int, tuple[str, int]] = {}
         self.broadcaster: subprocess.Popen[str] | None = None
@@ -248,7 +257,8 @@ class Group:
 
     def _write_files(self, engines: int) -> Path:
         opts = self.options
-        self.p2p_plan = group_plan(self.layout, engines, "p2p", opts.bucket_mib, opts.timeout_seconds, self.planner)
+        p2p_bucket = opts.p2p_bucket_mib or opts.bucket_mib
+        self.p2p_plan = group_plan(self.layout, engines, "p2p", p2p_bucket, opts.timeout_seconds, self.planner)
         self.broadcast_plan = group_plan(self.layout, engines, "broadcast", opts.bucket_mib, opts.timeout_seconds)
         (self.workdir / "plan.json").write_text(self.p2p_plan.to_json())
         (self.workdir / "plan-broadcast.json").write_text(self.broadcast_plan.to_json())
@@ -283,7 +293,9 @@ class Group:
 
         self.stop_agents()
         opts = self.options
-        plan = group_plan(self.layout, engines, "p2p", opts.bucket_mib, opts.timeout_seconds, self.planner)
+        plan = group_plan(
+            self.layout, engines, "p2p", opts.p2p_bucket_mib or opts.bucket_mib, opts.timeout_seconds, self.planner
+        )
         # A trainer rank the plan gives no target (fewer targets than trainer ranks) has nothing to do: no agent.
         ports = {a.source: self.net.port(AGENT_PORT) for a in plan.sources if a.targets}
         self.agent_urls = {p: f"http://{self.net.address(trainer_node(p))}:{ports[p]}" for p in ports}
@@ -321,34 +333,54 @@ class Group:
             self._start_gather()
 
     def _start_gather(self) -> None:
-        """A gather sink in every client's trainer node, and each client's link to it (see ``gather.py``)."""
+        """A gather source (root namespace) and sink (the node's namespace) for every client's trainer node, and
+        each client's link to its sink (see ``gather.py``)."""
         from weightsync_testing.testbed.gather import GatherLink
 
+        module = (sys.executable, "-m", "weightsync_testing.testbed.gather")
         for pod in self.client_pods:
             if pod in self.gather_sinks:
                 continue
+            source = (self.net.gateway(), self.net.port(GATHER_SOURCE_PORT + pod))
             host, port = self.net.address(trainer_node(pod)), self.net.port(GATHER_PORT)
-            command = [*self.net.wrap(trainer_node(pod)), sys.executable, "-m", "weightsync_testing.testbed.gather",
-                       "--host", host, "--port", str(port)]  # fmt: skip
-            sink = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True)
-            assert sink.stdout is not None
-            if not sink.stdout.readline():  # its "gather sink on ..." line: listening
-                raise RuntimeError(f"the gather sink of trainer node {pod} did not start")
-            self.gather_sinks[pod] = sink
+            for role, command in (
+                ("source", [*module, "source", "--host", source[0], "--port", str(source[1])]),
+                ("sink", [*self.net.wrap(trainer_node(pod)), *module, "sink", "--host", host, "--port", str(port),
+                          "--source", f"{source[0]}:{source[1]}"]),
+            ):  # fmt: skip
+                process = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True)
+                self.gather_sinks[pod if role == "sink" else -1 - pod] = process
+                assert process.stdout is not None
+                if not process.stdout.readline():  # its "gather <role> on ..." line: listening
+                    raise RuntimeError(f"the gather {role} of trainer node {pod} did not start")
             self._gather_address[pod] = (host, port)
         self.gather_links = [GatherLink(*self._gather_address[pod]) for pod in self.client_pods]
 
     def _stage_all(self, index: int, full: Mapping[str, Any], stage: Callable[[str, Any], Any]) -> None:
-        """Rank ``index`` stages every tensor its targets need, in bucket order, each after its gather."""
+        """Rank ``index`` stages every tensor its targets need, in bucket order, each once gathered.
+
+        The gather of the next tensor runs while this one is staged (one tensor ahead, as FSDP prefetches the
+        next all-gather), so the link is not idle during the copy."""
         from weightsync_testing.testbed.gather import gathered_bytes
 
         client = self.clients[index]
-        link = self.gather_links[index] if self.gather_links else None
-        for name in client.staging_order():
-            tensor = full[name]
-            if link is not None:
-                link.pull(gathered_bytes(tensor.numel() * tensor.element_size(), self.options.gather_shards or 1))
-            stage(name, tensor)
+        order = client.staging_order()
+        if not self.gather_links:
+            for name in order:
+                stage(name, full[name])
+            return
+        link, shards = self.gather_links[index], self.options.gather_shards or 1
+
+        def gather(name: str) -> None:
+            link.pull(gathered_bytes(full[name].numel() * full[name].element_size(), shards))
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gather-{index}") as prefetch:
+            ahead = prefetch.submit(gather, order[0]) if order else None
+            for position, name in enumerate(order):
+                assert ahead is not None
+                ahead.result()
+                ahead = prefetch.submit(gather, order[position + 1]) if position + 1 < len(order) else None
+                stage(name, full[name])
 
     def stop_agents(self) -> None:
         for link in self.gather_links:
@@ -754,6 +786,7 @@ def report_header(scenario: str, layout: Layout, options: Options, rate_bits: in
         "rate": None if rate_bits is None else format_rate(rate_bits),
         "rate_bits": rate_bits,
         "bucket_mib": options.bucket_mib,
+        "p2p_bucket_mib": options.p2p_bucket_mib or options.bucket_mib,
         "machine": _machine(),
     }
 
