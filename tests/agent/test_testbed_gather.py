@@ -83,3 +83,13 @@ def test_a_sink_needs_its_source() -> None:
     done = subprocess.run([sys.executable, "-m", "weightsync_testing.testbed.gather", "sink", "--host", "127.0.0.1",
                            "--port", "1"], capture_output=True, text=True, check=False)  # fmt: skip
     assert done.returncode == 2 and "--source HOST:PORT" in done.stderr
+
+
+def test_requests_asked_ahead_are_answered_in_order(sink: tuple[str, int]) -> None:
+    link = GatherLink(*sink)
+    for count in (3 << 20, 0, 1, 5 << 20):  # a rank asks for several tensors' gathers before it waits
+        link.request(count)
+    for expected in (3 << 20, 3 << 20, (3 << 20) + 1, (8 << 20) + 1):
+        link.wait()
+        assert link.pulled == expected
+    link.close()

@@ -256,9 +256,10 @@ _A = BenchRun(
     fitted=True,
 )
 _B = BenchRun("B", trainers=8, engines=4, tp=2, model_bytes=512 * MiB, rate_bits=500 * 10**6, gather_shards=2)
-#: Scenario B with the trainer's gather (shard groups of 2) and 16 MiB p2p buckets, one run of 3 rounds per way
-#: (docs/testbed.md); another run gave broadcast 28.53, Miles-style 9.41 (staging 4.50) and ours 5.54 s.
-_B_MEASURED = Measured(broadcast_s=28.551, miles_style_s=9.438, miles_style_staging_s=4.502, ours_s=5.681)
+#: Scenario B with the trainer's gather (shard groups of 2, asked two tensors ahead) and 16 MiB p2p buckets, one
+#: run of 3 rounds per way (docs/testbed.md); another run gave broadcast 28.54, Miles-style 9.43 (staging 4.49)
+#: and ours 5.44 s.
+_B_MEASURED = Measured(broadcast_s=28.537, miles_style_s=9.438, miles_style_staging_s=4.494, ours_s=5.418)
 TESTBED_RUNS: dict[str, BenchRun] = {
     "A": _A,
     # Scenario B as measured before the gather was emulated (streaming wired in, a quiet machine).

@@ -28,7 +28,9 @@ weightsync_testing.testbed.gather sink --host H --port P --source SH:SP``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import queue
 import socket
 import struct
 import threading
@@ -72,16 +74,28 @@ def _feed(conn: socket.socket) -> None:
 
 
 def _relay(rank: socket.socket, source: tuple[str, int]) -> None:
-    """The sink's side of one rank's connection: fetch each asked-for count from the source, then answer."""
+    """The sink's side of one rank's connection: each asked-for count is passed on to the source at once (a rank
+    may ask ahead, so the source streams without a gap between tensors), then read and answered in order."""
     scratch = memoryview(bytearray(_CHUNK))
-    header = memoryview(bytearray(HEADER.size))
+    asked: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     with rank, socket.create_connection(source, timeout=30) as feed:
         feed.settimeout(None)
-        while _read_exactly(rank, header, HEADER.size):
-            (count,) = HEADER.unpack(header)
-            if count == 0 or count > MAX_PULL_BYTES:
-                return
-            feed.sendall(HEADER.pack(count))
+
+        def forward() -> None:
+            header = memoryview(bytearray(HEADER.size))
+            try:
+                while _read_exactly(rank, header, HEADER.size):
+                    (count,) = HEADER.unpack(header)
+                    if count == 0 or count > MAX_PULL_BYTES:
+                        break
+                    feed.sendall(HEADER.pack(count))
+                    asked.put(count)
+            except OSError:
+                pass
+            asked.put(None)
+
+        threading.Thread(target=forward, daemon=True).start()
+        while (count := asked.get()) is not None:
             if not _read_exactly(feed, scratch, count):
                 return
             rank.sendall(_ACK)
@@ -114,17 +128,32 @@ class GatherLink:
         self._sock.settimeout(timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pulled = 0
+        self._owed: collections.deque[int] = collections.deque()
+        self._empty: collections.deque[bool] = collections.deque()
+
+    def request(self, count: int) -> None:
+        """Ask for ``count`` bytes without waiting (a rank asks ahead; :meth:`wait` collects in order)."""
+        if count > MAX_PULL_BYTES:
+            raise ValueError(f"a gather of {count} bytes is over {MAX_PULL_BYTES}")
+        if count <= 0:
+            self._empty.append(True)
+            return
+        self._sock.sendall(HEADER.pack(count))
+        self._empty.append(False)
+        self._owed.append(count)
+
+    def wait(self) -> None:
+        """Wait until the oldest request's bytes are in the node."""
+        if self._empty.popleft():
+            return
+        if self._sock.recv(1) != _ACK:
+            raise ConnectionError("the gather sink closed the connection")
+        self.pulled += self._owed.popleft()
 
     def pull(self, count: int) -> None:
         """Gather ``count`` bytes into the rank's node: returns once the sink has received them all."""
-        if count <= 0:
-            return
-        if count > MAX_PULL_BYTES:
-            raise ValueError(f"a gather of {count} bytes is over {MAX_PULL_BYTES}")
-        self._sock.sendall(HEADER.pack(count))
-        if self._sock.recv(1) != _ACK:
-            raise ConnectionError("the gather sink closed the connection")
-        self.pulled += count
+        self.request(count)
+        self.wait()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -68,6 +68,8 @@ AGENT_PORT = 9470
 STORE_PORT = 29471
 GATHER_PORT = 9480
 GATHER_SOURCE_PORT = 29480  # + the trainer node's index, on the bridge's address
+#: Gathers a rank asks for ahead of the tensor it stages (see ``Group._stage_all``).
+GATHER_AHEAD = 2
 
 SCENARIOS: dict[str, tuple[Layout, int]] = {"A": (Layout(trainers=4, engines=2, tp=2), 512)}
 TARGET_SPEEDUP = 3.5  # p2p at least this much faster than broadcast
@@ -359,8 +361,9 @@ class Group:
     def _stage_all(self, index: int, full: Mapping[str, Any], stage: Callable[[str, Any], Any]) -> None:
         """Rank ``index`` stages every tensor its targets need, in bucket order, each once gathered.
 
-        The gather of the next tensor runs while this one is staged (one tensor ahead, as FSDP prefetches the
-        next all-gather), so the link is not idle during the copy."""
+        The rank asks for the next :data:`GATHER_AHEAD` tensors' gathers before it stages this one, as FSDP
+        prefetches the next all-gather: the gather streams without a gap between tensors (a request waiting
+        behind the node's outbound writes would otherwise idle its inbound link once per tensor)."""
         from weightsync_testing.testbed.gather import gathered_bytes
 
         client = self.clients[index]
@@ -371,16 +374,17 @@ class Group:
             return
         link, shards = self.gather_links[index], self.options.gather_shards or 1
 
-        def gather(name: str) -> None:
-            link.pull(gathered_bytes(full[name].numel() * full[name].element_size(), shards))
+        def ask(position: int) -> None:
+            if position < len(order):
+                tensor = full[order[position]]
+                link.request(gathered_bytes(tensor.numel() * tensor.element_size(), shards))
 
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gather-{index}") as prefetch:
-            ahead = prefetch.submit(gather, order[0]) if order else None
-            for position, name in enumerate(order):
-                assert ahead is not None
-                ahead.result()
-                ahead = prefetch.submit(gather, order[position + 1]) if position + 1 < len(order) else None
-                stage(name, full[name])
+        for position in range(GATHER_AHEAD):
+            ask(position)
+        for position, name in enumerate(order):
+            link.wait()
+            ask(position + GATHER_AHEAD)
+            stage(name, full[name])
 
     def stop_agents(self) -> None:
         for link in self.gather_links:
