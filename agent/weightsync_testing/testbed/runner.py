@@ -471,26 +471,19 @@ class Group:
         """A p2p round as a trainer sees it: every rank stages (in parallel, as separate processes would), then
         every rank publishes; the time runs from the first staged byte to the last rank's commit."""
         full = self.full(P2P_SEED)
-        before = self.net.counters()
-        started = time.monotonic()
+        before, started = self.net.counters(), time.monotonic()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             list(pool.map(lambda i: self._stage_all(i, full, self.clients[i].stage), range(len(self.clients))))
             staged = time.monotonic()
             outcomes = list(pool.map(lambda c: c.publish(version, check=False), self.clients))
-        ended = time.monotonic()
-        after = self.net.counters()
-        result = outcomes[0].round
-        done = Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
-                     _delta(before, after))  # fmt: skip
-        return TimedRound(done, stage_s=staged - started, total_s=ended - started, pause_s=self.pause_seconds())
+        return self._timed(version, outcomes, before, started, staged)
 
     def streamed_p2p_round(self, version: int) -> TimedRound:
         """A streamed p2p round: every rank opens the version's stream and stages into it, in the order its
         buckets need the tensors, while its buckets go out; the time runs from the streams' opening to the
         last rank's commit, and ``stage_s`` is when the last rank finished staging."""
         full = self.full(P2P_SEED)
-        before = self.net.counters()
-        started = time.monotonic()
+        before, started = self.net.counters(), time.monotonic()
         staged: list[float] = []
 
         def one(index: int) -> Any:
@@ -501,12 +494,17 @@ class Group:
 
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             outcomes = list(pool.map(one, range(len(self.clients))))
-        ended = time.monotonic()
-        after = self.net.counters()
+        return self._timed(version, outcomes, before, started, max(staged))
+
+    def _timed(
+        self, version: int, outcomes: list[Any], before: Counters | None, started: float, staged: float
+    ) -> TimedRound:
+        """The round the ranks' outcomes report (they all report the coordinator's), timed from ``started``."""
+        ended, after = time.monotonic(), self.net.counters()
         result = outcomes[0].round
         done = Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
                      _delta(before, after))  # fmt: skip
-        return TimedRound(done, stage_s=max(staged) - started, total_s=ended - started, pause_s=self.pause_seconds())
+        return TimedRound(done, stage_s=staged - started, total_s=ended - started, pause_s=self.pause_seconds())
 
     def pause_seconds(self) -> float:
         """The longest time an engine did not serve in the last round (the reference engine measures it)."""
