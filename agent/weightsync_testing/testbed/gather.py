@@ -128,27 +128,26 @@ class GatherLink:
         self._sock.settimeout(timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.pulled = 0
-        self._owed: collections.deque[int] = collections.deque()
-        self._empty: collections.deque[bool] = collections.deque()
+        #: The counts asked for and not yet waited for, oldest first (0: nothing to gather, nothing sent).
+        self._asked: collections.deque[int] = collections.deque()
 
     def request(self, count: int) -> None:
         """Ask for ``count`` bytes without waiting (a rank asks ahead; :meth:`wait` collects in order)."""
         if count > MAX_PULL_BYTES:
             raise ValueError(f"a gather of {count} bytes is over {MAX_PULL_BYTES}")
-        if count <= 0:
-            self._empty.append(True)
-            return
-        self._sock.sendall(HEADER.pack(count))
-        self._empty.append(False)
-        self._owed.append(count)
+        count = max(count, 0)
+        if count:
+            self._sock.sendall(HEADER.pack(count))
+        self._asked.append(count)
 
     def wait(self) -> None:
         """Wait until the oldest request's bytes are in the node."""
-        if self._empty.popleft():
+        count = self._asked.popleft()
+        if not count:
             return
         if self._sock.recv(1) != _ACK:
             raise ConnectionError("the gather sink closed the connection")
-        self.pulled += self._owed.popleft()
+        self.pulled += count
 
     def pull(self, count: int) -> None:
         """Gather ``count`` bytes into the rank's node: returns once the sink has received them all."""

@@ -99,6 +99,16 @@ class Options:
     #: None = the scenario's (A: 1, B: 2).
     gather_shards: int | None = None
 
+    @property
+    def p2p_bucket(self) -> int:
+        """The p2p plans' bucket in MiB."""
+        return self.p2p_bucket_mib or self.bucket_mib
+
+    @property
+    def shards(self) -> int:
+        """The trainer's shard-group size, 1 where the scenario does not gather."""
+        return self.gather_shards or 1
+
 
 # ------------------------------------------------------------------------------------------- the network
 
@@ -217,8 +227,8 @@ class Group:
         #: The trainer pod of each client (same order), and its gather link when the gather is emulated.
         self.client_pods: list[int] = []
         self.gather_links: list[Any] = []
-        #: The gather's processes: a node's sink under its pod index, its source under ``-1 - pod``.
-        self.gather_sinks: dict[int, subprocess.Popen[bytes]] = {}
+        #: The gather's processes (each node's source and sink), and each node's sink address.
+        self.gather_processes: list[subprocess.Popen[bytes]] = []
         self._gather_address: dict[int, tuple[str, int]] = {}
         self.broadcaster: subprocess.Popen[str] | None = None
         self.broadcast_lines: LineReader | None = None
@@ -257,10 +267,13 @@ class Group:
 
     # --- agents (p2p) ----------------------------------------------------------------------------
 
-    def _write_files(self, engines: int) -> Path:
+    def _p2p_plan(self, engines: int) -> Plan:
         opts = self.options
-        p2p_bucket = opts.p2p_bucket_mib or opts.bucket_mib
-        self.p2p_plan = group_plan(self.layout, engines, "p2p", p2p_bucket, opts.timeout_seconds, self.planner)
+        return group_plan(self.layout, engines, "p2p", opts.p2p_bucket, opts.timeout_seconds, self.planner)
+
+    def _write_files(self, engines: int, p2p_plan: Plan) -> Path:
+        opts = self.options
+        self.p2p_plan = p2p_plan
         self.broadcast_plan = group_plan(self.layout, engines, "broadcast", opts.bucket_mib, opts.timeout_seconds)
         (self.workdir / "plan.json").write_text(self.p2p_plan.to_json())
         (self.workdir / "plan-broadcast.json").write_text(self.broadcast_plan.to_json())
@@ -294,14 +307,11 @@ class Group:
         from weightsync_agent.rounds.remote import AgentClient, AgentError
 
         self.stop_agents()
-        opts = self.options
-        plan = group_plan(
-            self.layout, engines, "p2p", opts.p2p_bucket_mib or opts.bucket_mib, opts.timeout_seconds, self.planner
-        )
+        plan = self._p2p_plan(engines)
         # A trainer rank the plan gives no target (fewer targets than trainer ranks) has nothing to do: no agent.
         ports = {a.source: self.net.port(AGENT_PORT) for a in plan.sources if a.targets}
         self.agent_urls = {p: f"http://{self.net.address(trainer_node(p))}:{ports[p]}" for p in ports}
-        self._write_files(engines)
+        self._write_files(engines, plan)
         started = time.monotonic()
         for pod, port in ports.items():
             env = self.agent_env(pod, port)
@@ -331,7 +341,7 @@ class Group:
             self.clients.append(WeightSyncClient.from_env(env, publisher=publisher, plan=self.p2p_plan))
             self.client_pods.append(pod)
         self.say(f"  {len(ports)} agents built their sources in {time.monotonic() - started:.1f} s")
-        if (self.options.gather_shards or 1) > 1:
+        if self.options.shards > 1:
             self._start_gather()
 
     def _start_gather(self) -> None:
@@ -341,7 +351,7 @@ class Group:
 
         module = (sys.executable, "-m", "weightsync_testing.testbed.gather")
         for pod in self.client_pods:
-            if pod in self.gather_sinks:
+            if pod in self._gather_address:
                 continue
             source = (self.net.gateway(), self.net.port(GATHER_SOURCE_PORT + pod))
             host, port = self.net.address(trainer_node(pod)), self.net.port(GATHER_PORT)
@@ -351,7 +361,7 @@ class Group:
                           "--source", f"{source[0]}:{source[1]}"]),
             ):  # fmt: skip
                 process = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True)
-                self.gather_sinks[pod if role == "sink" else -1 - pod] = process
+                self.gather_processes.append(process)
                 assert process.stdout is not None
                 if not process.stdout.readline():  # its "gather <role> on ..." line: listening
                     raise RuntimeError(f"the gather {role} of trainer node {pod} did not start")
@@ -372,7 +382,7 @@ class Group:
             for name in order:
                 stage(name, full[name])
             return
-        link, shards = self.gather_links[index], self.options.gather_shards or 1
+        link, shards = self.gather_links[index], self.options.shards
 
         def ask(position: int) -> None:
             if position < len(order):
@@ -552,9 +562,10 @@ class Group:
     def stop(self) -> None:
         self.stop_broadcaster()
         self.stop_agents()
-        for sink in self.gather_sinks.values():
-            _stop(sink)
-        self.gather_sinks = {}
+        for process in self.gather_processes:
+            _stop(process)
+        self.gather_processes = []
+        self._gather_address = {}
         for engine in self.engines.values():
             engine.stop()
         self.engines = {}
@@ -788,7 +799,7 @@ def report_header(scenario: str, layout: Layout, options: Options, rate_bits: in
         "rate": None if rate_bits is None else format_rate(rate_bits),
         "rate_bits": rate_bits,
         "bucket_mib": options.bucket_mib,
-        "p2p_bucket_mib": options.p2p_bucket_mib or options.bucket_mib,
+        "p2p_bucket_mib": options.p2p_bucket,
         "machine": _machine(),
     }
 

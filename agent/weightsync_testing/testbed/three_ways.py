@@ -186,15 +186,14 @@ def _modelled(
 
     shard = max(analytic["target_bytes"].values())
     model_bytes = report["model_bytes"]
-
     prediction = predict(
         layout=(layout.trainers, layout.engines, layout.tp),
         model_bytes=model_bytes,
         replicated_bytes=replicated_from_shard(model_bytes, shard, layout.tp),
         rate_bits=rate_bits,
         bucket_bytes=options.bucket_mib * MiB,
-        p2p_bucket_bytes=(options.p2p_bucket_mib or options.bucket_mib) * MiB,
-        gather_shards=options.gather_shards or 1,
+        p2p_bucket_bytes=options.p2p_bucket * MiB,
+        gather_shards=options.shards,
     ).by_bench_way()
     return {
         way: {"modelled_s": round(prediction[way], 3), "error": round(prediction[way] / report[way]["median"] - 1, 3)}
