@@ -81,7 +81,7 @@ class ScaleReport:
     start_settings: dict[str, str] = field(default_factory=lambda: dict(START_SETTINGS))
     standin_errors: list[str] = field(default_factory=list)
     note: str = (
-        "agents are stand-ins: one process making every pod's agent API calls (plan watch, readiness condition, "
+        "agents are stand-ins: 8 worker processes making every pod's agent API calls (plan watch, readiness condition, "
         "annotations) with the agent's own code and the pod's bound ServiceAccount token; no Mooncake, no engines"
     )
 

@@ -1,4 +1,4 @@
-"""Stand-in agents for the scale benchmark: every pod's agent API calls, from one process, and nothing else.
+"""Stand-in agents for the scale benchmark: every pod's agent API calls, from a few worker processes, and nothing else.
 
 These are **stand-ins**: no Mooncake, no engines, no rounds. What they keep of a real agent is exactly its traffic to
 the API server, made by the agent's own code so that it cannot drift from it:
@@ -236,7 +236,7 @@ class Kubelet:
             token = self._token(pod)
             self.token_seconds.append(time.monotonic() - started)
         except Exception as exc:
-            self.errors.append(f"{meta['name']}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            self.errors.append(f"{meta['name']}: {_first_line(exc)}")
             return
         with self._lock:
             if self._uids.get(meta["name"]) != meta["uid"]:
@@ -260,6 +260,10 @@ class Kubelet:
         return str(answer.status.token)
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def _pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
     """What a worker needs of a pod to start its stand-in (the whole pod would be pickled for nothing)."""
     meta = pod["metadata"]
@@ -280,25 +284,26 @@ def _worker_main(state: dict[str, Any], inbox: Any, outbox: Any) -> None:
         try:
             agent = start_standin(cluster, pod, token)
         except Exception as exc:
-            outbox.put(("error", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            outbox.put(("error", name, _first_line(exc)))
             return
         with lock:
             old, agents[name] = agents.get(name), agent
         if old is not None:
             stopping.submit(old.close)
 
+    # Messages: ("start", pod summary, token), ("stop", pod name, None), ("exit", None, None).
     while True:
         try:
-            kind, name, token = inbox.get(timeout=TICK_SECONDS)
+            kind, subject, token = inbox.get(timeout=TICK_SECONDS)
         except queue.Empty:
             kind = None
         if kind == "exit":
             break
         if kind == "start":
-            starting.submit(launch, name, token)
+            starting.submit(launch, subject, token)
         elif kind == "stop":
             with lock:
-                agent = agents.pop(name, None)
+                agent = agents.pop(subject, None)
             if agent is not None:
                 stopping.submit(agent.close)
         with lock:

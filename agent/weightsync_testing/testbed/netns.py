@@ -128,7 +128,7 @@ def cleanup_leftovers() -> list[str]:
     return removed
 
 
-def _burst_bytes(rate_bits: int) -> int:
+def burst_bytes(rate_bits: int) -> int:
     """tbf bucket: 10 ms at the rate, at least 256 KiB (a 64 KiB GSO packet must fit)."""
     return max(256 * 1024, rate_bits // 8 // 100)
 
@@ -222,7 +222,7 @@ class Testbed:
         assert self.rate_bits is not None
         where = ("-n", ns) if ns else ()
         _run("tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.rate_bits}bit",
-             "burst", str(_burst_bytes(self.rate_bits)), "latency", "100ms")  # fmt: skip
+             "burst", str(burst_bytes(self.rate_bits)), "latency", "100ms")  # fmt: skip
 
     def destroy(self) -> None:
         """Delete every namespace and link of this testbed (idempotent; also runs at exit)."""
