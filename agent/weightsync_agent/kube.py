@@ -9,12 +9,15 @@ connect and a read timeout, and callers treat its failures as "not now" (``trans
 from __future__ import annotations
 
 import functools
+import random
 from typing import Any, Final
 
 #: Connecting to the API server: loopback or the cluster network, so seconds are plenty.
 CONNECT_SECONDS: Final = 3.0
 #: One read of one small object (a pod, the plan ConfigMap) or one patch.
 READ_SECONDS: Final = 10.0
+#: The longest ``Retry-After`` honoured (a larger one is the API server's business, not a hint to wait minutes).
+MAX_RETRY_AFTER_SECONDS: Final = 10.0
 
 
 class BoundedCoreApi:
@@ -48,3 +51,22 @@ def kube_core_api() -> Any:
     except kube_config.ConfigException:
         kube_config.load_kube_config()  # type: ignore[no-untyped-call]
     return BoundedCoreApi(client.CoreV1Api())
+
+
+def throttled_wait(exc: BaseException) -> float | None:
+    """How long to wait before asking again after ``exc``, when the API server said so: a 429 (priority and
+    fairness shedding load, or a cache still filling) with ``Retry-After``; None for any other failure.
+
+    Why not the caller's exponential backoff: 1,000 agents starting at once are shed by the API server's
+    ``workload-low`` priority level, each with ``Retry-After: 1``; a doubling backoff took some of them to 8-30 s
+    waits and the group's Ready to the slowest (docs/scale.md). A throttled agent comes back after the hint,
+    jittered up to twice it so that the shed requests do not return together, and its backoff does not grow."""
+    if getattr(exc, "status", None) != 429:
+        return None
+    headers = getattr(exc, "headers", None) or {}
+    try:
+        hint = float(headers.get("Retry-After", "1"))
+    except (TypeError, ValueError):
+        hint = 1.0
+    hint = min(max(hint, 0.1), MAX_RETRY_AFTER_SECONDS)
+    return hint * (1 + random.random())

@@ -32,7 +32,7 @@ from typing import Any, Final, Protocol
 from weightsync.api import names
 from weightsync.plan import Plan, PlanError
 from weightsync_agent.config import AgentConfig
-from weightsync_agent.kube import CONNECT_SECONDS, kube_core_api, transport_errors
+from weightsync_agent.kube import CONNECT_SECONDS, kube_core_api, throttled_wait, transport_errors
 
 log = logging.getLogger("weightsync.agent.plan")
 
@@ -208,10 +208,13 @@ class ConfigMapPlanWatch:
                 if self._stop.is_set():
                     return
                 self._failed = True
+                throttled = throttled_wait(exc)
+                wait = delay if throttled is None else throttled
                 log.warning("plan watch of ConfigMap %s failed (%s); reconnecting in %.1f s", self.name,
-                            describe(exc), delay)  # fmt: skip
-                self._stop.wait(delay)
-                delay = min(delay * 2, self.backoff_max)
+                            describe(exc), wait)  # fmt: skip
+                self._stop.wait(wait)
+                if throttled is None:
+                    delay = min(delay * 2, self.backoff_max)
 
     def _relist(self) -> None:
         self.requests += 1

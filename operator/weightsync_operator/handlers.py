@@ -6,10 +6,11 @@ reconcile of that group: 1,024 pod events cause about one reconcile, and one sta
 
 - create / update / resume of a WeightSyncGroup;
 - any event of a pod labelled ``weightsync.io/group`` (readiness, annotations, failure, deletion: a
-  deleted pod is recreated);
+  deleted pod is recreated), from the operator's own pod watch (:mod:`~weightsync_operator.podwatch`: kopf's
+  per-event deep copies cost too much CPU at 1,000 pods);
 - a periodic resync of every known group (``WEIGHTSYNC_RESYNC_SECONDS``, default 30 s).
 
-Every pod event also updates :class:`~weightsync_operator.podindex.PodIndex`, which the reconciler reads instead of
+Every pod event updates :class:`~weightsync_operator.podindex.PodIndex`, which the reconciler reads instead of
 LISTing the group's pods (one LIST per group after a start warms it; see that module).
 
 No finalizer is ever added: there are no deletion handlers, and the resync is an operator-level task
@@ -35,6 +36,7 @@ from weightsync_operator import kube, metrics
 from weightsync_operator.apply import Reconciler, Result
 from weightsync_operator.config import OperatorConfig
 from weightsync_operator.podindex import PodIndex
+from weightsync_operator.podwatch import PodWatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +60,6 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "weightsync-operator"
     settings.posting.event_name_prefix = "weightsync-"
-    # Watch only the pods of groups, server-side.
-    settings.watching.label_selectors["v1", "pods"] = names.LABEL_GROUP
     # Reconnect watches that go quiet (a known kopf failure mode is a silently dead stream).
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -87,9 +87,16 @@ class Operator:
         #: The task draining a group's pending reconciles, started by pod events (which must not wait for it).
         self.drainers: dict[Key, asyncio.Task[None]] = {}
         self.resync_task: asyncio.Task[None] | None = None
+        self.pod_watch: PodWatch | None = None
         self.last_resync = time.monotonic()
 
-    def start(self, config: OperatorConfig, index: Mapping[Key, Any] | None, settings: kopf.OperatorSettings) -> None:
+    def start(
+        self,
+        config: OperatorConfig,
+        index: Mapping[Key, Any] | None,
+        settings: kopf.OperatorSettings,
+        namespaces: tuple[str, ...] = (),
+    ) -> None:
         self._reset()  # a fresh state per run (kopf may run again in the same process, as in tests)
         self.config = config
         self.index = index
@@ -105,8 +112,17 @@ class Operator:
             status_interval=config.status_interval,
         )
         self.resync_task = asyncio.create_task(self._resync_forever(), name="weightsync-resync")
+        self.pod_watch = PodWatch(self.api, namespaces, self.pod_changed)
+
+    def pod_changed(self, event_type: str | None, pod: Mapping[str, Any]) -> None:
+        """One pod event (or LIST item): into the index, and a reconcile of its group asked for."""
+        key = self.pods.observe(event_type, pod)
+        if key is not None and self.body_of(key) is not None:
+            self.request(key)
 
     async def stop(self) -> None:
+        if self.pod_watch is not None:
+            await self.pod_watch.stop()
         for task in self.drainers.values():
             task.cancel()
         if self.resync_task is not None:
@@ -200,11 +216,16 @@ OPERATOR = Operator()
 WATCH_NAMESPACES: tuple[str, ...] = ()
 
 
+def namespace_patterns(namespaces: tuple[str, ...]) -> list[str]:
+    """The entries that are glob patterns (kopf would take them; the operator's pod watch and the chart's
+    per-namespace Roles need names)."""
+    return [n for n in namespaces if any(c in n for c in "*?[]!")]
+
+
 def served_paths(namespaces: tuple[str, ...]) -> list[tuple[str, str | None]]:
-    """What kopf is about to watch, as LIST paths: the groups and their pods, cluster-wide or per namespace
-    (kopf's glob patterns cannot be listed, so they are left out)."""
-    plain_namespaces = [n for n in namespaces if not any(c in n for c in "*?[]!")]
-    scopes: list[str | None] = list(plain_namespaces) if namespaces else [None]
+    """What kopf and the pod watch are about to watch, as LIST paths: the groups and their pods, cluster-wide or
+    per namespace."""
+    scopes: list[str | None] = list(namespaces) if namespaces else [None]
     group_kind, pod_kind = kube.KINDS["WeightSyncGroup"], kube.KINDS["Pod"]
     paths: list[tuple[str, str | None]] = [(group_kind.collection(n), None) for n in scopes]
     paths += [(pod_kind.collection(n), names.LABEL_GROUP) for n in scopes]
@@ -224,11 +245,12 @@ def plain(value: Any) -> Any:
 async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     configure(settings)
     config = OperatorConfig.from_env()
-    OPERATOR.start(config, kwargs.get("wsg_index"), settings)
-    assert OPERATOR.api is not None
+    OPERATOR.start(config, kwargs.get("wsg_index"), settings, WATCH_NAMESPACES)
+    assert OPERATOR.api is not None and OPERATOR.pod_watch is not None
     # kopf starts its watches only after the startup handlers: wait out a fresh CRD's cache fill here.
     if not await kube.wait_until_served(OPERATOR.api, served_paths(WATCH_NAMESPACES)):
         logger.warning("the API server kept answering 429 for 60 s; starting the watches anyway")
+    OPERATOR.pod_watch.start()
     logger.info(
         "weightsync operator started: default agent image %s, resync every %ss",
         config.agent_image or "(none: groups must set spec.agent.image)",
@@ -272,13 +294,3 @@ async def reconcile_group(body: kopf.Body, namespace: str | None, name: str, **_
 def group_event(event: kopf.RawEvent, namespace: str | None, name: str, uid: str, **_: Any) -> None:
     if event.get("type") == "DELETED":
         OPERATOR.forget((namespace or "", name), uid)
-
-
-@kopf.on.event("v1", "pods", labels={names.LABEL_GROUP: kopf.PRESENT})
-async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
-    pod = event.get("object")
-    if not isinstance(pod, Mapping):
-        return
-    key = OPERATOR.pods.observe(event.get("type"), plain(pod))
-    if key is not None and OPERATOR.body_of(key) is not None:
-        OPERATOR.request(key)

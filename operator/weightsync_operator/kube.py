@@ -1,4 +1,4 @@
-"""A small async Kubernetes REST client on aiohttp: get, list, create, merge-patch, delete.
+"""A small async Kubernetes REST client on aiohttp: get, list, watch, create, merge-patch, delete.
 
 Why not the ``kubernetes`` package's generated API: that client is synchronous (it would need a
 thread per call) and turns objects into model classes; the operator builds and compares plain
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -157,6 +157,10 @@ class KubeApi:
                 self._info = info
             return self._session, self._info
 
+    async def login_again(self) -> None:
+        """A fresh session with fresh credentials (after a 401 outside :meth:`request`, e.g. on a watch)."""
+        await self._ensure(fresh=True)
+
     async def close(self) -> None:
         async with self._lock:
             if self._session is not None and not self._session.closed:
@@ -224,6 +228,35 @@ class KubeApi:
         version = ((result or {}).get("metadata") or {}).get("resourceVersion")
         listed = [{"apiVersion": api_version, "kind": kind, **i} if kind and api_version else i for i in items]
         return listed, str(version) if version is not None else None
+
+    async def watch(
+        self, path: str, params: Mapping[str, str], *, read_timeout: float, max_event_bytes: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The events of one watch request (``watch=true`` is added), each decoded from its JSON line, until the
+        server ends the stream. Errors as :meth:`request`'s: ApiError for a non-2xx answer or no answer (also when
+        nothing arrives for ``read_timeout`` seconds); a line over ``max_event_bytes`` cuts the stream."""
+        session, _ = await self._ensure()
+        metrics.API_REQUESTS.labels(verb="watch").inc()
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=read_timeout)
+        try:
+            async with session.get(path.lstrip("/"), params={**params, "watch": "true"}, timeout=timeout) as response:
+                if response.status >= 400:
+                    reason, message = _error_of(response.status, await response.text())
+                    raise ApiError(response.status, reason, message, method="WATCH", path=path)
+                buffer = b""
+                async for chunk in response.content.iter_any():
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield json.loads(line)
+                    if len(buffer) > max_event_bytes:
+                        raise ApiError(UNAVAILABLE, "EventTooLarge", f"a watch event over {max_event_bytes} bytes",
+                                       method="WATCH", path=path)  # fmt: skip
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ApiError(
+                UNAVAILABLE, "Unavailable", f"the watch stream broke: {exc!r}", method="WATCH", path=path
+            ) from exc
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj.get("metadata") or {}

@@ -23,10 +23,16 @@ def run(
 ) -> None:
     """Run the operator in the foreground until it is stopped.
 
-    ``namespaces``: watch only these (kopf patterns allowed); ``None`` or empty: the whole cluster.
+    ``namespaces``: watch only these (names, not patterns: ValueError); ``None`` or empty: the whole cluster.
     ``liveness``: e.g. ``http://0.0.0.0:8080/healthz`` (kopf's liveness endpoint).
     ``metrics_port``: serve Prometheus metrics on this port (all interfaces).
     """
+    patterns = handlers.namespace_patterns(tuple(namespaces or ()))
+    if patterns:
+        raise ValueError(
+            f"namespace patterns are not supported ({', '.join(patterns)}): name each namespace (the chart makes "
+            "a Role in each one listed)"
+        )
     kopf.configure(verbose=verbose)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)

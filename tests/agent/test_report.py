@@ -15,7 +15,24 @@ from kubernetes.client.exceptions import ApiException
 from weightsync.api import names
 from weightsync.plan import Layout
 from weightsync_agent.directory import DirectoryError, PodDirectory
+from weightsync_agent.kube import MAX_RETRY_AFTER_SECONDS, throttled_wait
 from weightsync_agent.sidecar.report import PodReporter
+
+
+class RawAnswer:
+    """What the client returns with ``_preload_content=False``: the reporter must read it and give the connection
+    back."""
+
+    def __init__(self) -> None:
+        self.read_ = False
+        self.released = False
+
+    def read(self) -> bytes:
+        self.read_ = True
+        return b"{}"
+
+    def release_conn(self) -> None:
+        self.released = True
 
 
 class FakeCoreApi:
@@ -27,18 +44,27 @@ class FakeCoreApi:
         self.block = threading.Event()
         self.block.set()
         self.annotations: dict[str, str] = {}
+        self.answers: list[RawAnswer] = []
 
-    def _call(self, kind: str, body: dict[str, Any]) -> None:
+    def _call(self, kind: str, body: dict[str, Any], preload: bool) -> RawAnswer:
         self.block.wait()
         if self.failures:
             raise self.failures.pop(0)
+        assert not preload, "the reporter must not have the client decode the pod it gets back"
         self.calls.append((kind, body))
+        answer = RawAnswer()
+        self.answers.append(answer)
+        return answer
 
-    def patch_namespaced_pod_status(self, pod: str, namespace: str, body: dict[str, Any]) -> None:
-        self._call("status", body)
+    def patch_namespaced_pod_status(
+        self, pod: str, namespace: str, body: dict[str, Any], _preload_content: bool = True
+    ) -> RawAnswer:
+        return self._call("status", body, _preload_content)
 
-    def patch_namespaced_pod(self, pod: str, namespace: str, body: dict[str, Any]) -> None:
-        self._call("pod", body)
+    def patch_namespaced_pod(
+        self, pod: str, namespace: str, body: dict[str, Any], _preload_content: bool = True
+    ) -> RawAnswer:
+        return self._call("pod", body, _preload_content)
 
     def read_namespaced_pod(self, pod: str, namespace: str) -> Any:
         self.block.wait()
@@ -74,6 +100,7 @@ def test_reports_return_at_once_while_the_api_server_hangs_and_land_after() -> N
             annotations.update(body["metadata"]["annotations"])
     assert annotations[names.ANNOTATION_WEIGHT_VERSION] == "2"
     assert annotations[names.ANNOTATION_LAST_ROUND] == '{"version":2}'
+    assert api.answers and all(a.read_ and a.released for a in api.answers)  # every connection went back
     report.close()
 
 
@@ -97,6 +124,38 @@ def test_refusals_are_retried_slowly_and_land_once_accepted() -> None:
     report.annotate({names.ANNOTATION_WEIGHT_VERSION: 5})
     assert report.flush(5)
     assert api.calls == [("pod", {"metadata": {"annotations": {names.ANNOTATION_WEIGHT_VERSION: "5"}}})]
+
+
+def throttled(retry_after: str | None) -> ApiException:
+    exc = ApiException(status=429, reason="Too Many Requests")
+    exc.headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    return exc
+
+
+def test_throttling_is_waited_out_as_the_api_server_says_not_with_a_growing_backoff() -> None:
+    """Priority and fairness sheds a burst of agents with 429 + Retry-After: 1; a doubling backoff took some of
+    them to 8-30 s waits. Four 429s asking for 0.1 s land within ~1 s, where the backoff (1, 2, 4, 8 s) would
+    take 15 s."""
+    api = FakeCoreApi()
+    api.failures = [throttled("0.1")] * 4
+    report = PodReporter(api, "ns", "pod", retry_first=1.0, retry_max=10.0)
+    started = time.monotonic()
+    report.set_ready(True, "SourcesBuilt")
+    assert report.flush(5)
+    assert time.monotonic() - started < 1.5
+    assert report.failures == 4 and [kind for kind, _ in api.calls] == ["status"]
+    report.close()
+
+
+def test_throttled_wait_reads_retry_after_bounded_and_jittered() -> None:
+    for _ in range(50):
+        assert 1.0 <= (throttled_wait(throttled("1")) or 0) <= 2.0
+        assert 1.0 <= (throttled_wait(throttled(None)) or 0) <= 2.0  # no hint: a second
+        assert 1.0 <= (throttled_wait(throttled("soon")) or 0) <= 2.0  # unreadable: a second
+        assert MAX_RETRY_AFTER_SECONDS <= (throttled_wait(throttled("3600")) or 0) <= 2 * MAX_RETRY_AFTER_SECONDS
+        assert 0.1 <= (throttled_wait(throttled("0")) or 0) <= 0.2
+    assert throttled_wait(ApiException(status=503, reason="Unavailable")) is None
+    assert throttled_wait(hung()) is None
 
 
 def test_a_report_for_a_pod_that_is_gone_is_dropped() -> None:

@@ -28,16 +28,16 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def test_run_in_namespaces_with_probes_and_metrics(calls: dict[str, Any]) -> None:
-    main.run(namespaces=["ml", "rl-*"], liveness="http://0.0.0.0:8080/healthz", metrics_port=9090, verbose=True)
+    main.run(namespaces=["ml", "rl"], liveness="http://0.0.0.0:8080/healthz", metrics_port=9090, verbose=True)
     assert calls["run"] == {
         "standalone": True,
         "clusterwide": False,
-        "namespaces": ["ml", "rl-*"],
+        "namespaces": ["ml", "rl"],
         "liveness_endpoint": "http://0.0.0.0:8080/healthz",
     }
     assert calls["metrics"] == 9090
     assert calls["configure"] == {"verbose": True}
-    assert handlers.WATCH_NAMESPACES == ("ml", "rl-*")
+    assert handlers.WATCH_NAMESPACES == ("ml", "rl")
     # The CEL library traces every evaluation step at DEBUG: kept out of the log even with --verbose.
     assert logging.getLogger("celpy").getEffectiveLevel() == logging.WARNING
     assert logging.getLogger("celpy.Evaluator").getEffectiveLevel() == logging.WARNING
@@ -74,10 +74,18 @@ def test_the_startup_waits_for_what_kopf_will_watch() -> None:
         ("/apis/weightsync.io/v1alpha1/weightsyncgroups", None),
         ("/api/v1/pods", names.LABEL_GROUP),
     ]
-    assert handlers.served_paths(("ml", "rl-*")) == [  # a pattern cannot be listed
+    assert handlers.served_paths(("ml", "rl")) == [
         ("/apis/weightsync.io/v1alpha1/namespaces/ml/weightsyncgroups", None),
+        ("/apis/weightsync.io/v1alpha1/namespaces/rl/weightsyncgroups", None),
         ("/api/v1/namespaces/ml/pods", names.LABEL_GROUP),
+        ("/api/v1/namespaces/rl/pods", names.LABEL_GROUP),
     ]
+
+
+def test_namespace_patterns_are_refused_before_anything_runs() -> None:
+    assert handlers.namespace_patterns(("ml", "rl-*", "team-[ab]")) == ["rl-*", "team-[ab]"]
+    with pytest.raises(ValueError, match=r"patterns are not supported \(rl-\*\): name each namespace"):
+        main.run(namespaces=["ml", "rl-*"])
 
 
 def test_kopf_settings_keep_kopf_out_of_the_way() -> None:
@@ -89,7 +97,7 @@ def test_kopf_settings_keep_kopf_out_of_the_way() -> None:
     assert isinstance(settings.persistence.diffbase_storage, kopf.AnnotationsDiffBaseStorage)
     assert settings.persistence.diffbase_storage.prefix == "weightsync.io"
     assert settings.posting.level == logging.WARNING
-    assert list(settings.watching.label_selectors.values()) == [names.LABEL_GROUP]
+    assert not settings.watching.label_selectors  # kopf watches only the groups: the pods have their own watch
 
 
 def test_no_handler_needs_a_finalizer() -> None:

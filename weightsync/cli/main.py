@@ -294,6 +294,15 @@ def bench(
             "staging it, the emulated all-gather (default: A 1 = none, B 2; docs/testbed.md).",
         ),
     ] = None,
+    p2p_bucket_mib: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=1024,
+            help="Bucket size of the p2p ways in MiB (default: A 64, B 8; a streamed round drains its last bucket "
+            "after the trainer staged it; docs/testbed.md).",
+        ),
+    ] = None,
     pods: Annotated[
         str, typer.Option(help="scale: group sizes in pods, in order (multiples of 16); the last is scaled out.")
     ] = "256,1024",
@@ -335,6 +344,7 @@ def bench(
             sweep_mib=sweep_mib or (64 if quick else 128),
             plot=(plot or Path(f"weightsync-bench-{scenario.upper()}.png")) if points else None,
             gather_shards=gather_shards,
+            p2p_bucket_mib=p2p_bucket_mib,
         )
 
         def say(line: str) -> None:

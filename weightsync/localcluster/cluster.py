@@ -39,8 +39,9 @@ DEFAULT_NODE_RESOURCES = {
 NODE_MONITOR_GRACE = "1h"
 #: How many pods kwok moves through a stage (Pending -> Running, deletion) at once, for all its nodes together. On a
 #: real cluster every node's kubelet starts its own pods; kwok's default of 4 made pods go Running at ~28/s here,
-#: which alone kept a 1,024-pod group from Ready for 36 s (docs/scale.md).
-KWOK_POD_PARALLELISM = 64
+#: which alone kept a 1,024-pod group from Ready for 36 s, and 64 still held kwok's status patches to ~80/s (each
+#: waits for its round trip to a busy API server) until 36 s after apply (docs/scale.md).
+KWOK_POD_PARALLELISM = 256
 KWOK_CONFIGURATION = f"""---
 apiVersion: config.kwok.x-k8s.io/v1alpha1
 kind: KwokConfiguration

@@ -1,4 +1,9 @@
-"""Certificates and keys for a loopback-only control plane, and the admin kubeconfig."""
+"""Certificates and keys for a loopback-only control plane, and the admin kubeconfig.
+
+Every key is ECDSA P-256 (kubeadm's ``encryptionAlgorithm: ECDSA-P256``), not RSA-2048: with 1,000 agents each
+opening a TLS connection and the kubelet minting each one a ServiceAccount token, RSA signatures (the serving
+certificate's in every handshake, the token signer's) took about 8 % of the API server's CPU on the scale
+benchmark (docs/scale.md); a P-256 signature costs a small fraction of that."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 _VALIDITY = dt.timedelta(days=365)
@@ -54,11 +59,11 @@ class Pki:
         return self.directory / "sa.pub"
 
 
-def _key() -> rsa.RSAPrivateKey:
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
 
 
-def _write_key(path: Path, key: rsa.RSAPrivateKey) -> None:
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     path.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
@@ -74,9 +79,9 @@ def _name(common: str, org: str | None = None) -> x509.Name:
 
 def _issue(
     subject: x509.Name,
-    key: rsa.RSAPrivateKey,
+    key: ec.EllipticCurvePrivateKey,
     issuer: x509.Name,
-    issuer_key: rsa.RSAPrivateKey,
+    issuer_key: ec.EllipticCurvePrivateKey,
     *,
     ca: bool = False,
     server: bool = False,
@@ -99,7 +104,9 @@ def _issue(
     else:
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False).add_extension(
-            x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True
+            # digitalSignature only: an ECDSA key signs (ECDHE handshakes); it never enciphers a key.
+            x509.KeyUsage(True, False, False, False, False, False, False, False, False),
+            critical=True,
         )
     if server:
         builder = builder.add_extension(

@@ -20,7 +20,7 @@ import time
 from typing import Any, Final
 
 from weightsync.api import names
-from weightsync_agent.kube import transport_errors
+from weightsync_agent.kube import throttled_wait, transport_errors
 
 log = logging.getLogger("weightsync.agent")
 
@@ -199,6 +199,10 @@ class PodReporter:
                 # Refusals are retried too, more slowly: some are transient although 4xx (right after an API server
                 # restart, an admission policy whose params' CRD is not discovered yet answers 422).
                 cause = f"{exc.status} {exc.reason}: {api_message(exc)}"
+                throttled = throttled_wait(exc)
+                if throttled is not None:  # shed by the API server: back after its hint, the backoff not grown
+                    self._retry_later(annotations, condition, cause, throttled)
+                    continue
                 refused = exc.status is not None and exc.status < 500 and exc.status not in RETRIED_STATUSES
                 delay = self._retry_later(annotations, condition, cause, delay, refused=refused)
                 continue
@@ -240,6 +244,17 @@ class PodReporter:
         if condition is not None:
             # Pod status conditions merge by type under a strategic-merge patch, so this leaves the
             # kubelet's (or kwok's) own conditions alone.
-            self.api.patch_namespaced_pod_status(self.pod, self.namespace, {"status": {"conditions": [condition]}})
+            status = {"status": {"conditions": [condition]}}
+            _discard(self.api.patch_namespaced_pod_status(self.pod, self.namespace, status, _preload_content=False))
         if annotations:
-            self.api.patch_namespaced_pod(self.pod, self.namespace, {"metadata": {"annotations": annotations}})
+            meta = {"metadata": {"annotations": annotations}}
+            _discard(self.api.patch_namespaced_pod(self.pod, self.namespace, meta, _preload_content=False))
+
+
+def _discard(response: Any) -> None:
+    """Read and drop a patch's answer (the whole pod, which the reporter never looks at): decoding it into the
+    client's models cost more CPU than the request itself. An error status raised before this point."""
+    try:
+        response.read()
+    finally:
+        response.release_conn()

@@ -120,6 +120,20 @@ def test_after_a_failure_the_watch_backs_off_reconnects_and_says_so() -> None:
         watch.close()
 
 
+def test_a_throttled_watch_comes_back_after_the_servers_hint_and_its_backoff_does_not_grow() -> None:
+    throttled = ApiException(status=429, reason="Too Many Requests")
+    throttled.headers = {"Retry-After": "0.1"}
+    api = FakeApi([throttled, throttled, throttled, Response([], hold=True)])
+    started = time.monotonic()
+    # A backoff of 1, 2, 4 s would take 7 s; the hints take 0.3-0.6 s.
+    watch = ConfigMapPlanWatch(api, "ns", "g-plan", backoff_first=1.0, backoff_max=30.0)
+    try:
+        until(lambda: len(api.watch_versions) == 4, timeout=3)
+        assert time.monotonic() - started < 2.0
+    finally:
+        watch.close()
+
+
 def test_an_unusable_plan_is_refused_and_the_last_good_one_kept() -> None:
     bad = {"type": "MODIFIED", "object": {"metadata": {"resourceVersion": "20"}, "data": {names.PLAN_KEY: "{"}}}
     api = FakeApi([Response([bad, modified(SECOND, "21")], hold=True)])
