@@ -110,14 +110,15 @@ class Workarounds:
 class PlaceholderGroup:
     """A placeholder process-group handle: placement only, and a record of which groups the engine read."""
 
-    read: set[str] = set()  # group names read, over the process (one trace per process)
+    read: set[str] = set()  # group names read, over the process (ranks traced in one process share it)
 
     def __init__(self, name: str, rank_in_group: int, world_size: int) -> None:
         self.name, self.rank_in_group, self.world_size = name, rank_in_group, world_size
         # One group spanning the TP ranks alone: its ranks are the world's (some layers read ``rank``).
         self.rank, self.local_rank, self.ranks = rank_in_group, rank_in_group, list(range(world_size))
         self.is_first_rank, self.is_last_rank = rank_in_group == 0, rank_in_group == world_size - 1
-        self.cpu_group = self.device_group = None
+        self.cpu_group: Any = None  # an engine script may put a stand-in process group here
+        self.device_group: Any = None
 
     def __getattribute__(self, attr: str) -> Any:
         if attr not in ("name", "__class__", "__dict__"):

@@ -140,7 +140,11 @@ def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
     """``{name: {"shape", "cat_dim", "parts"}}`` of the tiny models as vLLM holds them, written out by hand."""
     heads, kv_heads = HEADS[arch]
     q_full, kv_full = heads * HEAD_DIM, kv_heads * HEAD_DIM
-    q_rows, kv_rows, mlp, vocab = q_full // tp, kv_full // tp, MLP // tp, VOCAB // tp  # vocab: no padding here
+    q_rows, mlp, vocab = q_full // tp, MLP // tp, VOCAB // tp  # vocab: no padding here
+    # KV heads: split when there are at least T of them; else each head is replicated on T / kv_heads ranks (Qwen2 at
+    # TP 4: 2 KV heads, rank r holds head r // 2).
+    kv_rows = HEAD_DIM * max(kv_heads // tp, 1)
+    kv_start = rank * kv_rows if kv_heads >= tp else rank // (tp // kv_heads) * HEAD_DIM
 
     def whole(name: str, full: list[int]) -> dict[str, Any]:
         return {"shape": full, "cat_dim": 0, "parts": [part(name, full, 0, 0, full[0])]}
@@ -153,21 +157,23 @@ def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
             return whole(name, full)
         return {"shape": [full[0], n], "cat_dim": 1, "parts": [part(name, full, 1, rank * n, n)]}
 
-    def fused(p: str, names: list[str], full: list[list[int]], n: list[int], suffix: str) -> dict[str, Any]:
+    def fused(p: str, names: list[str], full: list[list[int]], n: list[int], suffix: str, start: list[int]) -> Any:
         """Row shards of several HF tensors, one after the other along dim 0 (qkv_proj, gate_up_proj)."""
-        pieces = [part(p + s + suffix, f, 0, rank * k, k) for s, f, k in zip(names, full, n, strict=True)]
+        pieces = [part(p + s + suffix, f, 0, a, k) for s, f, k, a in zip(names, full, n, start, strict=True)]
         return {"shape": [sum(n), *full[0][1:]], "cat_dim": 0, "parts": pieces}
+
+    qkv_rows, qkv_start = [q_rows, kv_rows, kv_rows], [rank * q_rows, kv_start, kv_start]
 
     out = {"model.embed_tokens.weight": rows("model.embed_tokens.weight", [VOCAB, HIDDEN], vocab)}
     for layer in range(LAYERS):
         p = f"model.layers.{layer}."
         qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
         out[p + "self_attn.qkv_proj.weight"] = fused(
-            p, qkv, [[q_full, HIDDEN], [kv_full, HIDDEN], [kv_full, HIDDEN]], [q_rows, kv_rows, kv_rows], ".weight"
+            p, qkv, [[q_full, HIDDEN], [kv_full, HIDDEN], [kv_full, HIDDEN]], qkv_rows, ".weight", qkv_start
         )
         if arch == "qwen2":
             out[p + "self_attn.qkv_proj.bias"] = fused(
-                p, qkv, [[q_full], [kv_full], [kv_full]], [q_rows, kv_rows, kv_rows], ".bias"
+                p, qkv, [[q_full], [kv_full], [kv_full]], qkv_rows, ".bias", qkv_start
             )
         out[p + "self_attn.o_proj.weight"] = columns(p + "self_attn.o_proj.weight", [HIDDEN, q_full], q_rows)
         if arch in ("qwen3", "qwen3_moe"):
@@ -177,7 +183,12 @@ def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
             out.update(expected_experts(p + "mlp.", tp, rank))
         else:
             out[p + "mlp.gate_up_proj.weight"] = fused(
-                p, ["mlp.gate_proj", "mlp.up_proj"], [[MLP, HIDDEN], [MLP, HIDDEN]], [mlp, mlp], ".weight"
+                p,
+                ["mlp.gate_proj", "mlp.up_proj"],
+                [[MLP, HIDDEN], [MLP, HIDDEN]],
+                [mlp, mlp],
+                ".weight",
+                [rank * mlp] * 2,
             )
             out[p + "mlp.down_proj.weight"] = columns(p + "mlp.down_proj.weight", [HIDDEN, MLP], mlp)
         out[p + "input_layernorm.weight"] = whole(p + "input_layernorm.weight", [HIDDEN])
@@ -188,8 +199,9 @@ def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
 
 
 def expected_experts(p: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
-    """vLLM's FusedMoE (no expert parallelism): ``w13_weight [E, 2·I/T, H]`` is expert e's gate rows then up rows of
-    this rank at ``[e]``; ``w2_weight [E, H, I/T]`` expert e's down_proj column shard at ``[e]``; the router whole."""
+    """vLLM's FusedMoE (no expert parallelism; 0.32 names it ``experts.routed_experts``): ``w13_weight [E, 2·I/T, H]``
+    is expert e's gate rows then up rows of this rank at ``[e]``; ``w2_weight [E, H, I/T]`` expert e's down_proj
+    column shard at ``[e]``; the router whole."""
     mlp = EXPERT_MLP // tp
     w13 = [
         part(f"{p}experts.{e}.{proj}.weight", [EXPERT_MLP, HIDDEN], 0, rank * mlp, mlp, at=(e,))
@@ -215,8 +227,8 @@ def expected_experts(p: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
             "cat_dim": 0,
             "parts": [part(p + "gate.weight", [EXPERTS, HIDDEN], 0, 0, EXPERTS)],
         },
-        p + "experts.w13_weight": {"shape": [EXPERTS, 2 * mlp, HIDDEN], "cat_dim": 1, "parts": w13},
-        p + "experts.w2_weight": w2,
+        p + "experts.routed_experts.w13_weight": {"shape": [EXPERTS, 2 * mlp, HIDDEN], "cat_dim": 1, "parts": w13},
+        p + "experts.routed_experts.w2_weight": w2,
     }
 
 
@@ -324,7 +336,7 @@ def test_the_consumer_assembles_a_manifest_from_the_trace(traces: Traces) -> Non
     ]
     moe = traces["qwen3_moe", 4, 3]
     manifest = assemble(0, 3, moe, "127.0.0.1:1234", fake_weights_info(moe), checksum=CHECKSUM)
-    assert manifest.by_name()["model.layers.1.mlp.experts.w13_weight"].lead == 1
+    assert manifest.by_name()["model.layers.1.mlp.experts.routed_experts.w13_weight"].lead == 1
 
 
 def test_bad_arguments_are_one_stderr_line(engine_python: Path, tmp_path: Path) -> None:

@@ -26,7 +26,8 @@ What is faked, and why (each gated on the internals being there, each reported i
   ``_TP``; MoE layers also read ``_DP``, ``_PCP`` and ``_EP``, and models ``_PP``. Only
   ``init_distributed_environment`` + ``initialize_model_parallel`` write them, and that needs T real processes. The
   trace builds one rank alone, so each unset group global gets a placeholder holding only ``rank_in_group`` and
-  ``world_size`` (TP, EP and world: (R, T); PP, DP, PCP, DCP: (0, 1)) and ``cpu_group = device_group = None``. No
+  ``world_size`` (TP, EP and world: (R, T); PP, DP, PCP, DCP: (0, 1)), and as ``cpu_group``/``device_group`` a
+  stand-in with only ``rank()`` and ``size()`` (Qwen3-MoE sizes its experts from ``device_group.size()``). No
   collective runs: ``load_weights`` of these layers only slices.
 * **The current ``VllmConfig``** is not faked but real: ``EngineArgs(model=DIR, tensor_parallel_size=T, dtype=...,
   load_format="dummy").create_engine_config()``, set by vLLM's own ``initialize_model``
@@ -139,7 +140,8 @@ FAKE_GROUPS_WHY = (
     "vLLM's layers read TP rank and size (and MoE layers DP/PCP/EP, models PP) from the parallel_state globals "
     "_TP, _PP, _DP, _EP, _PCP, _DCP, _WORLD, which only initialize_model_parallel writes with real processes; the "
     "trace builds one rank alone, so each unset one gets a placeholder carrying only rank_in_group/world_size and "
-    "cpu_group=device_group=None. No collective runs: load_weights of these layers only slices."
+    "cpu_group/device_group stand-ins with only rank() and size(). No collective runs: load_weights of these "
+    "layers only slices."
 )
 ROPE_WHY = (
     "get_rope caches rotary-embedding modules by (shape, dtype), not by device: the float32 CPU build could reuse "
@@ -147,7 +149,7 @@ ROPE_WHY = (
 )
 
 
-def fake_parallel_groups(vl: types.SimpleNamespace, tp: int, rank: int, workarounds: Any) -> None:
+def fake_parallel_groups(vl: types.SimpleNamespace, tp: int, rank: int, workarounds: core.Workarounds) -> None:
     """Placeholders for every group global that is not set (a process never initialised for vLLM: all of them), or
     that holds this trace's placeholder from an earlier build (several ranks may be traced in one process)."""
     state = vl.parallel_state
@@ -156,7 +158,10 @@ def fake_parallel_groups(vl: types.SimpleNamespace, tp: int, rank: int, workarou
         if not isinstance(getattr(state, name), (type(None), core.PlaceholderGroup)):
             continue  # a real group: a process vLLM initialised; leave it
         index, size = (rank, tp) if kind == "tp" else (0, 1)
-        setattr(state, name, core.PlaceholderGroup(name, index, size))
+        group = core.PlaceholderGroup(name, index, size)
+        # MoE blocks size themselves from the torch process group (``get_ep_group().device_group.size()``).
+        group.cpu_group = group.device_group = PlaceholderProcessGroup(index, size)
+        setattr(state, name, group)
         placement[name] = [index, size]
     entry = workarounds.note("fake_parallel_groups", FAKE_GROUPS_WHY, applied=bool(placement))
     entry["groups"] = placement
@@ -166,7 +171,20 @@ def fake_parallel_groups(vl: types.SimpleNamespace, tp: int, rank: int, workarou
         raise TraceError(f"vLLM's parallel state says TP rank {got[0]} of {got[1]}, asked for {rank} of {tp}")
 
 
-def _finish_groups_note(workarounds: Any) -> None:
+class PlaceholderProcessGroup:
+    """Stands in for a torch ``ProcessGroup`` behind a placeholder group: its rank and size only, no collective."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _finish_groups_note(workarounds: core.Workarounds) -> None:
     entry = workarounds.entries.get("fake_parallel_groups")
     if entry is not None:
         entry["read"] = sorted(set(entry.get("read", [])) | core.PlaceholderGroup.read)
@@ -182,7 +200,7 @@ def build_model(
     tp: int,
     rank: int,
     dtype: str,
-    workarounds: Any,
+    workarounds: core.Workarounds,
     *,
     layers: int | None = None,
     device: str = "cpu",
