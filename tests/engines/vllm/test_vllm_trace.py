@@ -2,11 +2,13 @@
 
 Traces vLLM's own model classes for the tiny Llama, Qwen2, Qwen3 and Qwen3-MoE at TP 1, 2 and 4, every rank, and
 checks them three ways, as the SGLang trace's tests do: every parameter of the rank is traced and none refused; the
-parts equal a hand-written layout (qkv = q rows, k rows, v rows of this rank, biases too; gate ‖ up; o/down column
-shards; norms whole; embed/lm_head vocab rows; Qwen3-MoE's experts fused as vLLM's FusedMoE holds them, 3-D with a
-leading expert index ``at``); and a differential check inside the vLLM venv: a bf16 model loaded by vLLM's own
-``load_weights`` from seeded random HF tensors is bit-identical to plain ``narrow``/``cat`` assembly from the parts.
-The trace's output also goes through ``layout.traced_manifest.assemble``, its consumer (shared with SGLang).
+parts equal a hand-written layout (qkv = q rows, k rows, v rows of this rank, biases too, KV heads replicated when
+there are fewer than T (Qwen2 at TP 4); gate ‖ up; o/down column shards; norms whole; embed/lm_head vocab rows;
+Qwen3-MoE's experts fused as vLLM's FusedMoE holds them, 3-D with a leading expert index ``at``); and a
+differential check inside the vLLM venv: a bf16 model loaded by vLLM's own ``load_weights`` from seeded random HF
+tensors is bit-identical to plain ``narrow``/``cat`` assembly from the parts. Vocab padding (vocab 500 at TP 2) is
+traced and checked the same way. The trace's output also goes through ``layout.traced_manifest.assemble``, its
+consumer (shared with SGLang).
 
 vLLM's import dominates a trace's wall time, so each architecture's 7 ranks are traced in one process (the script's
 ``run``, as the CLI calls it; the script replaces its own group placeholders between ranks), and one trace runs
@@ -265,29 +267,65 @@ def test_trace_matches_the_hand_written_layout(traces: Traces, arch: str, tp: in
     assert {t["dtype"] for t in result["tensors"]} == {"bfloat16"}
 
 
+def differential(
+    engine_python: Path, engine_side: Path, model: Path, traced: dict[tuple[int, int], dict[str, Any]], tmp_path: Path
+) -> None:
+    """Inside the vLLM venv: a bf16 model per (tp, rank), built as vLLM builds it and loaded by its own
+    ``load_weights`` from seeded random HF tensors (every parameter reported loaded, as DefaultModelLoader checks),
+    equals assembly from the traced parts (narrow, place, zero padding), bit for bit, for every parameter."""
+    jobs = []
+    for (tp, rank), result in traced.items():
+        path = tmp_path / f"trace-{model.name}-{tp}-{rank}.json"
+        path.write_text(json.dumps(result))
+        jobs.append({"tp": tp, "rank": rank, "trace": str(path)})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    started = time.monotonic()
+    results = engine(engine_python, engine_side, "diff", str(model), str(tmp_path / "jobs.json"))
+    print(f"\ndifferential {model.name}: {len(jobs)} ranks in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    assert len(results) == len(traced)
+    for result in results:
+        where = f"{model.name} TP{result['tp']} r{result['rank']}"
+        assert result["not_loaded"] == [], where
+        assert result["untraced"] == [], where
+        assert result["mismatched"] == [], where
+        assert result["checked"] == len(traced[result["tp"], result["rank"]]["tensors"]) > 0, where
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_differential_vllm_load_equals_assembly_from_parts(
     engine_python: Path, engine_side: Path, tiny: dict[str, Path], traces: Traces, tmp_path: Path, arch: str
 ) -> None:
-    """Inside the vLLM venv: a bf16 model per (tp, rank), built as vLLM builds it and loaded by its own
-    ``load_weights`` from seeded random HF tensors (every parameter reported loaded, as DefaultModelLoader checks),
-    equals assembly from the traced parts, bit for bit, for every parameter."""
-    jobs = []
-    for tp, rank in CASES:
-        path = tmp_path / f"trace-{arch}-{tp}-{rank}.json"
-        path.write_text(json.dumps(traces[arch, tp, rank]))
-        jobs.append({"tp": tp, "rank": rank, "trace": str(path)})
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    started = time.monotonic()
-    results = engine(engine_python, engine_side, "diff", str(tiny[arch]), str(tmp_path / "jobs.json"))
-    print(f"\ndifferential {arch}: {len(jobs)} ranks in {time.monotonic() - started:.1f} s", file=sys.stderr)
-    assert len(results) == len(CASES)
-    for result in results:
-        where = f"{arch} TP{result['tp']} r{result['rank']}"
-        assert result["not_loaded"] == [], where
-        assert result["untraced"] == [], where
-        assert result["mismatched"] == [], where
-        assert result["checked"] == len(traces[arch, result["tp"], result["rank"]]["tensors"]) > 0, where
+    differential(engine_python, engine_side, tiny[arch], {c: traces[(arch, *c)] for c in CASES}, tmp_path)
+
+
+def test_vocab_padding_on_the_last_rank_is_traced(
+    engine_python: Path, engine_side: Path, tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """Vocab 500 at TP 2: vLLM pads to 512 (a multiple of 64), 256 rows a rank; rank 1 holds 244 real rows and 12
+    that load_weights zero-fills. Those are the entry's ``padding``: the model holds zeros there."""
+    model = tmp_path / "tiny-llama-vocab500"
+    engine(engine_python, engine_side, "derive", str(tiny["llama"]), str(model), "500")
+    (tmp_path / "jobs.json").write_text(json.dumps([{"tp": 2, "rank": r, "dtype": "bfloat16"} for r in (0, 1)]))
+    first, last = engine(engine_python, engine_side, "trace", str(model), str(tmp_path / "jobs.json"))
+    print(f"\ntrace vocab500 TP2 r0: {first['seconds']}, r1: {last['seconds']}", file=sys.stderr)
+    assert first["refused"] == last["refused"] == []
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        head = {t["name"]: t for t in first["tensors"]}[name]
+        assert (head["shape"], head["parts"], head["padding"]) == (
+            [256, HIDDEN],
+            [part(name, [500, HIDDEN], 0, 0, 256)],
+            0,
+        )
+        tail = {t["name"]: t for t in last["tensors"]}[name]
+        assert (tail["shape"], tail["parts"], tail["padding"]) == (
+            [256, HIDDEN],
+            [part(name, [500, HIDDEN], 0, 256, 244)],
+            12,
+        )
+    (tmp_path / "diff").mkdir()
+    differential(engine_python, engine_side, model, {(2, 0): first, (2, 1): last}, tmp_path / "diff")
+    manifest = assemble(0, 1, last, "127.0.0.1:1234", fake_weights_info(last), checksum=CHECKSUM)
+    assert manifest.by_name()["lm_head.weight"].padding == 12
 
 
 def test_the_cli_equals_the_in_process_trace(engine_python: Path, tiny: dict[str, Path], traces: Traces) -> None:
@@ -456,8 +494,25 @@ def diff(model_dir, jobs_file):
     return results
 
 
+def derive(src, out, vocab):
+    """The model at ``src`` with its vocabulary cut to ``vocab`` rows (config and embeddings; tokenizer as is)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    config = json.loads((Path(out) / "config.json").read_text())
+    config["vocab_size"] = vocab
+    (Path(out) / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].contiguous()
+    save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+
+
 command, args = sys.argv[2], sys.argv[3:]
-if command == "trace":
+if command == "derive":
+    derive(args[0], args[1], int(args[2]))
+    print("null")
+elif command == "trace":
     print(json.dumps(trace(args[0], args[1])))
 elif command == "diff":
     print(json.dumps(diff(args[0], args[1])))

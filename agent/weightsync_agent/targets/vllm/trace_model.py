@@ -10,7 +10,8 @@ Run with the ENGINE's Python (the one vLLM is installed in); it imports only the
 prints one JSON object on stdout, the schema of the SGLang trace (``targets/sglang/trace_model.py``) with
 ``vllm_version`` in place of ``sglang_version``: ``tensors`` per vLLM parameter, in ``named_parameters()`` order,
 with the parts it concatenates along ``cat_dim``; ``refused`` with reasons. The consumer is the manifest assembly
-(``weightsync_agent.targets.sglang.manifest.assemble``). On a real error it exits 1 with one line on stderr.
+shared by the engines (``weightsync_agent.layout.traced_manifest.assemble``). On a real error it exits 1 with one
+line on stderr.
 
 Method (docs/engines/vllm-trace.md): the core's index-code trace of the model's own ``load_weights``, on vLLM's own
 model class for (T, R), built on CPU the way vLLM's ``DefaultModelLoader`` builds it (``initialize_model`` under
