@@ -14,6 +14,10 @@ A model directory is deterministic for (architecture, head_dim, seed, dtype, :da
 venv's torch/transformers/tokenizers versions); its name carries the first five, and a ``weightsync-tiny.json``
 written last marks it complete. ``head_dim`` is 16 by default; vLLM's CPU attention needs 32 or more
 (stock-engines note §7b: 16 kills its server at the first request), so the vLLM tier asks for 32.
+
+Architectures: ``llama`` and ``qwen3`` (no biases), ``qwen2`` (q/k/v biases, as Qwen2 always has), ``qwen3_moe``
+(every layer a 4-expert MoE, :data:`MOE_SHAPE`). Qwen2 has no ``head_dim`` setting (HF and vLLM both use
+hidden / heads), so its head count follows ``head_dim``: 8 heads / 4 KV heads at 16, 4 / 2 at 32.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 MAKER_VERSION = 1
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = ("float32", "bfloat16")
 VOCAB = 512
 STAMP = "weightsync-tiny.json"
@@ -55,6 +59,14 @@ SHAPE: dict[str, Any] = {
     "pad_token_id": 0,
 }
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 (the config's pad/bos/eos)
+# qwen3_moe: every layer sparse, 4 experts of MLP 64, 2 per token (the SGLang trace test's MoE shape).
+MOE_SHAPE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 # Random weights drawn with this std (HF's default 0.02 gives near-uniform logits, so greedy argmax would
 # hinge on rounding noise; 0.25 keeps the top logit well separated while staying far from overflow).
 INIT_STD = 0.25
@@ -185,11 +197,22 @@ def _tokenizer(seed: int, out: Path) -> None:
 def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> None:
     torch: Any = importlib.import_module("torch")
     transformers: Any = importlib.import_module("transformers")
-    config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
-    extra: dict[str, Any] = {"attention_bias": False}
-    if arch == "qwen3":
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }[arch]
+    extra: dict[str, Any] = {} if arch == "qwen2" else {"attention_bias": False}
+    if arch != "llama":
         extra["sliding_window"] = None
+    if arch == "qwen3_moe":
+        extra.update(MOE_SHAPE)
     shape = {**SHAPE, "head_dim": head_dim}
+    if arch == "qwen2":  # no head_dim setting: hidden / heads is the head size
+        heads = shape["hidden_size"] // head_dim
+        shape.update(num_attention_heads=heads, num_key_value_heads=heads // 2)
+        del shape["head_dim"]
     config = config_class(**shape, **extra, initializer_range=INIT_STD, torch_dtype=dtype)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
