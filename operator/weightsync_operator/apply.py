@@ -231,6 +231,10 @@ class Reconciler:
                     await self._write_status(body, memory, folded.status, "progress")
 
                 try:
+                    if self._previous(body, memory) is None:
+                        # A new group: its counts go on its status before the supporting objects are made (a
+                        # dozen sequential calls that a busy API server stretches to seconds).
+                        await progress(await self._pods(namespace, name, uid))
                     outdated = await self._apply(body, group, desired, decision, memory, progress)
                 except ApiError as exc:
                     problem, retry = _api_problem(exc), True
