@@ -8,60 +8,34 @@ only the workarounds that TP size needs; their evidence lands in :attr:`SglangPr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightsync.ports import free_port
 from weightsync_testing import sglang_cpu
+from weightsync_testing.server_process import ServerProcess
 
 
 class SglangStartError(RuntimeError):
     """The server exited or did not become ready in time; the message names its log file."""
 
 
-@dataclass
-class SglangProcess:
-    process: subprocess.Popen[bytes]
-    host: str
-    port: int
+@dataclass(kw_only=True)
+class SglangProcess(ServerProcess):
     bootstrap_port: int
     tp: int
-    log_path: Path
     workaround_log: Path
     workarounds: list[str]
-    command: list[str]
     admin_api_key: str | None = None
-    started_s: float = 0.0
-    _log: Any = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def workaround_events(self) -> list[dict[str, Any]]:
         """The JSON lines the CPU workarounds wrote (``sglang_cpu/sitecustomize.py``)."""
@@ -72,68 +46,10 @@ class SglangProcess:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        timeout: float = 30.0,
-        admin: bool = True,
+        self, method: str, path: str, body: Any = None, *, timeout: float = 30.0, admin: bool = True
     ) -> tuple[int, Any]:
-        """One HTTP call: ``(status, parsed JSON or text)``; HTTP errors return their status, not raise."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if admin and self.admin_api_key:
-            req.add_header("Authorization", f"Bearer {self.admin_api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as answer:
-                status, raw = answer.status, answer.read()
-        except urllib.error.HTTPError as error:
-            status, raw = error.code, error.read()
-        text = raw.decode(errors="replace")
-        try:
-            return status, json.loads(text)
-        except ValueError:
-            return status, text
-
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the server (it stops its schedulers and detokenizer), then SIGKILL its whole process group.
-
-        Only the leader gets SIGTERM: signalling the children too makes SGLang treat their exit as a crash
-        and sleep 5 s for diagnostics. Whatever is left after ``grace`` seconds is killed."""
-        try:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.process.wait(timeout=grace)
-            # Children outlive a parent killed first; the group id is the leader's pid (start_new_session).
-            _signal_group(self.process.pid, signal.SIGKILL)
-            if self.process.poll() is None:
-                self.process.wait(timeout=grace)
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    def __enter__(self) -> SglangProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        """One HTTP call (see :meth:`ServerProcess.call`), with the admin key unless ``admin`` is false."""
+        return self.call(method, path, body, timeout=timeout, bearer=self.admin_api_key if admin else None)
 
 
 def omp_bind(tp: int) -> str:

@@ -13,56 +13,30 @@ dev-mode RL routes answer without it (docs/engines/vllm.md, "Limits").
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightsync_testing.sglang_server import free_port
+from weightsync.ports import free_port
+from weightsync_testing.server_process import ServerProcess
 
 
 class VllmStartError(RuntimeError):
     """The server exited or did not become ready in time; the message names its log file and ends with its tail."""
 
 
-@dataclass
-class VllmProcess:
-    process: subprocess.Popen[bytes]
-    host: str
-    port: int
+@dataclass(kw_only=True)
+class VllmProcess(ServerProcess):
     model: str  # the served model name (``"model"`` of the OpenAI requests)
-    log_path: Path
-    command: list[str]
     api_key: str | None = None
-    started_s: float = 0.0
-    _log: Any = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def request(
         self,
@@ -74,49 +48,9 @@ class VllmProcess:
         auth: bool = True,
         api_key: str | None = None,
     ) -> tuple[int, Any]:
-        """One HTTP call: ``(status, parsed JSON or text)``; HTTP errors return their status, not raise.
-
-        Sends ``Authorization: Bearer <api_key or the server's key>`` unless ``auth`` is false."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        key = api_key or self.api_key
-        if auth and key:
-            req.add_header("Authorization", f"Bearer {key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as answer:
-                status, raw = answer.status, answer.read()
-        except urllib.error.HTTPError as error:
-            status, raw = error.code, error.read()
-        text = raw.decode(errors="replace")
-        try:
-            return status, json.loads(text)
-        except ValueError:
-            return status, text
-
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the API server (it shuts its engine core down), then SIGKILL its whole process group
-        (the engine core, a multiprocessing child, outlives a parent killed first)."""
-        try:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.process.wait(timeout=grace)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)  # the group id is the leader's pid (start_new_session)
-            if self.process.poll() is None:
-                self.process.wait(timeout=grace)
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    def __enter__(self) -> VllmProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        """One HTTP call (see :meth:`ServerProcess.call`) with ``Authorization: Bearer <api_key or the server's
+        key>`` unless ``auth`` is false."""
+        return self.call(method, path, body, timeout=timeout, bearer=(api_key or self.api_key) if auth else None)
 
 
 def server_env(extra_env: Mapping[str, str] | None = None, pythonpath: Sequence[Path] = ()) -> dict[str, str]:
