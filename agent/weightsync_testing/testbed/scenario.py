@@ -20,11 +20,12 @@ tree of ``gloo::broadcast`` (see :func:`binomial_sends`): the sender sends the w
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from weightsync.simulate.model import binomial_children
 
 MiB = 1 << 20
 Target = tuple[int, int]
@@ -115,25 +116,15 @@ def p2p_link_loads(assignments: Mapping[int, Sequence[Target]], target_bytes: Ma
 
 
 def binomial_sends(world: int, root: int = 0) -> list[tuple[int, int]]:
-    """``(sender, receiver)`` group-rank pairs of one ``gloo::broadcast`` (binomial tree, gloo/broadcast.cc).
-
-    Virtual rank ``v = (rank - root) mod world``; in round ``i`` (``i = 0..ceil(log2 world) - 1``) every
-    virtual rank with no bits set above ``i`` exchanges with ``v xor 2^i``: the one without bit ``i`` sends.
-    """
-    if world < 1 or not 0 <= root < world:
+    """``(sender, receiver)`` group-rank pairs of one ``gloo::broadcast``, round by round: the simulator's tree
+    (:func:`weightsync.simulate.model.binomial_children`, virtual rank ``v = (rank - root) mod world``), where a
+    child ``v | 2^i`` is sent to in round ``i``."""
+    if not 0 <= root < world:
         raise ValueError(f"world {world}, root {root}")
-    dim = math.ceil(math.log2(world)) if world > 1 else 0
-    pairs: list[tuple[int, int]] = []
-    for i in range(dim):
-        for vrank in range(world):
-            if vrank >> (i + 1):  # a bit above i is set: not in this round yet
-                continue
-            if vrank & (1 << i):
-                continue  # the receiving side of the pair
-            vpeer = vrank | (1 << i)
-            if vpeer < world:
-                pairs.append(((vrank + root) % world, (vpeer + root) % world))
-    return pairs
+    children = binomial_children(world)
+    pairs = sorted(((parent, child) for parent, kids in enumerate(children) for child in kids),
+                   key=lambda pair: (pair[1] - pair[0], pair[0]))  # fmt: skip
+    return [((parent + root) % world, (child + root) % world) for parent, child in pairs]
 
 
 def broadcast_link_loads(member_nodes: Sequence[str], sender_node: str, nbytes: int) -> dict[Link, int]:

@@ -43,10 +43,19 @@ def test_binomial_sender_sends_as_often_as_gloos_tree(engines: int) -> None:
 @FAST
 @given(st.integers(1, 64))
 def test_binomial_children_are_gloos_tree(world: int) -> None:
-    """The same pairs as the testbed's ``binomial_sends`` (written separately, from the same gloo source)."""
+    """gloo/broadcast.cc's rule: in round i, every rank with no bit set above i and bit i clear sends to rank | 2^i;
+    every member receives once, from a lower rank."""
     children = binomial_children(world)
-    assert sorted((p, c) for p, kids in enumerate(children) for c in kids) == sorted(binomial_sends(world))
-    assert sorted(c for kids in children for c in kids) == list(range(1, world))  # every member receives once
+    assert sorted(c for kids in children for c in kids) == list(range(1, world))
+    for parent, kids in enumerate(children):
+        for child in kids:
+            step = child - parent
+            assert step & (step - 1) == 0 and parent & step == 0 and parent < step, (parent, child)
+
+
+def test_binomial_children_of_eight_and_five() -> None:
+    assert binomial_children(8) == [[1, 2, 4], [3, 5], [6], [7], [], [], [], []]
+    assert binomial_children(5) == [[1, 2, 4], [3], [], [], []]
 
 
 @FAST
