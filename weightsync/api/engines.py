@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
-Adapter = Literal["sglang", "reference"]
+Adapter = Literal["sglang", "vllm", "reference"]
 SyncModeName = Literal["p2p", "broadcast"]
 Staging = Literal["live", "staged"]
 #: How targets check what landed: per-bucket xxh3-64 over the engine's own memory (weightsync's
@@ -65,6 +65,20 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
             catch_up=True,
             # Stock SGLang registers its weights with its own Mooncake engine once, at start
             # (register_memory_region_v2), and has no route to unregister them: writable for its whole life.
+            writable_only_in_round=False,
+        ),
+    ),
+    "vllm": EngineKind(
+        "vllm",
+        # Stock vLLM with weightsync's backend plugin (docs/engines/vllm.md): sources write the checkpoint's
+        # tensors into the plugin's receive buffer while vLLM serves; the commit applies them through vLLM's own
+        # layerwise reload inside a pause. So staged only; verified per bucket over the buffer by the engine
+        # pod's agent. Broadcast (vLLM's nccl backend) and catch-up are not built yet.
+        Capabilities(
+            modes=frozenset({"p2p"}),
+            staging=frozenset({"staged"}),
+            verify="bucket-xxh3",
+            catch_up=False,
             writable_only_in_round=False,
         ),
     ),

@@ -198,7 +198,8 @@ class InferenceSpec(SpecModel):
     template: PodTemplate
     adapter: Adapter = Field(
         default="sglang",
-        description="How the agent talks to the engine: a real SGLang server, or weightsync's reference engine.",
+        description="How the agent talks to the engine: a stock SGLang server, a stock vLLM server with weightsync's "
+        "backend plugin, or weightsync's reference engine.",
         json_schema_extra=rules(immutable("inference.adapter", "the engine kind cannot change under its agents")),
     )
     port: int = Field(default=30000, ge=1, le=65535, description="The engine's HTTP port inside the pod.")

@@ -77,3 +77,18 @@ class RankQuery(RequestModel):
     """A rank in a path (``/v1/sources/{rank}/...``) or a query (``/v1/engine/manifest?rank=r``)."""
 
     rank: QueryRank
+
+
+#: A bucket's checksum: xxh3-64 in 16 hex digits (``weightsync_agent.layout.checksums``).
+BucketChecksum = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+#: At most this many buckets per rank (1 TiB at 1 MiB buckets): 16 MiB of digits would pass the body cap anyway.
+MAX_BUCKETS = 1 << 20
+
+
+class VerifyRequest(RequestModel):
+    """``POST /v1/engine/verify``: check engine rank ``rank`` against the sources' per-bucket checksums."""
+
+    rank: Rank
+    version: Version
+    checksums: list[BucketChecksum] = Field(max_length=MAX_BUCKETS)
+    round_id: str = Field(alias="roundId", min_length=1, max_length=MAX_ROUND_ID)

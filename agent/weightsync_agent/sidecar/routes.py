@@ -33,10 +33,11 @@ from weightsync_agent.sidecar.requests import (
     RankQuery,
     RoundQuery,
     SourceCallRequest,
+    VerifyRequest,
 )
 from weightsync_agent.sidecar.waiters import TooManyWaitersError, Waiters
 from weightsync_agent.source.control import RoundScope
-from weightsync_agent.targets.agent import MANIFEST_ROUTE
+from weightsync_agent.targets.engine_agent_calls import MANIFEST_ROUTE, MAX_MISMATCHED, VERIFY_ROUTE
 
 if TYPE_CHECKING:
     from weightsync_agent.sidecar.runtime import AgentRuntime
@@ -155,6 +156,22 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             return error_response(409, str(exc))
         return web.json_response(manifest.model_dump(mode="json", by_alias=True))
 
+    async def engine_verify(request: web.Request) -> web.Response:
+        asked = parse_body(VerifyRequest, await json_object(request))
+        engine = runtime.engine
+        if engine is None:
+            raise LookupError("this agent runs no engine")
+        try:
+            verdict = await blocking(request, engine.verify, asked.rank, asked.version, asked.checksums,
+                                     runtime.round_timeout, asked.round_id)  # fmt: skip
+        except ManifestError as exc:
+            return error_response(409, str(exc))
+        except HttpCallError as exc:
+            return error_response(503, f"the engine did not answer: {exc}")
+        return web.json_response(
+            {"ok": verdict.ok, "mismatched": list(verdict.mismatched)[:MAX_MISMATCHED], "error": verdict.error}
+        )
+
     trainer_token = runtime.trainer_token
     auth = auth_middleware(
         token, open_routes=OPEN_ROUTES, extra={route: (lambda: trainer_token) for route in TRAINER_ROUTES}
@@ -173,6 +190,7 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             web.post(r"/v1/sources/{rank:\d+}/publish", source_publish),
             web.post(r"/v1/sources/{rank:\d+}/committed", source_committed),
             web.get(MANIFEST_ROUTE, engine_manifest),
+            web.post(VERIFY_ROUTE, engine_verify),
         ]
     )
     return app

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +30,10 @@ from weightsync.api.engines import Refusal
 from weightsync_agent import metrics
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest
-from weightsync_agent.targets.adapter import EngineAdapter, Readiness
+from weightsync_agent.targets.adapter import EngineAdapter, Readiness, TargetVerdict
 
 log = logging.getLogger("weightsync.agent.engine")
 
-#: The engine pod agent's route serving manifests its adapter assembles (``?rank=r``).
-MANIFEST_ROUTE = "/v1/engine/manifest"
 
 SetReady = Callable[[bool, str, str], None]
 Annotate = Callable[[dict[str, Any]], None]
@@ -162,3 +160,12 @@ class EngineAgent:
         if not 0 <= rank < self.adapter.settings.ranks:
             raise ValueError(f"rank must be in [0, {self.adapter.settings.ranks}), got {rank}")
         return self.adapter.manifest(rank)
+
+    def verify(self, rank: int, version: int, checksums: Sequence[str], timeout: float, round_id: str) -> TargetVerdict:
+        """Rank ``rank`` checked against the sources' per-bucket checksums by this pod's adapter (for kinds whose
+        landed bytes only the engine's pod can read: vLLM's receive buffer)."""
+        if isinstance(self.adapter, Refusal):
+            raise LookupError(self.adapter.message)
+        if not 0 <= rank < self.adapter.settings.ranks:
+            raise ValueError(f"rank must be in [0, {self.adapter.settings.ranks}), got {rank}")
+        return self.adapter.verify(rank, version, checksums, timeout, round_id=round_id)

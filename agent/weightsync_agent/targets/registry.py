@@ -12,10 +12,12 @@ from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailableError, EngineAdapter
 from weightsync_agent.targets.reference.adapter import ReferenceAdapter
 from weightsync_agent.targets.sglang.adapter import SglangAdapter
+from weightsync_agent.targets.vllm.adapter import VllmAdapter
 
 ADAPTERS: Final[dict[str, type[EngineAdapter]]] = {
     ReferenceAdapter.kind: ReferenceAdapter,
     SglangAdapter.kind: SglangAdapter,
+    VllmAdapter.kind: VllmAdapter,
 }
 
 

@@ -25,9 +25,9 @@ def test_every_adapter_has_a_kind() -> None:
 
 
 def test_unknown_adapter() -> None:
-    refused = refusal("vllm", Request("p2p", "live", verify=True))
+    refused = refusal("trtllm", Request("p2p", "live", verify=True))
     assert refused is not None and refused.reason == "UnknownAdapter"
-    assert "'vllm'" in refused.message and "sglang" in refused.message and "reference" in refused.message
+    assert "'trtllm'" in refused.message and "sglang" in refused.message and "reference" in refused.message
 
 
 def test_unavailable_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,6 +44,15 @@ def test_stock_sglang_syncs_live_in_p2p_and_broadcast_never_staged() -> None:
         refused = refusal("sglang", Request(mode, "staged", verify=True))  # type: ignore[arg-type]
         assert refused is not None and refused.reason == "AdapterLacksCapability" and "'sglang'" in refused.message
         assert "transfer.targetStaging 'staged'" in refused.message and "supports live" in refused.message
+
+
+def test_stock_vllm_syncs_staged_p2p_only_so_far() -> None:
+    assert refusal("vllm", Request("p2p", "staged", verify=True)) is None
+    live = refusal("vllm", Request("p2p", "live", verify=True))
+    assert live is not None and live.reason == "AdapterLacksCapability"
+    assert "transfer.targetStaging 'live'" in live.message and "supports staged" in live.message
+    broadcast = refusal("vllm", Request("broadcast", "staged", verify=True))
+    assert broadcast is not None and "transfer.mode 'broadcast'" in broadcast.message
 
 
 def test_lacking_mode(narrow: str) -> None:

@@ -37,10 +37,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from pydantic import ValidationError
-
 from weightsync.api.engines import ENGINE_KINDS, Capabilities
-from weightsync_agent.http.client import HttpCallError, JsonHttpClient
+from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.targets.adapter import (
     AdapterSettings,
@@ -49,7 +47,7 @@ from weightsync_agent.targets.adapter import (
     Readiness,
     TargetVerdict,
 )
-from weightsync_agent.targets.agent import MANIFEST_ROUTE
+from weightsync_agent.targets.engine_agent_calls import fetch_manifest
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.sglang.manifest import assemble
 
@@ -304,20 +302,7 @@ class SglangAdapter:
             return by_rank
 
     def _fetch(self, rank: int) -> Manifest:
-        if not self.settings.agent_url:
-            raise ManifestError(f"{self.name}: no agent URL to fetch rank {rank}'s manifest from")
-        agent = JsonHttpClient(
-            self.settings.agent_url, timeout=self.settings.call_timeout, api_key=self.settings.api_key
-        )
-        _, answer = agent.request("GET", MANIFEST_ROUTE, query={"rank": rank})
-        try:
-            manifest = Manifest.model_validate(answer)
-        except (ValidationError, ManifestError) as exc:
-            raise ManifestError(f"{self.name}: rank {rank}'s manifest from its agent is not usable: {exc}") from exc
-        if manifest.rank != rank or manifest.engine != self.settings.engine:
-            got = f"engine {manifest.engine} rank {manifest.rank}"
-            raise ManifestError(f"{self.name}: asked for rank {rank}, got {got}")
-        return manifest
+        return fetch_manifest(self.settings, rank, self.name)
 
     def _assemble(self, rank: int) -> Manifest:
         info = self.client.server_info()

@@ -1,10 +1,12 @@
-"""A test-only ASGI middleware for the stock vLLM server (``--middleware weightsync_vllm_probe_guard.BearerGuard``):
-every HTTP path but ``/health`` needs ``Authorization: Bearer $WEIGHTSYNC_GROUP_TOKEN``.
+"""An ASGI middleware for the stock vLLM server (``--middleware weightsync_vllm.guard.BearerGuard``): every HTTP
+path but ``/health`` needs ``Authorization: Bearer $WEIGHTSYNC_GROUP_TOKEN``.
 
 vLLM's own ``--api-key`` checks only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, leaving the dev-mode RL routes
-open (docs/engines/vllm.md, "Limits"). This checks that vLLM's stock ``--middleware`` hook can close them. vLLM
-adds a middleware class with ``app.add_middleware(cls)``, no arguments, so the token comes from the environment
-(where the operator already puts it in engine containers).
+(``/pause``, ``/update_weights``, ``/weight_checker`` whose ``reset`` zeros every weight, ``/collective_rpc``, ...)
+open to anyone who reaches the port (docs/engines/vllm.md, "Limits"). vLLM's stock ``--middleware`` hook closes
+them with this. vLLM adds a middleware class with ``app.add_middleware(cls)``, no arguments, so the token comes
+from the environment (where the operator already puts it in engine containers). Standalone: starlette only
+(vLLM's own dependency).
 """
 
 from __future__ import annotations

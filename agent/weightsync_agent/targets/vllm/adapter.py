@@ -1,0 +1,255 @@
+"""The stock-vLLM adapter: vLLM as it ships, with weightsync's backend plugin (``weightsync_vllm``) selected by
+``--weight-transfer-config '{"backend": "weightsync"}'``; driven through vLLM's own RL routes
+(``VLLM_SERVER_DEV_MODE=1``).
+
+Staged rounds (docs/engines/vllm.md): the plugin keeps, per worker, a receive buffer holding the checkpoint's
+tensors in a file under ``$WEIGHTSYNC_VLLM_RECEIVE_DIR`` (default ``/dev/shm/weightsync-vllm``: the pod's
+memory-backed ``/dev/shm``, which the operator mounts in the engine's and the agent's containers alike); sources
+write into it while vLLM keeps serving. A round:
+
+| step | vLLM route / what |
+|---|---|
+| begin | the version must be newer than ``/weight_info``'s; nothing else: the buffer is the staging area |
+| write | one-sided Mooncake writes into the receive buffer (the manifest's addresses) |
+| verify | the engine pod's agent hashes each bucket of the buffer through the file (``/v1/engine/verify``) |
+| commit | ``/pause?mode=wait``, ``/start_weight_update``, ``/update_weights`` (``load_weights`` from the buffer |
+|        | inside vLLM's layerwise reload), ``/finish_weight_update {"weight_version": v}``, ``/resume`` |
+| abort | nothing to undo: the live weights were not touched (a commit that failed half-way leaves the engine paused) |
+
+The manifest of a rank is the buffer's layout (``<dir>/dp0-pp0-tp<r>.json``, written by the plugin when the
+engine pod's agent first calls ``/init_weight_transfer_engine``): every checkpoint tensor whole, at its address in
+the engine's worker, ``staging: true``, verified per bucket (``bucket-xxh3``).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlparse
+
+import xxhash
+
+from weightsync.api.engines import ENGINE_KINDS, Capabilities
+from weightsync_agent.http.client import HttpCallError, JsonHttpClient
+from weightsync_agent.layout.buckets import plan_buckets
+from weightsync_agent.layout.manifest import Manifest, ManifestError, Region, ShardPart, TensorEntry
+from weightsync_agent.targets.adapter import (
+    AdapterSettings,
+    BroadcastReception,
+    FullTensor,
+    Readiness,
+    TargetVerdict,
+)
+from weightsync_agent.targets.engine_agent_calls import MAX_MISMATCHED, fetch_manifest, remote_verify
+
+#: Where the plugin's receive buffers live, shared by the engine's and the agent's containers. The default is in
+#: the pod's ``/dev/shm``, the memory-backed ``emptyDir`` the operator mounts in every container of the pod (its
+#: size is ``rdma.shmSizeGiB``: it must hold the checkpoint once per engine rank of the pod).
+ENV_RECEIVE_DIR = "WEIGHTSYNC_VLLM_RECEIVE_DIR"
+DEFAULT_RECEIVE_DIR = "/dev/shm/weightsync-vllm"
+#: The address the plugin's Mooncake engine listens on (default: the engine URL's host, the pod's IP).
+ENV_MOONCAKE_HOST = "WEIGHTSYNC_VLLM_MOONCAKE_HOST"
+#: The backend name the server must be started with (``weightsync_vllm.plugin.BACKEND``).
+BACKEND = "weightsync"
+NOT_SERVING_ROUTES = (
+    "vLLM does not serve its RL routes: start it with VLLM_SERVER_DEV_MODE=1 and "
+    f'--weight-transfer-config \'{{"backend": "{BACKEND}"}}\', with weightsync installed in its image'
+)
+
+
+def rank_tag(rank: int) -> str:
+    """The plugin's name for TP rank ``rank``'s buffer (``weightsync_vllm.engine.rank_tag``)."""
+    return f"dp0-pp0-tp{rank}"
+
+
+class VllmAdapter:
+    kind: ClassVar[str] = "vllm"
+    capabilities: ClassVar[Capabilities] = ENGINE_KINDS["vllm"].capabilities  # type: ignore[assignment]
+    manifests_from_engine_agent: ClassVar[bool] = True  # the buffer's layout is a file in the engine's pod
+    broadcast: ClassVar[BroadcastReception] = BroadcastReception("engine", "announced-tensors")  # not supported
+
+    def __init__(self, settings: AdapterSettings) -> None:
+        self.settings = settings
+        self.client = JsonHttpClient(settings.url, timeout=settings.call_timeout, api_key=settings.api_key)
+        self.name = f"engine {settings.engine} (vLLM at {self.client.base_url})"
+        self._layouts: dict[int, dict[str, Any]] = {}
+        self._manifests: dict[int, Manifest] = {}
+        self._initialised = False
+        self._lock = threading.Lock()
+        #: Set while a commit applies the buffer: a failure then leaves the engine paused (half-applied weights).
+        self._applying = False
+
+    def __repr__(self) -> str:
+        return f"VllmAdapter({self.name})"
+
+    # --- Discovery and readiness -------------------------------------------------------------------
+
+    def manifest(self, rank: int) -> Manifest:
+        if not self.settings.engine_side:
+            manifest = fetch_manifest(self.settings, rank, self.name)
+        else:
+            manifest = manifest_of(self.settings.engine, rank, self._layout(rank))
+        self._manifests[rank] = manifest
+        return manifest
+
+    def held_version(self, timeout: float | None = None) -> str | None:
+        _, answer = self.client.request("GET", "/weight_info", timeout=timeout)
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        return None if version is None else str(version)
+
+    def healthy(self, timeout: float) -> bool:
+        try:
+            self.client.request("GET", "/health", timeout=timeout)
+        except HttpCallError:
+            return False
+        return True
+
+    def readiness(self) -> Readiness:
+        try:
+            for rank in range(self.settings.ranks):
+                self.manifest(rank)
+        except HttpCallError as exc:
+            if exc.status in (401, 403):
+                return Readiness(False, "EngineUnauthorized", f"vLLM refused the group's token ({exc})")
+            if exc.status == 404:
+                return Readiness(False, "EngineNotPublishing", f"{NOT_SERVING_ROUTES} ({exc})")
+            return Readiness(False, "EngineUnavailable", str(exc))
+        except ManifestError as exc:
+            return Readiness(False, "ManifestRefused", str(exc))
+        return Readiness(True, "EngineServing", f"vLLM at {self.client.base_url}: {self.settings.ranks} rank(s)")
+
+    # --- The round (staged: the engine serves until commit) ------------------------------------------
+
+    def pause(self, timeout: float, *, round_id: str) -> None:
+        self._post("/pause?mode=wait", None, timeout)
+
+    def resume(self, timeout: float, *, round_id: str) -> None:
+        self._post("/resume", None, timeout)
+
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
+        held = self.held_version(timeout)
+        if held is not None and held.isdigit() and version <= int(held):
+            raise HttpCallError("/weight_info", 409, f"version {version} is not newer than vLLM's ({held})")
+
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
+        if not self.settings.engine_side:
+            return remote_verify(self.settings, rank, version, checksums, timeout, round_id=round_id, who=self.name)
+        manifest = self._manifests.get(rank) or self.manifest(rank)
+        return verify_buffer(manifest, self._layout(rank), self.settings.bucket_bytes, checksums)
+
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
+        held = self.held_version(timeout)
+        if held is not None and held.isdigit() and version <= int(held):
+            raise HttpCallError("/finish_weight_update", 409, f"version {version} is not newer than vLLM's ({held})")
+        self._post("/pause?mode=wait", None, timeout)
+        self._applying = True
+        self._post("/start_weight_update", None, timeout)
+        self._post("/update_weights", {"update_info": {}}, timeout)
+        self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
+        self._applying = False
+        self._post("/resume", None, timeout)
+
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
+        # The live weights change only inside commit: an abort before it has nothing to undo. One after a commit
+        # failed half-way leaves the engine paused, reporting the version it held before (never serve a mix).
+        if not self._applying:
+            return
+
+    # --- Broadcast: not yet (vLLM's own nccl backend needs an NVIDIA driver; docs/engines/vllm.md) -----------
+
+    def join_broadcast(self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str,
+                       timeout: float, group_name: str = "weightsync") -> None:  # fmt: skip
+        raise HttpCallError("/init_weight_transfer_engine", None, "broadcast mode into vLLM is not built yet")
+
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
+        raise HttpCallError("/update_weights", None, "broadcast mode into vLLM is not built yet")
+
+    def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
+        raise HttpCallError("/update_weights", None, "broadcast mode into vLLM is not built yet")
+
+    def leave_broadcast(self, group_name: str, timeout: float) -> None:
+        pass
+
+    # --- Pieces ------------------------------------------------------------------------------------
+
+    def _post(self, route: str, body: dict[str, Any] | None, timeout: float) -> Any:
+        _, answer = self.client.request("POST", route, body=body, timeout=timeout)
+        return answer
+
+    def _layout(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s buffer layout, the plugin asked to make the buffers once by this agent."""
+        with self._lock:
+            if rank in self._layouts:
+                return self._layouts[rank]
+            directory = os.environ.get(ENV_RECEIVE_DIR) or DEFAULT_RECEIVE_DIR
+            if not self._initialised:
+                try:
+                    Path(directory).mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ManifestError(f"{self.name}: cannot make the receive directory {directory}: {exc}") from exc
+                host = os.environ.get(ENV_MOONCAKE_HOST) or urlparse(self.client.base_url).hostname or "127.0.0.1"
+                init = {"init_info": {"directory": directory, "host": host}}
+                self._post("/init_weight_transfer_engine", init, self.settings.call_timeout)
+                self._initialised = True
+            path = Path(directory) / f"{rank_tag(rank)}.json"
+            try:
+                layout: dict[str, Any] = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ManifestError(f"{self.name}: rank {rank}'s receive buffer layout {path}: {exc}") from exc
+            self._layouts[rank] = layout
+            return layout
+
+
+def manifest_of(engine: int, rank: int, layout: dict[str, Any]) -> Manifest:
+    """The manifest of a receive buffer: every checkpoint tensor whole, at its address in the engine's worker."""
+    base = int(layout["address"])
+    tensors = []
+    for slot in layout["tensors"]:
+        shape = tuple(int(d) for d in slot["shape"])
+        if not shape or 0 in shape:
+            raise ManifestError(f"{slot['name']}: a tensor of shape {list(shape)} has nothing to transfer")
+        whole = ShardPart(source=slot["name"], full_shape=shape, dim=0, start=0, length=shape[0])
+        address = base + int(slot["offset"])
+        tensors.append(TensorEntry(name=slot["name"], dtype=slot["dtype"], shape=shape, address=address,
+                                   nbytes=int(slot["nbytes"]), parts=(whole,)))  # fmt: skip
+    return Manifest(
+        engine=engine,
+        rank=rank,
+        session_id=str(layout["session_id"]),
+        tensors=tuple(tensors),
+        regions=(Region(address=base, nbytes=int(layout["nbytes"])),),
+        staging=True,
+        checksum="bucket-xxh3",
+    )
+
+
+def verify_buffer(
+    manifest: Manifest, layout: dict[str, Any], bucket_bytes: int, checksums: Sequence[str]
+) -> TargetVerdict:
+    """Hash each bucket of ``manifest`` over the buffer's file (mapped read-only here, at another address than the
+    engine's: offsets are the manifest's addresses less the buffer's) and compare with the sources' ``checksums``;
+    the digest is :mod:`weightsync_agent.layout.checksums`' (xxh3-64 over the bucket's pieces in order)."""
+    buckets = plan_buckets(manifest, bucket_bytes)
+    if len(checksums) != len(buckets):
+        return TargetVerdict(ok=False, error=f"{len(checksums)} checksums for {len(buckets)} buckets")
+    base, nbytes = int(layout["address"]), int(layout["nbytes"])
+    mismatched: list[int] = []
+    with open(layout["path"], "rb") as handle, mmap.mmap(handle.fileno(), nbytes, prot=mmap.PROT_READ) as mapped:
+        for bucket, want in zip(buckets, checksums, strict=True):
+            hasher = xxhash.xxh3_64()
+            for piece in bucket.pieces:
+                offset = piece.remote_address - base
+                hasher.update(mapped[offset : offset + piece.length])
+            if hasher.hexdigest() != want:
+                mismatched.append(bucket.index)
+    if mismatched:
+        return TargetVerdict(ok=False, mismatched=mismatched[:MAX_MISMATCHED],
+                             error=f"{len(mismatched)} of {len(buckets)} buckets differ")  # fmt: skip
+    return TargetVerdict(ok=True)

