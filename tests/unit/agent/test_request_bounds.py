@@ -20,7 +20,13 @@ from weightsync_agent.http.bounds import (
     short,
 )
 from weightsync_agent.http.server import BackgroundServer, bounded_app, error_middleware
-from weightsync_agent.sidecar.requests import PublishRequest, RankQuery, RoundQuery, SourceCallRequest
+from weightsync_agent.sidecar.requests import (
+    PublishRequest,
+    RankQuery,
+    RoundQuery,
+    SourceCallRequest,
+    VerifyRequest,
+)
 
 
 @given(st.integers(min_value=0, max_value=MAX_VERSION), st.integers(min_value=0, max_value=16383))
@@ -54,6 +60,23 @@ def test_a_long_poll_over_the_poll_cap_is_cut_to_it_and_queries_parse_from_text(
     asked = parse_body(RoundQuery, {"version": "12", "wait": "3600", "after": "1.5"})
     assert (asked.version, asked.poll_seconds, asked.after) == (12, 60.0, 1.5)
     assert parse_body(RankQuery, {"rank": "3"}).rank == 3
+
+
+def test_a_verify_takes_bucket_digests_only() -> None:
+    """``POST /v1/engine/verify`` (vLLM engines): 16 hex digits per bucket, a round id; nothing else."""
+    ok = {"rank": 0, "version": 3, "checksums": ["0123456789abcdef"] * 3, "roundId": "r-1"}
+    assert parse_body(VerifyRequest, ok).checksums == ["0123456789abcdef"] * 3
+    for field, bad in [
+        ("checksums", ["0123456789ABCDEF"]),  # xxh3 hexdigest is lower case
+        ("checksums", ["0123"]),
+        ("checksums", ["../../etc/passwd"]),
+        ("roundId", ""),
+        ("rank", -1),
+    ]:
+        with pytest.raises(BadRequestError, match=field):
+            parse_body(VerifyRequest, {**ok, field: bad})
+    with pytest.raises(BadRequestError, match=r"^path: "):
+        parse_body(VerifyRequest, {**ok, "path": "/etc/passwd"})
 
 
 def test_the_refusal_is_one_short_line_whatever_the_input() -> None:
