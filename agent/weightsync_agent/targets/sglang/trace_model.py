@@ -65,11 +65,13 @@ if TYPE_CHECKING:
 else:
     core = load_trace_core()
 
-# The core's names this script (and its tests' engine-side helpers) use.
+# The core's names this script, its tests' engine-side helpers and the coverage survey
+# (weightsync_testing/sglang_coverage.py, which loads this script as a module) use.
 TraceError = core.TraceError
 Workarounds = core.Workarounds
 read_checkpoint = core.read_checkpoint
 trace_replica = core.trace_replica
+param_layout = core.param_layout
 dtype_name = core.dtype_name
 
 
