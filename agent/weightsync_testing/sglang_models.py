@@ -130,6 +130,29 @@ def hf_greedy(
     return answer
 
 
+def trained_state(model_dir: Path, step: int) -> dict[str, Any]:
+    """A trainer's weights after ``step`` steps, as the engine tests publish them: the checkpoint's tensors (torch, in
+    this process), each moved by a perturbation seeded with ``step``, in name order."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(str(next(model_dir.glob("*.safetensors"))))
+    generator = torch.Generator().manual_seed(step)
+    return {
+        name: (t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
+        for name, t in sorted(state.items())
+    }
+
+
+def with_weights(model_dir: Path, state: dict[str, Any], out: Path) -> Path:
+    """``model_dir`` copied to ``out`` with ``state`` as its weights (for the HF reference forward)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
 def _run_engine_side(python: str | Path, args: list[str], timeout: float) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

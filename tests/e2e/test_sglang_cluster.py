@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from conftest import Agents, Kube, OperatorProcess, load_example, wait_for
 
@@ -28,10 +27,10 @@ from weightsync.localcluster.session import PodCredentials, group_pods, secret_r
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.sglang_env import SglangEnvError, SglangEnvUnavailable, sglang_python
-from weightsync_testing.sglang_models import ensure_tiny_model
+from weightsync_testing.sglang_models import ensure_tiny_model, trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 NS = "e2e-sglang"
 GROUP = "qwen3-rl"  # the example's name
@@ -94,12 +93,6 @@ def status(admin: Kube) -> dict[str, Any]:
     return admin.json("-n", NS, "get", "wsg", GROUP).get("status") or {}
 
 
-def trained(model_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    state = safetensors_torch.load_file(str(next(model_dir.glob("*.safetensors"))))
-    generator = torch.Generator().manual_seed(step)
-    return {n: (t + 0.05 * torch.randn(t.shape, generator=generator)).contiguous() for n, t in sorted(state.items())}
-
-
 def test_sglang_engine_pods_sync_through_their_agents(admin: Kube, sglang_group: tuple[Agents, Path]) -> None:
     agents, model_dir = sglang_group
     ready = wait_for("the SGLang group Ready", lambda: (s := status(admin)).get("phase") == "Ready" and s, timeout=240)
@@ -107,7 +100,7 @@ def test_sglang_engine_pods_sync_through_their_agents(admin: Kube, sglang_group:
     engine_pod = admin.json("-n", NS, "get", "pod", f"{GROUP}-engine-0-0")
     assert engine_pod["metadata"]["annotations"][names.ANNOTATION_AGENT_URL]  # where trainers fetch manifests
 
-    full = trained(model_dir, 1)
+    full = trained_state(model_dir, 1)
     clients = [agents.client(f"{GROUP}-trainer-{i}", timeout=120) for i in range(2)]
     try:
         outcomes = publish_all(clients, full, 1)

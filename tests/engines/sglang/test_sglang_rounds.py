@@ -14,21 +14,20 @@ trainer's weights. Skipped only where the pinned SGLang venv cannot be built (ne
 from __future__ import annotations
 
 import hashlib
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.sglang_models import trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 TEMPLATE: dict[str, Any] = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
 PROMPTS = [[1, 17, 42, 99, 250, 7], [3, 300, 12, 5]]
@@ -61,23 +60,6 @@ def spec(tp: int, engines: int = 1, trainers: int = 2, timeout: int = 60) -> Wei
     )
 
 
-def trained(model_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights after ``step`` steps: the checkpoint, moved by a seeded perturbation."""
-    state = safetensors_torch.load_file(str(next(model_dir.glob("*.safetensors"))))
-    generator = torch.Generator().manual_seed(step)
-    return {
-        name: (t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
-        for name, t in sorted(state.items())
-    }
-
-
-def save_checkpoint(model_dir: Path, state: dict[str, torch.Tensor], out: Path) -> Path:
-    """``model_dir`` with ``state`` as its weights (for the HF reference forward)."""
-    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    safetensors_torch.save_file(state, str(out / "model.safetensors"))
-    return out
-
-
 def generate(client: EngineClient, prompt: list[int]) -> tuple[list[int], str]:
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}}
     _, answer = client.request("POST", "/generate", body=body, timeout=60)
@@ -103,7 +85,7 @@ def test_live_rounds_into_stock_sglang_verify_and_generate_like_hf(
     engine = group.engines[0].client(timeout=60)
     try:
         for version in (1, 2):
-            full = trained(model_dir, version)
+            full = trained_state(model_dir, version)
             outcomes = publish_all(clients, full, version)
             assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
             assert engine.weight_version() == str(version)
@@ -121,7 +103,7 @@ def test_live_rounds_into_stock_sglang_verify_and_generate_like_hf(
                 want = hashlib.sha256(shard.contiguous().numpy().tobytes()).digest()[:8].hex()
                 assert held[(rank, "model.embed_tokens.weight")] == want, rank
 
-            reference = hf_greedy(engine_python, save_checkpoint(model_dir, full, tmp_path / f"v{version}"),
+            reference = hf_greedy(engine_python, with_weights(model_dir, full, tmp_path / f"v{version}"),
                                   PROMPTS, NEW_TOKENS)  # fmt: skip
             for prompt, expected in zip(PROMPTS, reference, strict=True):
                 tokens, label = generate(engine, prompt)

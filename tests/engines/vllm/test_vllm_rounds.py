@@ -14,23 +14,21 @@ The server runs with the plugin's token guard: the agents' calls carry the group
 from __future__ import annotations
 
 import hashlib
-import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from vllm_helpers import complete
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_testing.engine_harness import VllmEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import hf_greedy
+from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 TEMPLATE = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
@@ -52,22 +50,6 @@ def spec(trainers: int = 2, timeout: int = 120) -> WeightSyncGroupSpec:
             "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": timeout, "targetStaging": "staged"},
         }
     )
-
-
-def trained(model_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights after ``step`` steps: the checkpoint, moved by a seeded perturbation."""
-    state = safetensors_torch.load_file(str(next(model_dir.glob("*.safetensors"))))
-    generator = torch.Generator().manual_seed(step)
-    return {
-        name: (t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
-        for name, t in sorted(state.items())
-    }
-
-
-def save_checkpoint(model_dir: Path, state: dict[str, torch.Tensor], out: Path) -> Path:
-    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    safetensors_torch.save_file(state, str(out / "model.safetensors"))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +77,7 @@ def test_staged_rounds_into_stock_vllm_verify_and_generate_like_hf(
     clients = [group.client(rank) for rank in range(2)]
     try:
         for version in (1, 2):
-            full = trained(tiny_llama32, version)
+            full = trained_state(tiny_llama32, version)
             outcomes = publish_all(clients, full, version)
             assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
             status, info = server.request("GET", "/weight_info")
@@ -108,7 +90,7 @@ def test_staged_rounds_into_stock_vllm_verify_and_generate_like_hf(
                     want = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
                     assert answer["checksums"][KEY_PREFIX + name] == want, name
 
-            reference = hf_greedy(vllm_py, save_checkpoint(tiny_llama32, full, tmp_path / f"v{version}"),
+            reference = hf_greedy(vllm_py, with_weights(tiny_llama32, full, tmp_path / f"v{version}"),
                                   PROMPTS, NEW_TOKENS)  # fmt: skip
             served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
             assert served == [e["output_ids"] for e in reference]
@@ -143,7 +125,7 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
     corrupter = threading.Thread(target=tamper, daemon=True)
     try:
         corrupter.start()
-        outcomes = publish_all(clients, trained(tiny_llama32, 10), before + 1)
+        outcomes = publish_all(clients, trained_state(tiny_llama32, 10), before + 1)
         stop.set()
         corrupter.join()
         assert not any(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
@@ -151,11 +133,11 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
         assert held(group) == before
         assert [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS] == served_before
 
-        full = trained(tiny_llama32, 11)
+        full = trained_state(tiny_llama32, 11)
         outcomes = publish_all(clients, full, before + 2)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
         assert held(group) == before + 2
-        reference = hf_greedy(vllm_py, save_checkpoint(tiny_llama32, full, tmp_path / "v-after"), PROMPTS, NEW_TOKENS)
+        reference = hf_greedy(vllm_py, with_weights(tiny_llama32, full, tmp_path / "v-after"), PROMPTS, NEW_TOKENS)
         assert [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS] == [
             e["output_ids"] for e in reference
         ]
