@@ -666,6 +666,36 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def run_output(
+    version_key: str,
+    version: str,
+    tp: int,
+    rank: int,
+    traced: dict[str, Any],
+    workarounds: Workarounds,
+    *,
+    started: float,
+    imported: float,
+) -> dict[str, Any]:
+    """An engine script's JSON: the engine's version under ``version_key``, the rank, what :func:`trace_layers`
+    returned, the workarounds' report, and the run's times (``started``/``imported``: monotonic clock readings at
+    the start and once the engine was imported)."""
+    seconds = traced.pop("seconds")
+    return {
+        version_key: version,
+        "tp_size": tp,
+        "tp_rank": rank,
+        **traced,
+        "workarounds": workarounds.report(),
+        "seconds": {
+            "import": round(imported - started, 2),
+            "build": seconds["build"],
+            "trace": seconds["trace"],
+            "total": round(time.monotonic() - started, 2),
+        },
+    }
+
+
 def main(argv: list[str] | None, *, engine: str, description: str, run: Run) -> int:
     """An engine script's CLI: ``--model DIR --tp T --rank R --dtype DTYPE``; one JSON object on stdout, or one line
     on stderr (exit 1 on a real error, 2 on bad arguments). ``engine`` names the engine in help and messages."""

@@ -283,21 +283,9 @@ def run(model_dir: Path, tp: int, rank: int, dtype: str, reduce_layers: bool = T
         return model, dtype_name(config.dtype)
 
     traced = core.trace_layers(sg.torch, build, sources, dtype, "SGLang", reduce_layers)
-    done = time.monotonic()
-    seconds = traced.pop("seconds")
-    return {
-        "sglang_version": sg.version,
-        "tp_size": tp,
-        "tp_rank": rank,
-        **traced,
-        "workarounds": workarounds.report(),
-        "seconds": {
-            "import": round(imported - started, 2),
-            "build": seconds["build"],
-            "trace": seconds["trace"],
-            "total": round(done - started, 2),
-        },
-    }
+    return core.run_output(
+        "sglang_version", sg.version, tp, rank, traced, workarounds, started=started, imported=imported
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

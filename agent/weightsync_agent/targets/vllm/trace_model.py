@@ -249,21 +249,9 @@ def run(model_dir: Path, tp: int, rank: int, dtype: str, reduce_layers: bool = T
         return model, core.dtype_name(config.model_config.dtype)
 
     traced = core.trace_layers(vl.torch, build, sources, dtype, "vLLM", reduce_layers)
-    done = time.monotonic()
-    seconds = traced.pop("seconds")
-    return {
-        "vllm_version": vl.version,
-        "tp_size": tp,
-        "tp_rank": rank,
-        **traced,
-        "workarounds": workarounds.report(),
-        "seconds": {
-            "import": round(imported - started, 2),
-            "build": seconds["build"],
-            "trace": seconds["trace"],
-            "total": round(done - started, 2),
-        },
-    }
+    return core.run_output(
+        "vllm_version", vl.version, tp, rank, traced, workarounds, started=started, imported=imported
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
