@@ -81,8 +81,6 @@ class VllmAdapter:
         self._manifests: dict[int, Manifest] = {}
         self._initialised = False
         self._lock = threading.Lock()
-        #: Set while a commit applies the buffer: a failure then leaves the engine paused (half-applied weights).
-        self._applying = False
 
     def __repr__(self) -> str:
         return f"VllmAdapter({self.name})"
@@ -148,19 +146,17 @@ class VllmAdapter:
         held = self.held_version(timeout)
         if held is not None and held.isdigit() and version <= int(held):
             raise HttpCallError("/finish_weight_update", 409, f"version {version} is not newer than vLLM's ({held})")
+        # A failure from here on leaves vLLM paused (it may hold half-applied weights): it never resumes on a mix.
         self._post("/pause?mode=wait", None, timeout)
-        self._applying = True
         self._post("/start_weight_update", None, timeout)
         self._post("/update_weights", {"update_info": {}}, timeout)
         self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
-        self._applying = False
         self._post("/resume", None, timeout)
 
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
-        # The live weights change only inside commit: an abort before it has nothing to undo. One after a commit
-        # failed half-way leaves the engine paused, reporting the version it held before (never serve a mix).
-        if not self._applying:
-            return
+        # Nothing to undo: the live weights change only inside commit, and a commit that failed half-way left the
+        # engine paused, reporting the version it held before.
+        return
 
     # --- Broadcast: not yet (vLLM's own nccl backend needs an NVIDIA driver; docs/engines/vllm.md) -----------
 
