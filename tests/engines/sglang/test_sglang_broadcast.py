@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang_rounds import NEW_TOKENS, PROMPTS, TEMPLATE, generate, save_checkpoint, trained
+from test_sglang_rounds import NEW_TOKENS, PROMPTS, TEMPLATE, generate
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
@@ -41,6 +41,7 @@ from weightsync_agent.targets.sglang.adapter import ENV_ENGINE_PYTHON, SglangAda
 from weightsync_agent.transport.custom_group import CustomGroupSender
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.sglang_models import trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
 
 EMBED = "model.embed_tokens.weight"
@@ -89,7 +90,7 @@ def test_broadcast_rounds_into_stock_sglang_verify_and_generate_like_hf(
     try:
         assert len(clients[0].replicas) == 1 and len(clients[1].replicas) == 0  # rank 0 holds the full tensors
         for version in (1, 2):
-            full = trained(tiny_llama, version)
+            full = trained_state(tiny_llama, version)
             began = time.monotonic()
             outcomes = publish_all(clients, full, version)
             print(f"\nbroadcast round v{version} at TP={tp}: {time.monotonic() - began:.3f} s")
@@ -106,7 +107,7 @@ def test_broadcast_rounds_into_stock_sglang_verify_and_generate_like_hf(
                 q, k, v = (full[f"{layer}{p}_proj.weight"].chunk(tp, dim=0)[rank] for p in "qkv")
                 assert held[(rank, layer + "qkv_proj.weight")] == sha8(torch.cat([q, k, v])), rank
 
-            reference = hf_greedy(str(sglang_py), save_checkpoint(tiny_llama, full, tmp_path / f"v{version}"),
+            reference = hf_greedy(str(sglang_py), with_weights(tiny_llama, full, tmp_path / f"v{version}"),
                                   PROMPTS, NEW_TOKENS)  # fmt: skip
             for prompt, expected in zip(PROMPTS, reference, strict=True):
                 tokens, label = generate(engine, prompt)
@@ -154,7 +155,7 @@ def test_a_failed_broadcast_round_never_relabels_and_the_next_repairs(
         adapter = SglangAdapter(settings)
         assert adapter.readiness().ready
         source = BroadcastSource(plan, {(0, 0): adapter.manifest(0)}, {0: adapter}, call_timeout=30)
-        assert source.layout.world_size == 2 and set(source.expected) == set(trained(tiny_llama, 0))
+        assert source.layout.world_size == 2 and set(source.expected) == set(trained_state(tiny_llama, 0))
         engine = EngineClient(server.url, timeout=60)
 
         def run(version: int, control: object) -> str | None:
@@ -167,7 +168,7 @@ def test_a_failed_broadcast_round_never_relabels_and_the_next_repairs(
             return None if result.result == "Succeeded" else f"{result.result}: {result.reason}"
 
         def stage(version: int) -> dict[str, torch.Tensor]:
-            full = trained(tiny_llama, version)
+            full = trained_state(tiny_llama, version)
             source.reset()
             source.stage_many(full)
             return full
