@@ -176,9 +176,13 @@ class VllmEngines:
         self.servers[engine] = server
         return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_VLLM_RECEIVE_DIR": str(receive)}, token)
 
+    def signal(self, engine: int, sig: signal.Signals) -> None:
+        """``sig`` to every process of engine ``engine``'s server (its API server, engine core, worker)."""
+        os.killpg(self.servers[engine].pid, sig)
+
     def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
         old = self.servers[engine]
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(old.pid, signal.SIGKILL)
+            self.signal(engine, signal.SIGKILL)
         old.stop(grace=10.0)
         return self.start(engine, spec, seed, port=old.port, token=token or old.api_key)

@@ -6,11 +6,15 @@ vLLM drives it through its RL routes (``VLLM_SERVER_DEV_MODE=1``), in its worker
   out in a receive buffer under ``D`` (:mod:`~weightsync_vllm.receive_buffer`), start a Mooncake engine on
   ``H`` (peer-to-peer handshake: no metadata server), register the buffer with it, and publish the layout with
   the Mooncake session id (``D/<tag>.json``). Sources then write into the buffer directly; nothing of a round
-  passes through vLLM's HTTP server.
+  passes through vLLM's HTTP server. Idempotent: asked again with the same ``D``, ``H`` and dtype, it keeps the
+  buffer and its session and only republishes the layout, so the engine pod's agent can ask on every manifest
+  request and learn from the session whether vLLM restarted (a new process makes a new buffer, a new session).
 * ``/start_weight_update``: vLLM's layerwise reload begins (it keeps what the CPU build repacks, and restores
   it from ``load_weights``).
-* ``/update_weights {"update_info": {"names": [...]}}`` (empty: every tensor): ``model.load_weights`` from the
-  buffer's views. Send complete fused groups (q, k and v together): a layer given only part of a fused weight
+* ``/update_weights {"update_info": {"names": [...], "sessions": {tag: session}}}`` (empty names: every tensor):
+  ``model.load_weights`` from the buffer's views; refused when ``sessions`` names another session for this rank
+  than its buffer's (the verified bytes were in a predecessor's buffer: vLLM restarted after the verification).
+  Send complete fused groups (q, k and v together): a layer given only part of a fused weight
   keeps neither the old nor the new values.
 * ``/finish_weight_update {"weight_version": v}``: the reload finishes (the CPU build repacks); vLLM reports
   ``v`` from then on.
@@ -60,6 +64,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     #: The checkpoint tensors to apply from the buffer; empty: all of them.
     names: list[str] = field(default_factory=list)
+    #: The session each rank's verified bytes were written to (``dp0-pp0-tp0`` -> ``host:port``); a rank whose
+    #: buffer has another session refuses. Empty: not checked.
+    sessions: dict[str, str] = field(default_factory=dict)
 
 
 class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -71,13 +78,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.buffer: ReceiveBuffer | None = None
         self.mooncake: Any = None
         self.session_id = ""
+        self._made_with: tuple[str, str, str] | None = None  # (directory, host, dtype) of the buffer
 
     # --- vLLM's calls ----------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if not init_info.directory:
             raise ValueError("init_info.directory is required: where the receive buffer goes")
-        self.shutdown()  # a second init replaces the first (an agent that restarted)
+        wanted = (init_info.directory, init_info.host, init_info.dtype)
+        if self.buffer is not None and self._made_with == wanted and self.buffer.layout_path.exists():
+            self.buffer.publish(session_id=self.session_id, model=str(self.model_config.model), pid=os.getpid())
+            return
+        self.shutdown()  # other settings replace the buffer
         dtype = _dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
         model_dir = Path(self.model_config.model)
         tensors = [(name, dtype if DTYPES.get(kind, dtype).is_floating_point else DTYPES[kind], shape)
@@ -89,6 +101,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise RuntimeError(f"Mooncake register_memory of the receive buffer returned {rc}")
         self.session_id = f"{init_info.host}:{self.mooncake.get_rpc_port()}"
         self.buffer.publish(session_id=self.session_id, model=str(model_dir), pid=os.getpid())
+        self._made_with = wanted
         logger.info("weightsync: receive buffer of %d tensors, %d bytes, Mooncake session %s",
                     len(self.buffer.slots), self.buffer.nbytes, self.session_id)  # fmt: skip
 
@@ -98,6 +111,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         buffer = self._buffer()
+        verified = update_info.sessions.get(rank_tag()) if update_info.sessions else self.session_id
+        if verified != self.session_id:
+            raise BufferError(
+                f"the verified bytes were written to session {verified}, this buffer is session {self.session_id} "
+                "(vLLM restarted after the verification): nothing applied"
+            )
         names = update_info.names or [slot.name for slot in buffer.slots]
         unknown = sorted(set(names) - set(buffer.by_name))
         if unknown:
@@ -112,6 +131,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if self.mooncake is not None and self.buffer is not None:
             self.mooncake.unregister_memory(self.buffer.address)
         self.mooncake = None
+        self._made_with = None
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None

@@ -73,12 +73,13 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
         # Stock vLLM with weightsync's backend plugin (docs/engines/vllm.md): sources write the checkpoint's
         # tensors into the plugin's receive buffer while vLLM serves; the commit applies them through vLLM's own
         # layerwise reload inside a pause. So staged only; verified per bucket over the buffer by the engine
-        # pod's agent. Broadcast (vLLM's nccl backend) and catch-up are not built yet.
+        # pod's agent. A restarted or joining vLLM publishes a new buffer (a new session) and is caught up from the
+        # replicas. Broadcast (vLLM's nccl backend) is not built yet.
         Capabilities(
             modes=frozenset({"p2p"}),
             staging=frozenset({"staged"}),
             verify="bucket-xxh3",
-            catch_up=False,
+            catch_up=True,
             writable_only_in_round=False,
         ),
     ),

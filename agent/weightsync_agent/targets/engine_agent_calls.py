@@ -28,9 +28,9 @@ def _agent(settings: AdapterSettings, who: str) -> JsonHttpClient:
     return JsonHttpClient(settings.agent_url, timeout=settings.call_timeout, api_key=settings.api_key)
 
 
-def fetch_manifest(settings: AdapterSettings, rank: int, who: str) -> Manifest:
+def fetch_manifest(settings: AdapterSettings, rank: int, who: str, *, timeout: float | None = None) -> Manifest:
     """Rank ``rank``'s manifest from the engine pod's agent, checked to be that engine's and that rank's."""
-    _, answer = _agent(settings, who).request("GET", MANIFEST_ROUTE, query={"rank": rank})
+    _, answer = _agent(settings, who).request("GET", MANIFEST_ROUTE, query={"rank": rank}, timeout=timeout)
     try:
         manifest = Manifest.model_validate(answer)
     except (ValidationError, ManifestError) as exc:

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, save_checkpoint, spec, trained
+from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, spec
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import WeightSyncClient
@@ -37,7 +33,9 @@ from weightsync_agent.targets.engine_client import EngineClient, TransferEngineI
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.engine_harness import SglangEngines, StartedEngine
+from weightsync_testing.http_gate import Gate
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.sglang_models import trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
 
 TARGET = "model.norm.weight"
@@ -47,68 +45,6 @@ FAULT_TIMEOUT = 10
 #: How long a trainer rank waits for a faulted round's result (the default, the round budget from its own call, is
 #: shorter than a failing round: budget, then the other sources settle).
 WAIT = 60.0
-
-
-class Gate:
-    """A pass-through HTTP proxy in front of one SGLang server that can hold one route: the test then knows the
-    round is at that step (and faults the engine there) before letting the request through."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.route: str | None = None
-        self.arrived = threading.Event()
-        self.released = threading.Event()
-        gate = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                gate._forward(self)
-
-            def do_POST(self) -> None:
-                gate._forward(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def hold(self, route: str) -> None:
-        self.route, self.arrived, self.released = route, threading.Event(), threading.Event()
-
-    def release(self) -> None:
-        self.route = None
-        self.released.set()
-
-    def _forward(self, handler: BaseHTTPRequestHandler) -> None:
-        if self.route is not None and handler.path.split("?")[0] == self.route:
-            self.arrived.set()
-            self.released.wait(120)
-        size = int(handler.headers.get("Content-Length") or 0)
-        body = handler.rfile.read(size) if size else None
-        request = urllib.request.Request(self.upstream + handler.path, data=body, method=handler.command)
-        for header in ("Content-Type", "Authorization"):
-            if handler.headers.get(header):
-                request.add_header(header, handler.headers[header])
-        try:
-            with urllib.request.urlopen(request, timeout=300) as answer:
-                status, raw, kind = answer.status, answer.read(), answer.headers.get("Content-Type")
-        except urllib.error.HTTPError as error:
-            status, raw, kind = error.code, error.read(), error.headers.get("Content-Type")
-        except OSError as error:  # the engine is gone: what a client of a dead server sees, as an answer
-            status, raw, kind = 502, json.dumps({"error": {"message": f"gate: {error}"}}).encode(), "application/json"
-        handler.send_response(status)
-        handler.send_header("Content-Type", kind or "application/json")
-        handler.send_header("Content-Length", str(len(raw)))
-        handler.end_headers()
-        handler.wfile.write(raw)
-
-    def close(self) -> None:
-        self.release()
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class GatedSglangEngines(SglangEngines):
@@ -272,13 +208,13 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
     engine = group.engines[0].client(timeout=60)
     try:
         with Load(group.engines[0].url) as load:
-            first = publish_all(clients, trained(tiny_llama, 1), 1)
+            first = publish_all(clients, trained_state(tiny_llama, 1), 1)
             assert all(getattr(o, "ok", False) for o in first), [getattr(o, "summary", o.__str__)() for o in first]
             with ForeignWriter(group.engines[0].client(timeout=10), TARGET) as writer:
-                outcomes = publish_all(clients, trained(tiny_llama, 2), 2)
+                outcomes = publish_all(clients, trained_state(tiny_llama, 2), 2)
                 assert writer.writes > 0
             held_after_failure = engine.weight_version()
-            repaired = publish_all(clients, trained(tiny_llama, 3), 3)
+            repaired = publish_all(clients, trained_state(tiny_llama, 3), 3)
             time.sleep(1.0)  # a few answers after the repair
         assert not load.errors, load.errors[:3]
         assert load.versions and set(load.versions) <= {"default", "1", "3"}, sorted(set(load.versions))
@@ -290,9 +226,9 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
         assert "failed verification of version 2" in said and TARGET in said, said
         assert held_after_failure == "1"  # never relabelled to a version it does not hold
 
-        full = trained(tiny_llama, 3)
+        full = trained_state(tiny_llama, 3)
         assert engine.weight_version() == "3"
-        reference = hf_greedy(sglang_py, save_checkpoint(tiny_llama, full, tmp_path / "v3"), PROMPTS, NEW_TOKENS)
+        reference = hf_greedy(sglang_py, with_weights(tiny_llama, full, tmp_path / "v3"), PROMPTS, NEW_TOKENS)
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             assert generate(engine, prompt) == (expected["output_ids"], "3")
     finally:
@@ -313,7 +249,7 @@ def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
     try:
         # A coordinator that died mid-round leaves SGLang's weight-update session open.
         engine.request("POST", "/begin_weight_update", body={}, timeout=30)
-        full = trained(tiny_llama, 1)
+        full = trained_state(tiny_llama, 1)
         outcomes = publish_all(clients, full, 1)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
         assert engine.weight_version() == "1"
@@ -328,7 +264,7 @@ def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
             assert time.monotonic() < deadline, f"joiner still at {joiner.weight_version()}"
             time.sleep(1)
         assert engine.weight_version() == "1"
-        reference = hf_greedy(sglang_py, save_checkpoint(tiny_llama, full, tmp_path / "v1"), PROMPTS, NEW_TOKENS)
+        reference = hf_greedy(sglang_py, with_weights(tiny_llama, full, tmp_path / "v1"), PROMPTS, NEW_TOKENS)
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             assert generate(joiner, prompt) == (expected["output_ids"], "1")
     finally:
@@ -349,11 +285,11 @@ def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
     engine = group.engines[0].client(timeout=30)
     coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     try:
-        v1 = trained(tiny_llama, 1)
+        v1 = trained_state(tiny_llama, 1)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
         before = engine.transfer_engine_info(0)
 
-        outcome, took = publish_with_fault_at_verify(group, clients, trained(tiny_llama, 2), 2, signal.SIGKILL)
+        outcome, took = publish_with_fault_at_verify(group, clients, trained_state(tiny_llama, 2), 2, signal.SIGKILL)
         assert not getattr(outcome, "ok", True), outcome
         said = outcome.summary()  # type: ignore[attr-defined]
         assert "round v2: Failed" in said and ("engine 0" in said or "source 0" in said), said
@@ -365,7 +301,7 @@ def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
         # Restarted on its ports: SGLang's checkpoint at new addresses behind a new session. The replicas hold v2
         # (staged for the failed round), not the committed v1, so no catch-up is possible: the next round repairs.
         restarted = restart_and_check_no_stale_write(group, before, seconds=5)
-        v3 = trained(tiny_llama, 3)
+        v3 = trained_state(tiny_llama, 3)
         outcomes = publish_all(clients, v3, 3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
         assert_holds(engine, v3, "3")
@@ -421,10 +357,11 @@ def test_a_hung_target_fails_the_round_within_its_timeouts_and_after_sigcont_the
     harness = group.harness
     assert isinstance(harness, SglangEngines)
     try:
-        v1 = trained(tiny_llama, 1)
+        v1 = trained_state(tiny_llama, 1)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
         try:
-            outcome, took = publish_with_fault_at_verify(group, clients, trained(tiny_llama, 2), 2, signal.SIGSTOP)
+            v2 = trained_state(tiny_llama, 2)
+            outcome, took = publish_with_fault_at_verify(group, clients, v2, 2, signal.SIGSTOP)
             state = coordinator.state()
         finally:
             harness.signal(0, signal.SIGCONT)
@@ -437,7 +374,7 @@ def test_a_hung_target_fails_the_round_within_its_timeouts_and_after_sigcont_the
         assert state["committed"] == 1
         assert engine.weight_version() == "1"  # not relabelled
 
-        v3 = trained(tiny_llama, 3)
+        v3 = trained_state(tiny_llama, 3)
         outcomes = publish_all(clients, v3, 3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
         assert_holds(engine, v3, "3")

@@ -13,21 +13,28 @@ write into it while vLLM keeps serving. A round:
 | write | one-sided Mooncake writes into the receive buffer (the manifest's addresses) |
 | verify | the engine pod's agent hashes each bucket of the buffer through the file (``/v1/engine/verify``) |
 | commit | ``/pause?mode=wait``, ``/start_weight_update``, ``/update_weights`` (``load_weights`` from the buffer |
-|        | inside vLLM's layerwise reload), ``/finish_weight_update {"weight_version": v}``, ``/resume`` |
+|        | inside vLLM's layerwise reload), ``/finish_weight_update``, ``/update_weight_version``, ``/resume`` |
 | abort | nothing to undo: the live weights were not touched (a commit that failed half-way leaves the engine paused) |
 
 The manifest of a rank is the buffer's layout (``<dir>/dp0-pp0-tp<r>.json``, written by the plugin when the
-engine pod's agent first calls ``/init_weight_transfer_engine``): every checkpoint tensor whole, at its address in
-the engine's worker, ``staging: true``, verified per bucket (``bucket-xxh3``).
+engine pod's agent calls ``/init_weight_transfer_engine``): every checkpoint tensor whole, at its address in the
+engine's worker, ``staging: true``, verified per bucket (``bucket-xxh3``). The agent asks on every manifest
+request (the plugin keeps its buffer when asked again with the same settings): a vLLM that restarted answers
+with a new buffer under a new Mooncake session, so its manifest's placement changes, the sources refuse their
+stale manifests and refetch, and the coordinator catches the fresh engine up like any joining one. The commit
+names the sessions the verified bytes were written to; a rank whose buffer is another session refuses to apply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
@@ -45,7 +52,12 @@ from weightsync_agent.targets.adapter import (
     Readiness,
     TargetVerdict,
 )
-from weightsync_agent.targets.engine_agent_calls import MAX_MISMATCHED, fetch_manifest, remote_verify
+from weightsync_agent.targets.engine_agent_calls import MANIFEST_ROUTE, MAX_MISMATCHED, fetch_manifest, remote_verify
+
+log = logging.getLogger("weightsync.agent.vllm")
+
+#: A commit ends this much before its timeout, so it never outlasts the driver waiting for it.
+COMMIT_MARGIN = 2.0
 
 #: Where the plugin's receive buffers live, shared by the engine's and the agent's containers. The default is in
 #: the pod's ``/dev/shm``, the memory-backed ``emptyDir`` the operator mounts in every container of the pod (its
@@ -77,9 +89,7 @@ class VllmAdapter:
         self.settings = settings
         self.client = JsonHttpClient(settings.url, timeout=settings.call_timeout, api_key=settings.api_key)
         self.name = f"engine {settings.engine} (vLLM at {self.client.base_url})"
-        self._layouts: dict[int, dict[str, Any]] = {}
         self._manifests: dict[int, Manifest] = {}
-        self._initialised = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -91,7 +101,7 @@ class VllmAdapter:
         if not self.settings.engine_side:
             manifest = fetch_manifest(self.settings, rank, self.name)
         else:
-            manifest = manifest_of(self.settings.engine, rank, self._layout(rank))
+            manifest = manifest_of(self.settings.engine, rank, self._current_layout(rank))
         self._manifests[rank] = manifest
         return manifest
 
@@ -140,17 +150,35 @@ class VllmAdapter:
         if not self.settings.engine_side:
             return remote_verify(self.settings, rank, version, checksums, timeout, round_id=round_id, who=self.name)
         manifest = self._manifests.get(rank) or self.manifest(rank)
-        return verify_buffer(manifest, self._layout(rank), self.settings.bucket_bytes, checksums)
+        layout = self._read_layout(rank)
+        if str(layout.get("session_id")) != manifest.session_id:
+            return TargetVerdict(ok=False, error=f"rank {rank}'s receive buffer is session {layout.get('session_id')}, "
+                                 f"the sources wrote session {manifest.session_id}: vLLM restarted")  # fmt: skip
+        return verify_buffer(manifest, layout, self.settings.bucket_bytes, checksums)
 
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
-        held = self.held_version(timeout)
+        # The commit is several vLLM calls; ``timeout`` bounds them together, ending a little before the driver
+        # stops waiting, so no step of a commit the round already gave up on can land afterwards.
+        left = _budget(timeout)
+        held = self.held_version(left("/weight_info"))
         if held is not None and held.isdigit() and version <= int(held):
             raise HttpCallError("/finish_weight_update", 409, f"version {version} is not newer than vLLM's ({held})")
-        # A failure from here on leaves vLLM paused (it may hold half-applied weights): it never resumes on a mix.
-        self._post("/pause?mode=wait", None, timeout)
-        self._post("/start_weight_update", None, timeout)
-        self._post("/update_weights", {"update_info": {}}, timeout)
-        self._post("/finish_weight_update", {"weight_version": str(version)}, timeout)
+        sessions = self._written_sessions(left)
+        try:
+            self._post("/pause?mode=wait", None, left("/pause"))
+        except HttpCallError:
+            # The weights are untouched: serve again (a pause that timed out may still land later; the next
+            # round's commit resumes then).
+            with contextlib.suppress(HttpCallError):
+                self._post("/resume", None, timeout)
+            raise
+        # A failure from here on leaves vLLM paused (its reload may have begun, or applied part of the buffer): it
+        # never resumes on a mix, and reports the version it held before until a later commit completes.
+        self._start_update(left)
+        self._post("/update_weights", {"update_info": {"sessions": sessions}}, left("/update_weights"))
+        self._post("/finish_weight_update", {}, left("/finish_weight_update"))
+        # The label goes last, in a call of its own: the reload (the slow part) is done and vLLM is still paused.
+        self._post("/update_weight_version", {"new_version": str(version)}, left("/update_weight_version"))
         self._post("/resume", None, timeout)
 
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
@@ -179,28 +207,83 @@ class VllmAdapter:
         _, answer = self.client.request("POST", route, body=body, timeout=timeout)
         return answer
 
-    def _layout(self, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s buffer layout, the plugin asked to make the buffers once by this agent."""
+    def _start_update(self, left: Callable[[str], float]) -> None:
+        """``/start_weight_update``. After a commit that failed past its start (vLLM hung, then ran the held call)
+        vLLM's worker still has that update open and refuses a new one ("start_weight_update called while a weight
+        update is already active"; the route answers a bare 500, the message is only in vLLM's log). So on a 500
+        the open update is finished (without a version: whatever it loaded is replaced by this commit's full
+        update before anything is served) and the start asked once more. A 500 for another reason fails the
+        finish too (vLLM refuses a finish without a start), and the commit fails with it."""
+        try:
+            self._post("/start_weight_update", None, left("/start_weight_update"))
+        except HttpCallError as exc:
+            if exc.status != 500:
+                raise
+            log.warning("%s refused /start_weight_update (%s): finishing an update left open, then starting again",
+                        self.name, exc)  # fmt: skip
+            self._post("/finish_weight_update", {}, left("/finish_weight_update"))
+            self._post("/start_weight_update", None, left("/start_weight_update"))
+
+    def _written_sessions(self, left: Callable[[str], float]) -> dict[str, str]:
+        """The session each rank's bytes went to this round (the manifests the round's placements came from),
+        checked against what the engine's agent publishes now: a vLLM that restarted since is refused here,
+        before it is paused, and again by the plugin if it restarts later still."""
+        sessions: dict[str, str] = {}
+        for rank in range(self.settings.ranks):
+            written = self._manifests.get(rank)
+            if self.settings.engine_side:
+                now = manifest_of(self.settings.engine, rank, self._current_layout(rank))
+            else:
+                now = fetch_manifest(self.settings, rank, self.name, timeout=left(MANIFEST_ROUTE))
+            if written is not None and written.placement != now.placement:
+                raise HttpCallError(
+                    "/update_weights",
+                    409,
+                    f"rank {rank}'s receive buffer is now session {now.session_id}, the "
+                    f"verified bytes are in session {written.session_id}: vLLM restarted, nothing applied",
+                )
+            sessions[rank_tag(rank)] = (written or now).session_id
+        return sessions
+
+    def _current_layout(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s buffer layout as the engine has it now: the plugin is asked for its buffers every time
+        (it keeps them when they exist; a restarted vLLM makes new ones), then the layout file is read."""
+        directory = self._receive_dir()
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ManifestError(f"{self.name}: cannot make the receive directory {directory}: {exc}") from exc
+        host = os.environ.get(ENV_MOONCAKE_HOST) or urlparse(self.client.base_url).hostname or "127.0.0.1"
         with self._lock:
-            if rank in self._layouts:
-                return self._layouts[rank]
-            directory = os.environ.get(ENV_RECEIVE_DIR) or DEFAULT_RECEIVE_DIR
-            if not self._initialised:
-                try:
-                    Path(directory).mkdir(parents=True, exist_ok=True)
-                except OSError as exc:
-                    raise ManifestError(f"{self.name}: cannot make the receive directory {directory}: {exc}") from exc
-                host = os.environ.get(ENV_MOONCAKE_HOST) or urlparse(self.client.base_url).hostname or "127.0.0.1"
-                init = {"init_info": {"directory": directory, "host": host}}
-                self._post("/init_weight_transfer_engine", init, self.settings.call_timeout)
-                self._initialised = True
-            path = Path(directory) / f"{rank_tag(rank)}.json"
-            try:
-                layout: dict[str, Any] = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                raise ManifestError(f"{self.name}: rank {rank}'s receive buffer layout {path}: {exc}") from exc
-            self._layouts[rank] = layout
-            return layout
+            self._post("/init_weight_transfer_engine", {"init_info": {"directory": directory, "host": host}},
+                       self.settings.call_timeout)  # fmt: skip
+            return self._read_layout(rank)
+
+    def _read_layout(self, rank: int) -> dict[str, Any]:
+        path = Path(self._receive_dir()) / f"{rank_tag(rank)}.json"
+        try:
+            layout: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ManifestError(f"{self.name}: rank {rank}'s receive buffer layout {path}: {exc}") from exc
+        return layout
+
+    @staticmethod
+    def _receive_dir() -> str:
+        return os.environ.get(ENV_RECEIVE_DIR) or DEFAULT_RECEIVE_DIR
+
+
+def _budget(timeout: float) -> Callable[[str], float]:
+    """Seconds left for the next call of a commit bounded by ``timeout`` (less :data:`COMMIT_MARGIN`); a call
+    with none left is not made: :class:`HttpCallError` naming its route."""
+    deadline = time.monotonic() + max(timeout - COMMIT_MARGIN, timeout / 2)
+
+    def left(route: str) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise HttpCallError(route, None, f"not called: the commit used its {timeout:g} s")
+        return remaining
+
+    return left
 
 
 def manifest_of(engine: int, rank: int, layout: dict[str, Any]) -> Manifest:
