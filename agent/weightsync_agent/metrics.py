@@ -28,3 +28,22 @@ SOURCE_SECONDS = Histogram(
 SOURCE_FAILURES = Counter(
     "weightsync_agent_source_failures_total", "Publishes of this trainer rank that failed", ["group", "rank"]
 )
+ROUND_PHASE_SECONDS = Histogram(
+    "weightsync_agent_round_phase_seconds",
+    "Seconds a sync round spent in each phase (prepare, pause, begin, write, verify, commit, resume)",
+    ["group", "kind", "phase"],
+    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+ROUND_PAUSED_SECONDS = Histogram(
+    "weightsync_agent_round_paused_seconds",
+    "How long a sync round kept engines from serving (live: pause to resume; staged: the commit)",
+    ["group", "kind"],
+    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+#: The slowest peer's seconds of the last round, per role ("source", "target"): which peer it was is in the round's
+#: record (``weightsync rounds``), not in a label, so the series count does not grow with the group.
+ROUND_SLOWEST_SECONDS = Gauge(
+    "weightsync_agent_round_slowest_seconds",
+    "Seconds the slowest source or target of the last round took to write or be written",
+    ["group", "role"],
+)

@@ -37,6 +37,8 @@ from pydantic import ValidationError
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import (
+    RECENT_REASON_CHARS,
+    RECENT_SYNCS,
     Condition,
     ConditionType,
     Phase,
@@ -340,6 +342,9 @@ def fold_status(obs: Observation) -> Folded:
                 )
             else:
                 last_sync = last_round.model_dump(mode="json", by_alias=True, exclude_none=True)
+    recent, new_round = recent_syncs(previous.get("recentSyncs"), last_round)
+    if new_round is not None:
+        warnings.extend(round_warnings(new_round, obs.spec))
     if last_round is None and last_sync is not None:
         try:
             last_round = SyncStatus.model_validate(last_sync)
@@ -442,6 +447,7 @@ def fold_status(obs: Observation) -> Folded:
             "plan": plan,
             "weightVersion": weight_version,
             "lastSync": last_sync,
+            "recentSyncs": recent,
         }
     )
     return Folded(
@@ -449,6 +455,65 @@ def fold_status(obs: Observation) -> Folded:
         failures=failures,
         warnings=tuple(warnings),
     )
+
+
+def recent_syncs(previous: Any, latest: SyncStatus | None) -> tuple[list[dict[str, Any]], SyncStatus | None]:
+    """``status.recentSyncs``: the rounds the status held (those that still fit the schema), then ``latest`` (the
+    coordinator's last round) unless it is the newest already; the last :data:`RECENT_SYNCS`, reasons clipped.
+    Also ``latest`` when it is a round the list did not hold (so each round is announced once, across operator
+    restarts too: the list is in the status)."""
+    kept: list[SyncStatus] = []
+    for item in previous if isinstance(previous, list) else []:
+        try:
+            kept.append(SyncStatus.model_validate(item))
+        except ValidationError:
+            continue
+    appended: SyncStatus | None = None
+    if latest is not None:
+        clipped = latest.model_copy(
+            update={"reason": None if latest.reason is None else _clip(latest.reason, RECENT_REASON_CHARS)}
+        )
+        newest = kept[-1] if kept else None
+        if newest is None or (newest.version, newest.started_at, newest.result) != (
+            clipped.version,
+            clipped.started_at,
+            clipped.result,
+        ):
+            kept.append(clipped)
+            appended = latest
+    return [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in kept[-RECENT_SYNCS:]], appended
+
+
+def round_warnings(sync: SyncStatus, spec: WeightSyncGroupSpec | None) -> list[tuple[str, str]]:
+    """Warning Events a new round is worth: ``SyncFailed`` (naming the peer and the cause, from its reason), and
+    ``SyncSlow`` for a round over ``events.slowRoundPercent`` of its budget (naming its slowest phase, source
+    and target)."""
+    when = f"round v{sync.version} started {sync.started_at or '?'}"
+    if sync.result != "Succeeded":
+        return [("SyncFailed", f"{when}: {sync.result}: {sync.reason or 'no reason given'}")]
+    if spec is None or sync.duration_seconds is None:
+        return []
+    budget = spec.transfer.timeout_seconds
+    percent = spec.events.slow_round_percent
+    if sync.duration_seconds * 100 <= budget * percent:
+        return []
+    details = []
+    if sync.phases is not None:
+        phases = {k: v for k, v in sync.phases.model_dump().items() if v is not None}
+        if phases:
+            slowest = max(phases, key=lambda k: phases[k])
+            details.append(f"slowest phase {slowest} {phases[slowest]:.3f} s")
+    for label, peer in (("slowest source", sync.slowest_source), ("slowest target", sync.slowest_target)):
+        if peer is not None:
+            details.append(f"{label} {peer.peer} ({peer.seconds:.3f} s, {peer.gbps:g} Gb/s)")
+    more = f"; {', '.join(details)}" if details else ""
+    return [
+        (
+            "SyncSlow",
+            f"{when}: took {sync.duration_seconds:.3f} s, over {percent}% of its {budget} s budget "
+            f"(events.slowRoundPercent){more}",
+        )
+    ]
 
 
 def _engine_heads(obs: Observation, engine_names: Sequence[str], by_name: Mapping[str, Any]) -> dict[int, str]:

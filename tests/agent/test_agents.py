@@ -10,6 +10,7 @@ gets the committed version from the replicas without the others being paused.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -64,6 +65,11 @@ def test_rounds_through_agents_are_bit_exact_and_reported(group: LoopbackGroup) 
         metrics = AgentClient(group.agents[0].url, token=group.token).http.request("GET", "/metrics")[1]
         assert 'weightsync_agent_rounds_total{group="t-' in metrics
         assert "weightsync_agent_weight_version" in metrics and " 2.0" in metrics
+        counted = set(re.findall(r'weightsync_agent_round_phase_seconds_count\{group="t-[^"]*",kind="regular",'
+                                 r'phase="(\w+)"\} 2\.0', metrics))  # fmt: skip
+        assert {"prepare", "begin", "write", "verify", "commit"} <= counted, counted  # pause, resume: live only
+        assert "weightsync_agent_round_paused_seconds_count" in metrics
+        assert 'weightsync_agent_round_slowest_seconds{group="t-' in metrics and 'role="target"' in metrics
     finally:
         for client in clients:
             client.close()

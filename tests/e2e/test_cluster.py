@@ -446,6 +446,25 @@ def test_a_sync_round_through_the_agents_shows_in_status(admin: Kube, group_ns: 
     )
     last = final["lastSync"]
     assert last["result"] == "Succeeded" and last["durationSeconds"] > 0
+    # The round's record: seconds per phase, the engines' pause window, the slowest source and target.
+    assert {"prepare", "pause", "begin", "write", "verify", "commit", "resume"} <= set(last["phases"])
+    assert 0 < last["pausedSeconds"] <= last["durationSeconds"]
+    assert last["slowestSource"]["peer"].startswith("source ") and last["slowestTarget"]["peer"].startswith("engine ")
+    assert final["recentSyncs"][-1]["version"] == 1
+    shown = weightsync_cli(admin, "status", "demo", "-n", NS)
+    assert shown.returncode == 0, shown.stderr
+    assert "v1 Succeeded" in shown.stdout and "phases: prepare" in shown.stdout and "engines paused" in shown.stdout
+    assert f"slowest target: {last['slowestTarget']['peer']}" in shown.stdout
+    listed = weightsync_cli(admin, "rounds", "demo", "-n", NS, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)[0]["phases"]["write"] == last["phases"]["write"]
+    # The coordinator's metrics endpoint exports the same record (open, like the probes).
+    with urllib.request.urlopen(rank0 + "/metrics", timeout=10) as answer:
+        exported = answer.read().decode()
+    for series in ('weightsync_agent_round_phase_seconds_count{group="demo",kind="regular",phase="write"} 1.0',
+                   'weightsync_agent_round_paused_seconds_count{group="demo",kind="regular"} 1.0',
+                   'weightsync_agent_round_slowest_seconds{group="demo",role="target"}'):  # fmt: skip
+        assert series in exported, series
     plan = stored_plan(admin, "demo")
     reference = full_state(seed=5)
     per_rank = {r: sum(t.numel() * t.element_size() for t in shard(reference, 2, r).values()) for r in range(2)}
@@ -580,8 +599,13 @@ def test_the_credential_survives_reconciles_unchanged(admin: Kube, group_ns: str
 
 def rotate_token(admin: Kube, *args: str) -> subprocess.CompletedProcess[str]:
     """``weightsync rotate-token demo`` as a user runs it: with their kubeconfig (here the admin's)."""
+    return weightsync_cli(admin, "rotate-token", "demo", "-n", NS, *args)
+
+
+def weightsync_cli(admin: Kube, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``weightsync`` CLI as a user runs it: with their kubeconfig (here the admin's)."""
     return subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "rotate-token", "demo", "-n", NS, *args],
+        [sys.executable, "-m", "weightsync.cli.main", *args],
         env={**os.environ, "KUBECONFIG": str(admin.kubeconfig)},
         capture_output=True,
         text=True,

@@ -183,6 +183,11 @@ def test_an_operator_restart_during_rounds_changes_nothing(
     assert after == before  # no pod recreated
 
 
+def sync_events(admin: Kube, reason: str, containing: str) -> list[dict[str, Any]]:
+    events = admin.json("-n", NS, "get", "events", "--field-selector", f"reason={reason}")["items"]
+    return [e for e in events if containing in e.get("message", "") and e["involvedObject"]["name"] == GROUP]
+
+
 def test_a_slow_trainer_rank_keeps_the_engines_serving(agents: Agents) -> None:
     """Rank 1 stages 5 s after rank 0: the engines serve the whole time and pause only for the transfer."""
     outcomes, seconds = publish(agents, 9, late_rank=5.0)
@@ -240,5 +245,36 @@ def test_a_restarted_coordinator_keeps_the_committed_version(
     outcomes, _ = publish(agents, 4)
     assert not any(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
     assert engine_versions(agents) == everywhere(11)
+    # The refused round is a Warning Event on the group (`kubectl describe wsg`), naming the cause.
+    failed = wait_for("a SyncFailed event for round v4", lambda: sync_events(admin, "SyncFailed", "round v4 "))
+    assert "Failed: round not started: version 4 is not newer than committed 11" in failed[0]["message"]
+    assert failed[0]["involvedObject"]["kind"] == "WeightSyncGroup" and failed[0]["type"] == "Warning"
+    described = admin.kubectl("-n", NS, "describe", "wsg", GROUP).stdout
+    assert "SyncFailed" in described and "not newer than committed 11" in described
     assert_round(*publish(agents, 12), 12, agents)
     reported(admin, 12)
+
+
+def test_a_round_with_an_engine_down_fails_naming_it_in_an_event_and_the_next_round_repairs(
+    control_plane: tuple[LocalCluster, ClusterState, Kube], admin: Kube, agents: Agents
+) -> None:
+    """Engine 1's pod loses its containers (agent and engine stopped): the next round fails naming engine 1, which
+    `kubectl describe wsg` shows as a SyncFailed Warning Event; once the pod is recreated the version lands."""
+    agents.stop(ENGINES[1])
+    outcomes, _ = publish(agents, 13)
+    assert not any(o is not None and o.ok for o in outcomes), [o and o.summary() for o in outcomes]
+    failed = wait_for("a SyncFailed event for round v13", lambda: sync_events(admin, "SyncFailed", "round v13 "))
+    assert "engine 1" in failed[0]["message"], failed[0]["message"]
+    assert "SyncFailed" in admin.kubectl("-n", NS, "describe", "wsg", GROUP).stdout
+    restart_pod(admin, agents, ENGINES[1])
+    wait_for("the recreated engine to serve", lambda: serving(agents, ENGINES[1]), timeout=90)
+    assert_round(*publish(agents, 13), 13, agents)
+    reported(admin, 13)
+
+
+def serving(agents: Agents, pod: str) -> bool:
+    engine = agents.engines.get(pod)
+    try:
+        return engine is not None and engine.client().weight_version() is not None
+    except Exception:  # not up yet
+        return False

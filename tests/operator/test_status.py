@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightsync.api import names
-from weightsync.api.v1alpha1 import WeightSyncGroupStatus
+from weightsync.api.v1alpha1 import RECENT_REASON_CHARS, RECENT_SYNCS, WeightSyncGroupStatus
 from weightsync.plan import plan_for
 from weightsync_operator.builders import desired_state
 from weightsync_operator.status import (
@@ -245,6 +245,81 @@ def test_last_sync_comes_from_the_coordinator() -> None:
         "gbps": 180.0,
     }
     assert folded.warnings == ()
+
+
+def fold_with_round(previous: dict[str, Any] | None, **round_fields: Any) -> dict[str, Any]:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().build() for p in pods]
+    observed[0] = PodState(pods[0]).ready().last_round(**round_fields).build()
+    obs = Observation(name="g", generation=1, now=T0, spec=BUILDER.model().spec, pods=observed, previous=previous)
+    return fold_status(obs).status
+
+
+def test_recent_syncs_keep_each_round_once_oldest_first() -> None:
+    first = fold_with_round(None, version=1, result="Succeeded", startedAt="2030-01-01T12:00:00Z")
+    assert [r["version"] for r in first["recentSyncs"]] == [1]
+    again = fold_with_round(first, version=1, result="Succeeded", startedAt="2030-01-01T12:00:00Z")
+    assert again["recentSyncs"] == first["recentSyncs"]  # the same round seen again is not a new one
+    second = fold_with_round(again, version=2, result="Failed", startedAt="2030-01-01T12:01:00Z", reason="x" * 5000)
+    assert [(r["version"], r["result"]) for r in second["recentSyncs"]] == [(1, "Succeeded"), (2, "Failed")]
+    assert len(second["recentSyncs"][-1]["reason"]) == RECENT_REASON_CHARS
+    assert len(second["lastSync"]["reason"]) == 5000  # lastSync keeps the whole reason
+    WeightSyncGroupStatus.model_validate(second)
+
+
+def test_recent_syncs_are_bounded_and_drop_what_no_longer_fits_the_schema() -> None:
+    status: dict[str, Any] | None = {"recentSyncs": [{"version": -1, "result": "Succeeded"}, "junk"]}
+    for version in range(1, RECENT_SYNCS + 5):
+        status = fold_with_round(
+            status, version=version, result="Succeeded", startedAt=f"2030-01-01T12:{version:02}:00Z"
+        )
+    assert status is not None
+    assert [r["version"] for r in status["recentSyncs"]] == list(range(5, RECENT_SYNCS + 5))
+
+
+def test_a_rounds_phases_pause_window_and_slowest_peers_reach_the_status() -> None:
+    slowest = {"peer": "engine 1 rank 0", "bytes": 4096, "seconds": 0.5, "gbps": 0.0655}
+    status = fold_with_round(
+        None, version=3, result="Succeeded", phases={"write": 0.5, "verify": 0.1, "commit": 0.05},
+        pausedSeconds=0.7, slowestTarget=slowest, slowestSource={**slowest, "peer": "source 0"},
+    )  # fmt: skip
+    assert status["lastSync"]["phases"]["write"] == 0.5 and status["lastSync"]["pausedSeconds"] == 0.7
+    assert status["recentSyncs"][-1]["slowestTarget"] == slowest
+
+
+def fold_warnings(previous: dict[str, Any] | None, **round_fields: Any) -> tuple[tuple[str, str], ...]:
+    _, _, pods = group_and_pods(BUILDER)
+    observed = [PodState(p).ready().build() for p in pods]
+    observed[0] = PodState(pods[0]).ready().last_round(**round_fields).build()
+    obs = Observation(name="g", generation=1, now=T0, spec=BUILDER.model().spec, pods=observed, previous=previous)
+    return fold_status(obs).warnings
+
+
+def test_a_failed_round_is_a_warning_event_naming_the_peer_and_the_cause_once() -> None:
+    failed = {"version": 4, "result": "Aborted", "startedAt": "2030-01-01T12:00:00Z",
+              "reason": "engine 1 commit: /start_weight_update: HTTP 502: connection reset"}  # fmt: skip
+    ((reason, message),) = fold_warnings(None, **failed)
+    assert reason == "SyncFailed"
+    assert message == (
+        "round v4 started 2030-01-01T12:00:00Z: Aborted: engine 1 commit: /start_weight_update: HTTP 502: "
+        "connection reset"
+    )
+    seen = fold_with_round(None, **failed)
+    assert fold_warnings(seen, **failed) == ()  # the status already holds that round: no second event
+
+
+def test_a_round_over_its_slow_percentage_is_a_warning_naming_its_slowest_phase_and_peers() -> None:
+    budget = BUILDER.model().spec.transfer.timeout_seconds  # 300 s; slowRoundPercent 50 by default
+    slow = {"peer": "engine 1 rank 0", "bytes": 4096, "seconds": 151.0, "gbps": 0.0002}
+    fields = {"version": 5, "result": "Succeeded", "startedAt": "2030-01-01T12:00:00Z",
+              "phases": {"write": 151.0, "verify": 0.1}, "slowestTarget": slow,
+              "slowestSource": {**slow, "peer": "source 1"}}  # fmt: skip
+    ((reason, message),) = fold_warnings(None, durationSeconds=budget * 0.5 + 1, **fields)
+    assert reason == "SyncSlow"
+    assert "took 151.000 s, over 50% of its 300 s budget" in message
+    assert "slowest phase write 151.000 s" in message
+    assert "slowest source source 1 (151.000 s" in message and "slowest target engine 1 rank 0" in message
+    assert fold_warnings(None, durationSeconds=budget * 0.5, **fields) == ()  # at the line: not slow
 
 
 @pytest.mark.parametrize(

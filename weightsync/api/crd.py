@@ -119,6 +119,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Version", "type": "integer", "jsonPath": ".status.weightVersion"},
     {"name": "Last-Sync", "type": "string", "jsonPath": ".status.lastSync.result"},
     {"name": "Duration", "type": "number", "jsonPath": ".status.lastSync.durationSeconds", "priority": 1},
+    {"name": "Paused", "type": "number", "jsonPath": ".status.lastSync.pausedSeconds", "priority": 1},
     {"name": "Plan", "type": "string", "jsonPath": ".status.plan.hash", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -531,6 +531,19 @@ class NetworkPolicySpec(SpecModel):
     )
 
 
+class EventsSpec(SpecModel):
+    """Which rounds become Events on the group (the operator's; not part of the plan, so changing it replans
+    nothing)."""
+
+    slow_round_percent: int = Field(
+        default=50,
+        ge=1,
+        le=100,
+        description="A round that takes more than this percentage of transfer.timeoutSeconds gets a SlowSync "
+        "warning Event on the group, naming its slowest phase, source and target.",
+    )
+
+
 _SPEC_RULES = rules(
     CelRule(
         rule="self.inference.ranksPerEngine % self.inference.ranksPerPod == 0",
@@ -577,6 +590,7 @@ class WeightSyncGroupSpec(SpecModel):
     rdma: RdmaSpec = Field(default_factory=RdmaSpec, json_schema_extra={"default": {}})
     agent: AgentSpec = Field(default_factory=AgentSpec, json_schema_extra={"default": {}})
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, json_schema_extra={"default": {}})
+    events: EventsSpec = Field(default_factory=EventsSpec, json_schema_extra={"default": {}})
 
     @property
     def sources(self) -> int:
@@ -622,6 +636,33 @@ class PlanStatus(ApiModel):
     config_map: str = Field(default="", max_length=253)
 
 
+#: Rounds kept in ``status.recentSyncs`` (bounded: the status is one etcd object).
+RECENT_SYNCS: Final = 10
+#: A round's reason in ``status.recentSyncs`` is clipped to this (``lastSync`` keeps it whole).
+RECENT_REASON_CHARS: Final = 512
+
+
+class SyncPhases(ApiModel):
+    """Seconds a round spent in each phase (a phase that did not run is absent)."""
+
+    prepare: float | None = Field(default=None, ge=0, description="Waiting for every source to hold the version.")
+    pause: float | None = Field(default=None, ge=0, description="Pausing the engines (live rounds).")
+    begin: float | None = Field(default=None, ge=0, description="Opening the round on every engine.")
+    write: float | None = Field(default=None, ge=0, description="The sources' writes (all attempts).")
+    verify: float | None = Field(default=None, ge=0, description="The targets' verification (all attempts).")
+    commit: float | None = Field(default=None, ge=0, description="Committing the version on every engine.")
+    resume: float | None = Field(default=None, ge=0, description="Resuming the engines (live rounds).")
+
+
+class PeerSync(ApiModel):
+    """What one peer (a source, or an engine rank as a target) moved in a round."""
+
+    peer: str = Field(max_length=64, description='"source 3", or "engine 2 rank 1".')
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0, description="From the start of the writes until its last byte landed.")
+    gbps: float = Field(ge=0, description="Gigabits per second.")
+
+
 class SyncStatus(ApiModel):
     version: int = Field(ge=0)
     result: Literal["Succeeded", "Failed", "Aborted"]
@@ -637,6 +678,15 @@ class SyncStatus(ApiModel):
         description="The round left the engines paused (a failed live round, or a failed resume): they serve again "
         "after the next successful round.",
     )
+    phases: SyncPhases | None = None
+    paused_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="How long the round kept engines from serving: a live round from pause to resume; a staged "
+        "round its commit (the most an engine applying staged weights inside a pause can have been paused).",
+    )
+    slowest_source: PeerSync | None = Field(default=None, description="The source whose writes took longest.")
+    slowest_target: PeerSync | None = Field(default=None, description="The engine rank that was written last.")
 
 
 class WeightSyncGroupStatus(ApiModel):
@@ -651,6 +701,12 @@ class WeightSyncGroupStatus(ApiModel):
     plan: PlanStatus | None = None
     weight_version: int | None = Field(default=None, ge=0, description="Newest version every engine fully holds.")
     last_sync: SyncStatus | None = None
+    recent_syncs: list[SyncStatus] = Field(
+        default_factory=list,
+        max_length=RECENT_SYNCS,
+        description=f"The last {RECENT_SYNCS} rounds, oldest first (reasons clipped to {RECENT_REASON_CHARS} "
+        "characters): what `weightsync rounds` shows.",
+    )
 
 
 class ObjectMeta(BaseModel):

@@ -26,10 +26,13 @@ err = Console(stderr=True, soft_wrap=True)
 
 def _register_subcommands() -> None:
     from weightsync.cli.cluster_cmd import cluster_app
+    from weightsync.cli.group_view import rounds, status
     from weightsync.cli.rotate_token import rotate_token
 
     app.add_typer(cluster_app, name="cluster")
     app.command("rotate-token")(rotate_token)
+    app.command("status")(status)
+    app.command("rounds")(rounds)
 
 
 _register_subcommands()

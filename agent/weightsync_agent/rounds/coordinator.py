@@ -424,6 +424,13 @@ class Coordinator:
     def _finish(self, result: RoundResult, kind: str) -> RoundResult:
         metrics.ROUNDS.labels(self.group, kind, result.result).inc()
         metrics.ROUND_SECONDS.labels(self.group, kind).observe(result.duration_seconds)
+        for phase, seconds in result.phases.items():
+            metrics.ROUND_PHASE_SECONDS.labels(self.group, kind, phase).observe(seconds)
+        if result.paused_seconds is not None:
+            metrics.ROUND_PAUSED_SECONDS.labels(self.group, kind).observe(result.paused_seconds)
+        for role, slowest in (("source", result.slowest_source), ("target", result.slowest_target)):
+            if slowest is not None:
+                metrics.ROUND_SLOWEST_SECONDS.labels(self.group, role).set(slowest[1].seconds)
         if result.result == "Succeeded":
             metrics.ROUND_BYTES.labels(self.group, kind).inc(result.bytes)
             metrics.WEIGHT_VERSION.labels(self.group).set(result.version)

@@ -19,23 +19,27 @@ deadline; calls run concurrently, so one slow peer costs time, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from weightsync.api.engines import Staging
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
 from weightsync_agent.source.control import SourceControl
-from weightsync_agent.source.report import SourceReport
+from weightsync_agent.source.report import SourceReport, Throughput
 from weightsync_agent.targets.adapter import EngineRound, TargetVerdict
 
 T = TypeVar("T")
+
+#: A round's phases, in the order they run (``pause`` and ``resume`` only in live rounds).
+PHASES = ("prepare", "pause", "begin", "write", "verify", "commit", "resume")
 
 
 class RoundError(RuntimeError):
@@ -65,6 +69,24 @@ class RoundResult:
     #: Every engine committed ``version`` (true for Succeeded; also for a round whose resume then failed,
     #: which is Failed, since an engine does not serve, but still moves the committed version).
     committed: bool = False
+    #: Seconds spent in each phase that ran (:data:`PHASES`; a live round's retries add up in write, verify, commit).
+    phases: Mapping[str, float] = field(default_factory=dict)
+    #: How long the round kept engines from serving: a live round from its pause to the end of its resume (to the
+    #: end of the round if they stay paused); a staged round its commit, the most an engine that applies staged
+    #: weights inside a pause (vLLM) can have been paused; None for a round that never reached an engine.
+    paused_seconds: float | None = None
+    #: What each source wrote in the last attempt that finished writing, and what each target received (bytes
+    #: summed over its sources, seconds until its last source finished it).
+    sources: Mapping[int, Throughput] = field(default_factory=dict)
+    targets: Mapping[Target, Throughput] = field(default_factory=dict)
+
+    @property
+    def slowest_source(self) -> tuple[int, Throughput] | None:
+        return max(self.sources.items(), key=lambda item: item[1].seconds, default=None)
+
+    @property
+    def slowest_target(self) -> tuple[Target, Throughput] | None:
+        return max(self.targets.items(), key=lambda item: item[1].seconds, default=None)
 
     @property
     def started(self) -> bool:
@@ -84,7 +106,19 @@ class RoundResult:
             status["reason"] = self.reason
         if self.engines_paused:
             status["enginesPaused"] = True
+        if self.phases:
+            status["phases"] = {phase: round(seconds, 4) for phase, seconds in self.phases.items()}
+        if self.paused_seconds is not None:
+            status["pausedSeconds"] = round(self.paused_seconds, 4)
+        if (slowest := self.slowest_source) is not None:
+            status["slowestSource"] = _peer_status(f"source {slowest[0]}", slowest[1])
+        if (target := self.slowest_target) is not None:
+            status["slowestTarget"] = _peer_status(f"engine {target[0][0]} rank {target[0][1]}", target[1])
         return status
+
+
+def _peer_status(peer: str, stat: Throughput) -> dict[str, object]:
+    return {"peer": peer, "bytes": stat.bytes, "seconds": round(stat.seconds, 4), "gbps": round(stat.gbps, 4)}
 
 
 class RoundDriver:
@@ -134,6 +168,9 @@ class RoundDriver:
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + len(self.sources)))
         self.round_id: str | None = None
         self._written = False
+        self._phases: dict[str, float] = {}
+        self._paused: tuple[float, float | None] | None = None  # (pause began, resume ended) of a live round
+        self._reports: dict[int, SourceReport] = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -145,19 +182,24 @@ class RoundDriver:
         engine refuses a call from another round, such as a late abort of an earlier round of the same version."""
         self.round_id = round_id or new_round_id()
         self._written = False  # whether any source may have written in this round
+        self._phases, self._paused, self._reports = {}, None, {}
         started = self.clock()
         started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         attempts = 0
         moved = 0
         reason: str | None = None
         pausing = self.staging == "live"
-        not_ready = self._prepare(version, started + self.timeout)
+        with self._timed("prepare"):
+            not_ready = self._prepare(version, started + self.timeout)
         if not_ready is not None:  # nothing is paused until every source can write v
             return self._result(version, "Failed", started, started_at, 0, 0, f"round not started: {not_ready}")
         try:
             if pausing:
-                self._each_engine("pause", lambda e: e.pause(self.call_timeout, round_id=self._rid))
-            self._each_engine("begin", lambda e: e.begin(version, self.call_timeout, round_id=self._rid))
+                self._paused = (self.clock(), None)
+                with self._timed("pause"):
+                    self._each_engine("pause", lambda e: e.pause(self.call_timeout, round_id=self._rid))
+            with self._timed("begin"):
+                self._each_engine("begin", lambda e: e.begin(version, self.call_timeout, round_id=self._rid))
         except RoundError as exc:
             # Nothing was written; whichever engines did pause must serve again (an engine that began tracks
             # its live weights as dirty until told no source was asked to write).
@@ -177,7 +219,9 @@ class RoundDriver:
                 continue  # live: the replicas still hold v; write again
             try:
                 if pausing:
-                    self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
+                    with self._timed("resume"):
+                        self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
+                    self._resumed()
             except RoundError as exc:
                 # Every engine holds and reports verified v (the committed version moves), but one does not
                 # serve: the round did not fully complete, and says so.
@@ -212,11 +256,37 @@ class RoundDriver:
 
     def _attempt(self, version: int, started: float) -> int:
         deadline = started + self.timeout
-        reports = self._publish(version, deadline)
+        with self._timed("write"):
+            reports = self._publish(version, deadline)
+        self._reports = reports
         if self.verify:
-            self._verify(version, reports, deadline)
-        self._each_engine("commit", lambda e: e.commit(version, self.call_timeout, round_id=self._rid))
+            with self._timed("verify"):
+                self._verify(version, reports, deadline)
+        with self._timed("commit"):
+            self._each_engine("commit", lambda e: e.commit(version, self.call_timeout, round_id=self._rid))
         return sum(r.bytes for r in reports.values())
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self._phases[phase] = self._phases.get(phase, 0.0) + self.clock() - began
+
+    def _resumed(self) -> None:
+        if self._paused is not None:
+            self._paused = (self._paused[0], self.clock())
+
+    def _paused_seconds(self, attempts: int) -> float | None:
+        if attempts == 0:
+            return None
+        if self.staging == "staged":
+            return self._phases.get("commit", 0.0)
+        if self._paused is None:
+            return None
+        began, ended = self._paused
+        return (self.clock() if ended is None else ended) - began
 
     def _publish(self, version: int, deadline: float) -> dict[int, SourceReport]:
         futures = {s: self.pool.submit(src.publish, version, deadline) for s, src in self.sources.items()}
@@ -300,7 +370,9 @@ class RoundDriver:
 
     def _resume_quietly(self) -> None:
         rid = self._rid  # bound now: a late call must name its own round, not whichever runs when it lands
-        self._each_engine_quietly(lambda e: e.resume(self.call_timeout, round_id=rid))
+        with self._timed("resume"):
+            self._each_engine_quietly(lambda e: e.resume(self.call_timeout, round_id=rid))
+        self._resumed()
 
     def _abort_quietly(self, version: int, *, written: bool = True) -> None:
         rid = self._rid  # bound now, as above
@@ -341,7 +413,21 @@ class RoundDriver:
             engines_paused=paused,
             round_id=self.round_id,
             committed=committed,
+            phases={phase: self._phases[phase] for phase in PHASES if phase in self._phases},
+            paused_seconds=self._paused_seconds(attempts),
+            sources={source: Throughput(r.bytes, r.seconds) for source, r in self._reports.items()},
+            targets=_target_throughputs(self._reports.values()),
         )
+
+
+def _target_throughputs(reports: Collection[SourceReport]) -> dict[Target, Throughput]:
+    """Per target: bytes summed over the sources that wrote it, seconds until the last of them finished it."""
+    totals: dict[Target, Throughput] = {}
+    for report in reports:
+        for target, stat in report.targets.items():
+            seen = totals.get(target, Throughput(0, 0.0))
+            totals[target] = Throughput(seen.bytes + stat.bytes, max(seen.seconds, stat.seconds))
+    return dict(sorted(totals.items()))
 
 
 def _may_have_written(future: Future[SourceReport]) -> bool:

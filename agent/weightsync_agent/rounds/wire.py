@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightsync.plan import Target
-from weightsync_agent.rounds.driver import RoundResult
-from weightsync_agent.source.report import SourceReport
+from weightsync_agent.rounds.driver import PHASES, RoundResult
+from weightsync_agent.source.report import SourceReport, Throughput
 
 
 class WireError(ValueError):
@@ -54,6 +54,7 @@ def source_report_to_json(report: SourceReport) -> dict[str, Any]:
         "failedTarget": list(report.failed_target) if report.failed_target else None,
         "failedBucket": report.failed_bucket,
         "wrote": report.wrote,
+        "targets": {_target_key(t): [stat.bytes, stat.seconds] for t, stat in report.targets.items()},
     }
 
 
@@ -65,6 +66,9 @@ def source_report_from_json(data: Any) -> SourceReport:
         if not isinstance(checksums, dict) or not all(isinstance(v, list) for v in checksums.values()):
             raise WireError("checksums must map '<engine>/<rank>' to a list of bucket checksums")
         failed = data.get("failedTarget")
+        targets = data.get("targets") or {}
+        if not isinstance(targets, dict) or not all(isinstance(v, list) and len(v) == 2 for v in targets.values()):
+            raise WireError("targets must map '<engine>/<rank>' to [bytes, seconds]")
         return SourceReport(
             source=int(data["source"]),
             ok=bool(data["ok"]),
@@ -75,6 +79,7 @@ def source_report_from_json(data: Any) -> SourceReport:
             failed_target=(int(failed[0]), int(failed[1])) if failed else None,
             failed_bucket=None if data.get("failedBucket") is None else int(data["failedBucket"]),
             wrote=bool(data.get("wrote", True)),
+            targets={_target_of(k): Throughput(int(v[0]), float(v[1])) for k, v in targets.items()},
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, WireError):
@@ -111,8 +116,18 @@ def round_result_from_json(data: Any) -> RoundResult:
             engines_paused=bool(data.get("enginesPaused", False)),
             round_id=None if data.get("roundId") is None else str(data["roundId"]),
             committed=bool(data.get("committed", outcome == "Succeeded")),
+            phases=_phases_from_json(data.get("phases")),
+            paused_seconds=None if data.get("pausedSeconds") is None else float(data["pausedSeconds"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, WireError):
             raise
         raise WireError(f"malformed round result: missing or bad {exc!r}") from exc
+
+
+def _phases_from_json(data: Any) -> dict[str, float]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not set(data) <= set(PHASES):
+        raise WireError(f"phases must map some of {', '.join(PHASES)} to seconds")
+    return {phase: float(data[phase]) for phase in PHASES if phase in data}

@@ -45,7 +45,7 @@ from weightsync_agent.layout.buckets import Bucket, plan_buckets
 from weightsync_agent.layout.checksums import source_checksum, tensor_checksum, tensor_ranges
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.replica import IncompleteReplicaError, Replica, ReplicaBusyError, ReplicaSet
-from weightsync_agent.source.report import SourceReport
+from weightsync_agent.source.report import SourceReport, Throughput
 from weightsync_agent.source.stream import Gate, StreamGate
 from weightsync_agent.transport.base import Transfer, TransferState, Transport, TransportError
 
@@ -159,6 +159,11 @@ class PublishResult:
             error=None if self.ok else self.summary(),
             failed_target=first.target if first else None,
             failed_bucket=first.bucket if first else None,
+            targets={
+                t: Throughput(r.bytes, self.seconds if r.seconds is None else r.seconds)
+                for t, r in self.targets.items()
+                if r.bytes
+            },
         )
 
 
