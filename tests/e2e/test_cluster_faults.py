@@ -268,7 +268,11 @@ def test_a_round_with_an_engine_down_fails_naming_it_in_an_event_and_the_next_ro
     assert "SyncFailed" in admin.kubectl("-n", NS, "describe", "wsg", GROUP).stdout
     restart_pod(admin, agents, ENGINES[1])
     wait_for("the recreated engine to serve", lambda: serving(agents, ENGINES[1]), timeout=90)
-    assert_round(*publish(agents, 13), 13, agents)
+    # The trainer publishes the version again until the coordinator reaches the new pod (its directory follows
+    # the pods' advertised URLs: until then the round does not start, and nothing is written).
+    landed = wait_for("version 13 to land", lambda: (r := publish(agents, 13)) and all(o is not None and o.ok
+                      for o in r[0]) and r, timeout=120, interval=2)  # fmt: skip
+    assert_round(*landed, 13, agents)
     reported(admin, 13)
 
 

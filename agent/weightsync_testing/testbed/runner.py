@@ -513,7 +513,7 @@ class Group:
         ended, after = time.monotonic(), self.net.counters()
         result = outcomes[0].round
         done = Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
-                     _delta(before, after))  # fmt: skip
+                     _delta(before, after), dict(getattr(result, "phases", {}) or {}))  # fmt: skip
         return TimedRound(done, stage_s=staged - started, total_s=ended - started, pause_s=self.pause_seconds())
 
     def pause_seconds(self) -> float:
@@ -584,6 +584,8 @@ class Round:
     bytes: int
     reason: str | None
     links: dict[Link, int] | None
+    #: The coordinator's seconds per phase (p2p ways; empty for broadcast, whose sender reports none).
+    phases: dict[str, float] = field(default_factory=dict)
 
     def check(self) -> None:
         if self.result != "Succeeded":

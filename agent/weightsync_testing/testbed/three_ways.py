@@ -140,7 +140,9 @@ def run(options: Options, say: Say) -> dict[str, Any]:
             o = group.streamed_p2p_round(version) if streaming else group.staged_p2p_round(version)
             o.round.check()
             rounds["ours"].append(o)
-            say(f"  round {rep + 1}/{options.rounds}: ours {o.total_s:.2f} s")
+            phases = " ".join(f"{p} {s:.2f}" for p, s in o.round.phases.items())
+            say(f"  round {rep + 1}/{options.rounds}: ours {o.total_s:.2f} s (staging {o.stage_s:.2f} s; "
+                f"coordinator's phases: {phases})")  # fmt: skip
         if options.check:
             wrong += [f"{w} after ours" for w in group.check_targets(group.p2p_plan, P2P_SEED)]
         report["model_bytes"] = analytic["ours"]["model_bytes"]
@@ -174,6 +176,12 @@ def _way(rounds: list[TimedRound], bound_s: float | None) -> dict[str, Any]:
         "trainer_in_bytes": _trainer_in(rounds[-1].round.links),
         "bound_s": bound_s,
         "rounds_s": [round(r.total_s, 4) for r in rounds],
+        # The coordinator's seconds per phase, median over rounds (p2p ways): where a round's time goes.
+        "phases_s": {
+            phase: round(Stats.of(r.round.phases[phase] for r in rounds).median, 4)
+            for phase in rounds[0].round.phases
+            if all(phase in r.round.phases for r in rounds)
+        },
     }
 
 
