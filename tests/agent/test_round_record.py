@@ -151,6 +151,11 @@ def test_the_record_travels_between_agents() -> None:
     back = round_result_from_json(round_result_to_json(result))
     assert back.phases == {p: round(s, 4) for p, s in result.phases.items()}
     assert back.paused_seconds == round(result.paused_seconds or 0.0, 4)
+    # Trainer ranks get every peer's throughput back, so their code can log which link was slow.
+    assert back.sources == result.sources and back.targets == result.targets
+    assert back.slowest_target == result.slowest_target
+    with pytest.raises(WireError, match="targets must map"):
+        round_result_from_json({**round_result_to_json(result), "targets": {"0/1": "fast"}})
     with pytest.raises(WireError, match="phases must map"):
         round_result_from_json({**round_result_to_json(result), "phases": {"nap": 1.0}})
 

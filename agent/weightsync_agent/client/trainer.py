@@ -119,6 +119,11 @@ class RoundOutcome:
         text = (
             f"round v{r.version}: {r.result} after {r.attempts} attempt(s) in {r.duration_seconds:.3f} s, {r.bytes} B"
         )
+        if r.paused_seconds is not None:
+            text += f", engines paused {r.paused_seconds:.3f} s"
+        if (slowest := r.slowest_target) is not None:
+            (engine, rank), stat = slowest
+            text += f", slowest target engine {engine} rank {rank} ({stat.seconds:.3f} s, {stat.gbps:.2f} Gb/s)"
         return f"{text}; {r.reason}" if r.reason else text
 
 

@@ -88,13 +88,25 @@ def source_report_from_json(data: Any) -> SourceReport:
 
 
 def round_result_to_json(result: RoundResult) -> dict[str, Any]:
+    """The whole record, per-peer throughput included (what trainer ranks get back from their publish; the pod
+    annotation and the group's status carry only the slowest peers, so their size does not grow with the group)."""
     return {
         **result.as_status(),
         "attempts": result.attempts,
         "enginesPaused": result.engines_paused,
         "roundId": result.round_id,
         "committed": result.committed,
+        "sources": {str(s): [stat.bytes, stat.seconds] for s, stat in result.sources.items()},
+        "targets": {_target_key(t): [stat.bytes, stat.seconds] for t, stat in result.targets.items()},
     }
+
+
+def _throughputs(data: Any, what: str) -> dict[str, Throughput]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(v, list) and len(v) == 2 for v in data.values()):
+        raise WireError(f"{what} must map each peer to [bytes, seconds]")
+    return {str(k): Throughput(int(v[0]), float(v[1])) for k, v in data.items()}
 
 
 def round_result_from_json(data: Any) -> RoundResult:
@@ -118,6 +130,8 @@ def round_result_from_json(data: Any) -> RoundResult:
             committed=bool(data.get("committed", outcome == "Succeeded")),
             phases=_phases_from_json(data.get("phases")),
             paused_seconds=None if data.get("pausedSeconds") is None else float(data["pausedSeconds"]),
+            sources={int(k): v for k, v in _throughputs(data.get("sources"), "sources").items()},
+            targets={_target_of(k): v for k, v in _throughputs(data.get("targets"), "targets").items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, WireError):
