@@ -47,3 +47,15 @@ ROUND_SLOWEST_SECONDS = Gauge(
     "Seconds the slowest source or target of the last round took to write or be written",
     ["group", "role"],
 )
+#: Per peer of the last round: one series per source rank and per engine rank of the group's plan (so bounded by
+#: the group's size, not by time; a replan's departed peers are dropped at the next round).
+ROUND_PEER_SECONDS = Gauge(
+    "weightsync_agent_round_peer_seconds",
+    "Seconds each source (peer=\"source <r>\") or target (peer=\"engine <e> rank <r>\") took in the last round",
+    ["group", "role", "peer"],
+)
+ROUND_PEER_BYTES = Gauge(
+    "weightsync_agent_round_peer_bytes",
+    "Bytes each source wrote or each target received in the last round",
+    ["group", "role", "peer"],
+)

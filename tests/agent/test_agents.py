@@ -70,6 +70,9 @@ def test_rounds_through_agents_are_bit_exact_and_reported(group: LoopbackGroup) 
         assert {"prepare", "begin", "write", "verify", "commit"} <= counted, counted  # pause, resume: live only
         assert "weightsync_agent_round_paused_seconds_count" in metrics
         assert 'weightsync_agent_round_slowest_seconds{group="t-' in metrics and 'role="target"' in metrics
+        peer_series = r'weightsync_agent_round_peer_bytes\{group="t-[^"]*",peer="([^"]+)",role="\w+"\}'
+        peers = set(re.findall(peer_series, metrics))
+        assert peers == {"source 0", "source 1", *(f"engine {e} rank {r}" for e in range(2) for r in range(2))}, peers
     finally:
         for client in clients:
             client.close()

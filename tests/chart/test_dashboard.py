@@ -80,7 +80,8 @@ def test_every_series_and_label_the_dashboard_uses_is_exported() -> None:
                 assert any(name in series[n] or name in IMPLICIT_LABELS for n in owners), (name, expr)
     # The round record's series are all on the dashboard.
     for wanted in ("weightsync_agent_round_phase_seconds", "weightsync_agent_round_paused_seconds",
-                   "weightsync_agent_round_slowest_seconds", "weightsync_agent_rounds_total"):  # fmt: skip
+                   "weightsync_agent_round_slowest_seconds", "weightsync_agent_rounds_total",
+                   "weightsync_agent_round_peer_seconds"):  # fmt: skip
         assert any(n.startswith(wanted) for n in used), wanted
 
 

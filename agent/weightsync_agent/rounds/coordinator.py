@@ -431,6 +431,14 @@ class Coordinator:
         for role, slowest in (("source", result.slowest_source), ("target", result.slowest_target)):
             if slowest is not None:
                 metrics.ROUND_SLOWEST_SECONDS.labels(self.group, role).set(slowest[1].seconds)
+        if kind == "regular" and (result.sources or result.targets):
+            peers = [("source", f"source {s}", stat) for s, stat in result.sources.items()]
+            peers += [("target", f"engine {e} rank {r}", stat) for (e, r), stat in result.targets.items()]
+            for gauge in (metrics.ROUND_PEER_SECONDS, metrics.ROUND_PEER_BYTES):
+                gauge.clear()  # peers a replan removed go away
+            for role, peer, stat in peers:
+                metrics.ROUND_PEER_SECONDS.labels(self.group, role, peer).set(stat.seconds)
+                metrics.ROUND_PEER_BYTES.labels(self.group, role, peer).set(stat.bytes)
         if result.result == "Succeeded":
             metrics.ROUND_BYTES.labels(self.group, kind).inc(result.bytes)
             metrics.WEIGHT_VERSION.labels(self.group).set(result.version)
