@@ -51,7 +51,7 @@ ROUND_SLOWEST_SECONDS = Gauge(
 #: the group's size, not by time; a replan's departed peers are dropped at the next round).
 ROUND_PEER_SECONDS = Gauge(
     "weightsync_agent_round_peer_seconds",
-    "Seconds each source (peer=\"source <r>\") or target (peer=\"engine <e> rank <r>\") took in the last round",
+    'Seconds each source (peer="source <r>") or target (peer="engine <e> rank <r>") took in the last round',
     ["group", "role", "peer"],
 )
 ROUND_PEER_BYTES = Gauge(

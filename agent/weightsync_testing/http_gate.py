@@ -3,12 +3,18 @@ knows the round reached that step (and faults the engine there) before letting t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from weightsync_testing.engine_harness import StartedEngine
 
 
 class Gate:
@@ -79,3 +85,59 @@ class _QuietServer(ThreadingHTTPServer):
         # A client that gave up on a held request (its timeout) closed the socket the answer goes to: expected here.
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
+def publish_with_fault(
+    clients: Sequence[Any],
+    full: Mapping[str, Any],
+    version: int,
+    *,
+    gate: Gate,
+    route: str,
+    fault: Callable[[], None],
+    wait: float,
+) -> tuple[object, float]:
+    """Every trainer rank (``clients``: ``WeightSyncClient``s) stages ``full`` and publishes ``version``; when the
+    round's call to ``route`` reaches ``gate`` (the engine is at that step), ``fault()`` runs (a signal to the
+    engine), then the call goes on. Returns the round's outcome (every rank's is the same, checked) and the seconds
+    from the fault to the outcome."""
+    gate.hold(route)
+    outcomes: list[object] = [None] * len(clients)
+
+    def rank(index: int) -> None:
+        clients[index].stage_many(full)
+        outcomes[index] = clients[index].publish(version, check=False, timeout=wait)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
+    for thread in threads:
+        thread.start()
+    try:
+        assert gate.arrived.wait(120), f"the round never reached {route}"
+        fault()
+        faulted = time.monotonic()
+    finally:
+        gate.release()
+    for thread in threads:
+        thread.join(wait + 30)
+    rounds = [getattr(o, "round", o) for o in outcomes]
+    assert all(r == rounds[0] for r in rounds), rounds
+    return outcomes[0], time.monotonic() - faulted
+
+
+class GatedEngines:
+    """Mixin for an engine harness (``class GatedX(GatedEngines, XEngines)``): every engine is reached through a
+    :class:`Gate` of its own, the same gate across restarts (a harness's ``restart`` calls its ``start``)."""
+
+    @property
+    def gates(self) -> dict[int, Gate]:
+        found: dict[int, Gate] = self.__dict__.setdefault("_gates", {})
+        return found
+
+    def start(self, engine: int, spec: Any, seed: int, **options: Any) -> StartedEngine:
+        started: StartedEngine = super().start(engine, spec, seed, **options)  # type: ignore[misc]
+        gate = self.gates.setdefault(engine, Gate(started.url))
+        return dataclasses.replace(started, url=gate.url)
+
+    def close_gates(self) -> None:
+        for gate in self.gates.values():
+            gate.close()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from weightsync_agent.client.modules import stage_module
 from weightsync_testing.reference_engine.model import DEFAULT_CONFIG, ModelConfig, full_state
+from weightsync_testing.reference_engine.torch_module import register_nested
 
 # --- The trainer side: Megatron-style shards of a Llama-shaped model -----------------------------------------
 
@@ -71,13 +72,7 @@ class MegatronStyleModel(torch.nn.Module):
     def __init__(self, shards: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
         for name, tensor in shards.items():
-            *path, leaf = name.split(".")
-            owner: torch.nn.Module = self
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, torch.nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, torch.nn.Parameter(tensor))
+            register_nested(self, name, tensor)
 
 
 # --- The converter: Megatron-style shards -> HF tensors ------------------------------------------------------

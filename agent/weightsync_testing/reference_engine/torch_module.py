@@ -18,17 +18,22 @@ class ReferenceLM(torch.nn.Module):
         super().__init__()
         self.config = config
         for name, tensor in state.items():
-            *path, leaf = name.split(".")
-            owner: torch.nn.Module = self
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, torch.nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, torch.nn.Parameter(tensor.detach().clone()))
+            register_nested(self, name, tensor.detach().clone())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[T, vocab]`` of one sequence (``forward_full`` over this module's parameters)."""
         return forward_full(dict(self.named_parameters()), tokens, self.config)
+
+
+def register_nested(owner: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` as the parameter with the dotted ``name`` of ``owner``, making the plain modules on its path (a
+    parameter's own name cannot hold a dot)."""
+    *path, leaf = name.split(".")
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, torch.nn.Module())
+        owner = getattr(owner, part)
+    owner.register_parameter(leaf, torch.nn.Parameter(tensor))
 
 
 def training_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

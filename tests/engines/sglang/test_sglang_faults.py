@@ -13,27 +13,24 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, spec
 
-from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_agent.targets.engine_client import EngineClient, TransferEngineInfo
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
-from weightsync_testing.engine_harness import SglangEngines, StartedEngine
-from weightsync_testing.http_gate import Gate
+from weightsync_testing.engine_harness import SglangEngines
+from weightsync_testing.http_gate import GatedEngines, publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
@@ -47,17 +44,8 @@ FAULT_TIMEOUT = 10
 WAIT = 60.0
 
 
-class GatedSglangEngines(SglangEngines):
+class GatedSglangEngines(GatedEngines, SglangEngines):
     """SGLang engines reached through a :class:`Gate` each (the same gate across restarts)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.gates: dict[int, Gate] = {}
-
-    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, **options: Any) -> StartedEngine:
-        started = super().start(engine, spec, seed, **options)
-        gate = self.gates.setdefault(engine, Gate(started.url))
-        return dataclasses.replace(started, url=gate.url)
 
 
 def sglang_checksums(full: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -96,28 +84,8 @@ def publish_with_fault_at_verify(
     seconds from the fault to the outcome."""
     harness = group.harness
     assert isinstance(harness, GatedSglangEngines)
-    gate = harness.gates[0]
-    gate.hold("/weights_checker")
-    outcomes: list[object] = [None] * len(clients)
-
-    def rank(index: int) -> None:
-        clients[index].stage_many(full)
-        outcomes[index] = clients[index].publish(version, check=False, timeout=WAIT)
-
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
-    for thread in threads:
-        thread.start()
-    try:
-        assert gate.arrived.wait(60), "the round never reached verification"
-        harness.signal(0, fault)
-        faulted = time.monotonic()
-    finally:
-        gate.release()
-    for thread in threads:
-        thread.join(WAIT + 30)
-    rounds = [getattr(o, "round", o) for o in outcomes]
-    assert all(r == rounds[0] for r in rounds), rounds
-    return outcomes[0], time.monotonic() - faulted
+    return publish_with_fault(clients, full, version, gate=harness.gates[0], route="/weights_checker",
+                              fault=lambda: harness.signal(0, fault), wait=WAIT)  # fmt: skip
 
 
 @pytest.fixture
@@ -131,8 +99,7 @@ def group(request: pytest.FixtureRequest, sglang_py: Path, tiny_llama: Path, tmp
             running.start(timeout=300)
             yield running
     finally:
-        for gate in harness.gates.values():
-            gate.close()
+        harness.close_gates()
 
 
 class ForeignWriter:

@@ -15,28 +15,22 @@ weightsync's backend plugin (docs/engines/vllm.md, "Faults and catch-up").
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from test_vllm_rounds import KEY_PREFIX, NEW_TOKENS, PROMPTS, spec
-from vllm_helpers import complete
+from test_vllm_rounds import assert_serves, spec
 
-from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
-from weightsync_testing.engine_harness import StartedEngine, VllmEngines
-from weightsync_testing.http_gate import Gate
+from weightsync_testing.engine_harness import VllmEngines
+from weightsync_testing.http_gate import GatedEngines, publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
+from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
 pytest.importorskip("safetensors.torch")
@@ -51,17 +45,8 @@ FRESH = {None, "default"}
 HELD_ROUTE = "/start_weight_update"
 
 
-class GatedVllmEngines(VllmEngines):
+class GatedVllmEngines(GatedEngines, VllmEngines):
     """vLLM engines reached through a :class:`Gate` each (the same gate across restarts)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.gates: dict[int, Gate] = {}
-
-    def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, **options: Any) -> StartedEngine:
-        started = super().start(engine, spec, seed, **options)
-        gate = self.gates.setdefault(engine, Gate(started.url))
-        return dataclasses.replace(started, url=gate.url)
 
 
 @pytest.fixture
@@ -72,8 +57,7 @@ def group(vllm_py: Path, tiny_llama32: Path, tmp_path: Path) -> Iterator[Loopbac
             running.start(timeout=300)
             yield running
     finally:
-        for gate in harness.gates.values():
-            gate.close()
+        harness.close_gates()
 
 
 def harness_of(group: LoopbackGroup) -> GatedVllmEngines:
@@ -95,22 +79,6 @@ def session(group: LoopbackGroup) -> str:
     return str(json.loads(layout.read_text())["session_id"])
 
 
-def assert_serves(group: LoopbackGroup, full: Mapping[str, torch.Tensor], version: str, vllm_py: Path,
-                  model: Path, out: Path) -> None:  # fmt: skip
-    """vLLM reports ``version``, its non-linear parameters hash as ``full``'s bytes, and its greedy tokens equal an
-    HF forward of ``full`` (the linear layers, repacked on CPU, are checked through generation)."""
-    server = harness_of(group).servers[0]
-    assert held(group) == version
-    status, answer = server.request("POST", "/weight_checker", {"action": "checksum"}, timeout=60)
-    assert status == 200, answer
-    for name, tensor in full.items():
-        if not name.endswith("_proj.weight"):
-            assert answer["checksums"][KEY_PREFIX + name] == hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
-    reference = hf_greedy(str(vllm_py), with_weights(model, full, out), PROMPTS, NEW_TOKENS)
-    served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
-    assert served == [e["output_ids"] for e in reference]
-
-
 def publish_with_fault_at_commit(
     group: LoopbackGroup, clients: list[WeightSyncClient], full: Mapping[str, torch.Tensor], version: int,
     fault: signal.Signals,
@@ -120,28 +88,8 @@ def publish_with_fault_at_commit(
     and the call goes on. Returns the round's outcome (every rank's is the same) and the seconds from the fault to
     the outcome."""
     harness = harness_of(group)
-    gate = harness.gates[0]
-    gate.hold(HELD_ROUTE)
-    outcomes: list[object] = [None] * len(clients)
-
-    def rank(index: int) -> None:
-        clients[index].stage_many(full)
-        outcomes[index] = clients[index].publish(version, check=False, timeout=WAIT)
-
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
-    for thread in threads:
-        thread.start()
-    try:
-        assert gate.arrived.wait(120), "the round never reached the commit"
-        harness.signal(0, fault)
-        faulted = time.monotonic()
-    finally:
-        gate.release()
-    for thread in threads:
-        thread.join(WAIT + 30)
-    rounds = [getattr(o, "round", o) for o in outcomes]
-    assert all(r == rounds[0] for r in rounds), rounds
-    return outcomes[0], time.monotonic() - faulted
+    return publish_with_fault(clients, full, version, gate=harness.gates[0], route=HELD_ROUTE,
+                              fault=lambda: harness.signal(0, fault), wait=WAIT)  # fmt: skip
 
 
 def assert_failed_in_time(group: LoopbackGroup, outcome: object, took: float, what: str) -> None:
@@ -196,11 +144,11 @@ def test_vllm_killed_mid_commit_fails_the_round_and_once_restarted_it_is_caught_
         v3 = trained_state(tiny_llama32, 3)
         outcomes = publish_all(clients, v3, 3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-        assert_serves(group, v3, "3", vllm_py, tiny_llama32, tmp_path / "v3")
+        assert_serves(harness_of(group).servers[0], v3, "3", vllm_py, tiny_llama32, tmp_path / "v3")
 
         # Killed between rounds: the replicas hold the committed v3; the coordinator catches the fresh vLLM up.
         restart_and_watch(group, until="3")
-        assert_serves(group, v3, "3", vllm_py, tiny_llama32, tmp_path / "v3-caught-up")
+        assert_serves(harness_of(group).servers[0], v3, "3", vllm_py, tiny_llama32, tmp_path / "v3-caught-up")
         assert coordinator.state()["committed"] == 3
     finally:
         for client in clients:
@@ -236,7 +184,7 @@ def test_vllm_hung_mid_commit_fails_the_round_within_a_call_timeout_and_the_next
         v3 = trained_state(tiny_llama32, 3)
         outcomes = publish_all(clients, v3, 3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-        assert_serves(group, v3, "3", vllm_py, tiny_llama32, tmp_path / "v3")
+        assert_serves(harness_of(group).servers[0], v3, "3", vllm_py, tiny_llama32, tmp_path / "v3")
         fresh = "".join(agent.log_text()[logs[name] :] for name, agent in group.agents.items())
         assert "finishing an update left open" in fresh, fresh[-3000:]
     finally:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import torch
 from vllm_helpers import complete
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
@@ -27,6 +28,7 @@ from weightsync_testing.engine_harness import VllmEngines
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
+from weightsync_testing.vllm_server import VllmProcess
 
 pytest.importorskip("safetensors.torch")
 
@@ -60,6 +62,22 @@ def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFa
         yield running
 
 
+def assert_serves(server: VllmProcess, full: Mapping[str, torch.Tensor], version: str, vllm_py: Path, model: Path,
+                  out: Path) -> None:  # fmt: skip
+    """vLLM reports ``version``, its non-linear parameters hash as ``full``'s bytes, and its greedy tokens equal an
+    HF forward of ``full`` (linear layers, repacked on CPU, are checked through generation: docs/engines/vllm.md)."""
+    status, info = server.request("GET", "/weight_info")
+    assert (status, info) == (200, {"weight_version": version})
+    status, answer = server.request("POST", "/weight_checker", {"action": "checksum"}, timeout=60)
+    assert status == 200, answer
+    for name, tensor in full.items():
+        if not name.endswith("_proj.weight"):
+            assert answer["checksums"][KEY_PREFIX + name] == hashlib.sha256(tensor.numpy().tobytes()).hexdigest(), name
+    reference = hf_greedy(str(vllm_py), with_weights(model, full, out), PROMPTS, NEW_TOKENS)
+    served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
+    assert served == [e["output_ids"] for e in reference]
+
+
 def held(group: LoopbackGroup) -> int:
     harness = group.harness
     assert isinstance(harness, VllmEngines)
@@ -80,20 +98,7 @@ def test_staged_rounds_into_stock_vllm_verify_and_generate_like_hf(
             full = trained_state(tiny_llama32, version)
             outcomes = publish_all(clients, full, version)
             assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-            status, info = server.request("GET", "/weight_info")
-            assert (status, info) == (200, {"weight_version": str(version)})
-
-            status, answer = server.request("POST", "/weight_checker", {"action": "checksum"}, timeout=60)
-            assert status == 200, answer
-            for name, tensor in full.items():
-                if not name.endswith("_proj.weight"):  # linear weights are repacked on CPU (docs/engines/vllm.md)
-                    want = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
-                    assert answer["checksums"][KEY_PREFIX + name] == want, name
-
-            reference = hf_greedy(vllm_py, with_weights(tiny_llama32, full, tmp_path / f"v{version}"),
-                                  PROMPTS, NEW_TOKENS)  # fmt: skip
-            served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
-            assert served == [e["output_ids"] for e in reference]
+            assert_serves(server, full, str(version), vllm_py, tiny_llama32, tmp_path / f"v{version}")
     finally:
         for client in clients:
             client.close()
