@@ -14,12 +14,13 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
+from weightsync_testing.server_process import ServerProcess
 
 if TYPE_CHECKING:
     from weightsync_testing.sglang_server import SglangProcess
@@ -84,6 +85,18 @@ class ReferenceEngines:
         return self.start(engine, spec, seed, port=int(old.url.rsplit(":", 1)[1]), token=token or old.token)
 
 
+ServerT = TypeVar("ServerT", bound=ServerProcess)
+
+
+def crash(server: ServerT) -> ServerT:
+    """Kill every process of an engine server at once (SIGKILL to its process group, as a node losing the pod
+    does) and reap it; returns it, for the port and key a restart reuses."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.stop(grace=10.0)
+    return server
+
+
 class SglangEngines:
     """Stock SGLang servers on a model directory (CPU, the pinned venv; weightsync_testing.sglang_server)."""
 
@@ -118,10 +131,7 @@ class SglangEngines:
         os.killpg(self.servers[engine].pid, sig)
 
     def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
-        old = self.servers[engine]
-        with contextlib.suppress(ProcessLookupError):
-            self.signal(engine, signal.SIGKILL)
-        old.stop(grace=10.0)
+        old = crash(self.servers[engine])
         # Ready once it answers: the group's catch-up may pause it before its first health check.
         return self.start(engine, spec, seed, port=old.port, bootstrap_port=old.bootstrap_port, healthy=False,
                           token=token or old.admin_api_key)  # fmt: skip
@@ -181,8 +191,5 @@ class VllmEngines:
         os.killpg(self.servers[engine].pid, sig)
 
     def restart(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, token: str | None = None) -> StartedEngine:
-        old = self.servers[engine]
-        with contextlib.suppress(ProcessLookupError):
-            self.signal(engine, signal.SIGKILL)
-        old.stop(grace=10.0)
+        old = crash(self.servers[engine])
         return self.start(engine, spec, seed, port=old.port, token=token or old.api_key)

@@ -54,7 +54,7 @@ def source_report_to_json(report: SourceReport) -> dict[str, Any]:
         "failedTarget": list(report.failed_target) if report.failed_target else None,
         "failedBucket": report.failed_bucket,
         "wrote": report.wrote,
-        "targets": {_target_key(t): [stat.bytes, stat.seconds] for t, stat in report.targets.items()},
+        "targets": _throughputs_to_json({_target_key(t): stat for t, stat in report.targets.items()}),
     }
 
 
@@ -66,9 +66,6 @@ def source_report_from_json(data: Any) -> SourceReport:
         if not isinstance(checksums, dict) or not all(isinstance(v, list) for v in checksums.values()):
             raise WireError("checksums must map '<engine>/<rank>' to a list of bucket checksums")
         failed = data.get("failedTarget")
-        targets = data.get("targets") or {}
-        if not isinstance(targets, dict) or not all(isinstance(v, list) and len(v) == 2 for v in targets.values()):
-            raise WireError("targets must map '<engine>/<rank>' to [bytes, seconds]")
         return SourceReport(
             source=int(data["source"]),
             ok=bool(data["ok"]),
@@ -79,7 +76,7 @@ def source_report_from_json(data: Any) -> SourceReport:
             failed_target=(int(failed[0]), int(failed[1])) if failed else None,
             failed_bucket=None if data.get("failedBucket") is None else int(data["failedBucket"]),
             wrote=bool(data.get("wrote", True)),
-            targets={_target_of(k): Throughput(int(v[0]), float(v[1])) for k, v in targets.items()},
+            targets={_target_of(k): v for k, v in _throughputs(data.get("targets"), "targets").items()},
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, WireError):
@@ -96,13 +93,18 @@ def round_result_to_json(result: RoundResult) -> dict[str, Any]:
         "enginesPaused": result.engines_paused,
         "roundId": result.round_id,
         "committed": result.committed,
-        "sources": {str(s): [stat.bytes, stat.seconds] for s, stat in result.sources.items()},
-        "targets": {_target_key(t): [stat.bytes, stat.seconds] for t, stat in result.targets.items()},
+        "sources": _throughputs_to_json({str(s): stat for s, stat in result.sources.items()}),
+        "targets": _throughputs_to_json({_target_key(t): stat for t, stat in result.targets.items()}),
     }
 
 
+def _throughputs_to_json(stats: Mapping[str, Throughput]) -> dict[str, list[float]]:
+    return {peer: [stat.bytes, stat.seconds] for peer, stat in stats.items()}
+
+
 def _throughputs(data: Any, what: str) -> dict[str, Throughput]:
-    if data is None:
+    """Peer -> throughput from ``{"<peer>": [bytes, seconds]}`` (absent or empty: none)."""
+    if not data:
         return {}
     if not isinstance(data, dict) or not all(isinstance(v, list) and len(v) == 2 for v in data.values()):
         raise WireError(f"{what} must map each peer to [bytes, seconds]")

@@ -13,7 +13,6 @@ token on every path but ``/health``: vLLM's stock hook closes what its ``--api-k
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import API_KEY, LINEAR, complete, safetensors_bytes
+from vllm_helpers import (
+    API_KEY,
+    LINEAR,
+    apply_round,
+    assert_nonlinear_checksums,
+    complete,
+    ok,
+    safetensors_bytes,
+)
 
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
@@ -31,7 +38,6 @@ AGENT_DIR = Path(__file__).resolve().parents[3] / "agent"  # weightsync_vllm.gua
 BACKEND = "weightsync-probe"
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
 NEW_TOKENS = 10
-KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +70,6 @@ def events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
-def ok(server: VllmProcess, method: str, path: str, body: Any = None) -> Any:
-    status, answer = server.request(method, path, body, timeout=120.0)
-    assert status == 200, (path, status, answer)
-    return answer
-
-
 def test_a_plugin_backend_round_replaces_the_served_weights(
     probe_server: VllmProcess, probe_log: Path, vllm_py: Path, tiny_llama32: Path
 ) -> None:
@@ -83,23 +83,13 @@ def test_a_plugin_backend_round_replaces_the_served_weights(
     assert ok(probe_server, "POST", "/init_weight_transfer_engine", {"init_info": {"tag": "t1"}}) == {
         "message": "Weight transfer initialized"
     }
-    assert ok(probe_server, "POST", "/pause?mode=wait") == {"status": "paused"}
-    assert ok(probe_server, "POST", "/start_weight_update") == {"message": "Weight update started"}
-    update = {"update_info": {"path": str(new / "model.safetensors")}}
-    assert ok(probe_server, "POST", "/update_weights", update) == {"message": "Weights updated"}
-    assert ok(probe_server, "POST", "/finish_weight_update", {"weight_version": "seed-1"}) == {
-        "message": "Weight update finished"
-    }
-    assert ok(probe_server, "POST", "/resume") == {"status": "resumed"}
+    apply_round(probe_server, {"path": str(new / "model.safetensors")}, "seed-1")
 
     assert ok(probe_server, "GET", "/weight_info") == {"weight_version": "seed-1"}
     served = [complete(probe_server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
     assert served == [e["output_ids"] for e in expected_new]
     assert min(min(e["margins"]) for e in expected_new) > 1e-3
-    checksums = ok(probe_server, "POST", "/weight_checker", {"action": "checksum"})["checksums"]
-    for name, data in safetensors_bytes(new).items():
-        if not name.endswith("_proj.weight"):
-            assert checksums[KEY_PREFIX + name] == hashlib.sha256(data).hexdigest(), name
+    checksums = assert_nonlinear_checksums(probe_server, safetensors_bytes(new))
     assert sum(key.endswith(LINEAR) for key in checksums) == 8
 
     seen = events(probe_log)

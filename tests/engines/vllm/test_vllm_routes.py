@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_helpers import LINEAR, complete, safetensors_bytes
+from vllm_helpers import KEY_PREFIX, LINEAR, complete, safetensors_bytes
 
 from weightsync_testing.sglang_models import hf_greedy
 from weightsync_testing.vllm_server import VllmProcess
@@ -23,7 +23,6 @@ from weightsync_testing.vllm_server import VllmProcess
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302], [1, 42]]
 NEW_TOKENS = 12
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-KEY_PREFIX = "dp0:pp0:pcp0:tp0:"  # TP=1, PP=1, PCP=1, DP index 0
 
 
 def test_the_api_key_guards_the_openai_routes(vllm_server: VllmProcess) -> None:

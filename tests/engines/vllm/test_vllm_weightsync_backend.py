@@ -19,12 +19,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from vllm_helpers import API_KEY, complete, safetensors_bytes
+from vllm_helpers import API_KEY, apply_round, assert_nonlinear_checksums, complete, ok, safetensors_bytes
 
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
@@ -34,7 +33,6 @@ from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 AGENT_DIR = Path(__file__).resolve().parents[3] / "agent"
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
 NEW_TOKENS = 10
-KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
 TAG = "dp0-pp0-tp0"
 
 
@@ -67,12 +65,6 @@ def server(
         yield process
     finally:
         process.stop()
-
-
-def ok(server: VllmProcess, method: str, path: str, body: Any = None) -> Any:
-    status, answer = server.request(method, path, body, timeout=120.0)
-    assert status == 200, (path, status, answer)
-    return answer
 
 
 def test_a_round_over_mooncake_replaces_the_served_weights(
@@ -111,22 +103,13 @@ def test_a_round_over_mooncake_replaces_the_served_weights(
     landed = Path(layout["path"]).read_bytes()
     assert hashlib.sha256(landed).digest() == hashlib.sha256(staged.numpy().tobytes()).digest()
 
-    assert ok(server, "POST", "/pause?mode=wait") == {"status": "paused"}
-    assert ok(server, "POST", "/start_weight_update") == {"message": "Weight update started"}
-    assert ok(server, "POST", "/update_weights", {"update_info": {}}) == {"message": "Weights updated"}
-    assert ok(server, "POST", "/finish_weight_update", {"weight_version": "v1"}) == {
-        "message": "Weight update finished"
-    }
-    assert ok(server, "POST", "/resume") == {"status": "resumed"}
+    apply_round(server, {}, "v1")
 
     assert ok(server, "GET", "/weight_info") == {"weight_version": "v1"}
     served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
     assert served == [e["output_ids"] for e in expected_new]
     assert min(min(e["margins"]) for e in expected_new) > 1e-3
-    checksums = ok(server, "POST", "/weight_checker", {"action": "checksum"})["checksums"]
-    for name, data in safetensors_bytes(new).items():
-        if not name.endswith("_proj.weight"):
-            assert checksums[KEY_PREFIX + name] == hashlib.sha256(data).hexdigest(), name
+    assert_nonlinear_checksums(server, safetensors_bytes(new))
 
 
 def test_an_update_naming_a_tensor_the_buffer_lacks_is_refused_and_the_weights_stay(

@@ -1,17 +1,21 @@
-"""Shared pieces of the stock-vLLM tier: starting the server as the tier runs it, completions, checkpoint bytes."""
+"""Shared pieces of the stock-vLLM tier: starting the server as the tier runs it, completions, checkpoint bytes, a
+round over the RL routes and the checks of what the server then holds."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
 API_KEY = "weightsync-test-group-token"
+#: How ``/weight_checker`` names TP rank 0's parameters (``dp{d}:pp{p}:pcp{c}:tp{t}:<name>``).
+KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
 # The tiny models' linear layers, fused as vLLM serves them (qkv_proj = q|k|v, gate_up_proj = gate|up).
 LINEAR = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
@@ -48,3 +52,32 @@ def safetensors_bytes(model: Path) -> dict[str, bytes]:
         for name, meta in header.items()
         if name != "__metadata__"
     }
+
+
+def ok(server: VllmProcess, method: str, path: str, body: Any = None) -> Any:
+    """``server``'s answer to a call that must succeed (200)."""
+    status, answer = server.request(method, path, body, timeout=120.0)
+    assert status == 200, (path, status, answer)
+    return answer
+
+
+def apply_round(server: VllmProcess, update_info: Mapping[str, Any], version: str) -> None:
+    """One update round over vLLM's RL routes, each answering as vLLM 0.32 does: pause (wait), start,
+    ``/update_weights`` with ``update_info``, finish with ``version``, resume."""
+    assert ok(server, "POST", "/pause?mode=wait") == {"status": "paused"}
+    assert ok(server, "POST", "/start_weight_update") == {"message": "Weight update started"}
+    assert ok(server, "POST", "/update_weights", {"update_info": dict(update_info)}) == {"message": "Weights updated"}
+    assert ok(server, "POST", "/finish_weight_update", {"weight_version": version}) == {
+        "message": "Weight update finished"
+    }
+    assert ok(server, "POST", "/resume") == {"status": "resumed"}
+
+
+def assert_nonlinear_checksums(server: VllmProcess, expected: Mapping[str, bytes]) -> dict[str, str]:
+    """``/weight_checker``'s sha256 of every non-linear parameter equals that of its ``expected`` bytes (the linear
+    ones, repacked on CPU, hash as empty: docs/engines/vllm.md); returns every checksum."""
+    checksums: dict[str, str] = ok(server, "POST", "/weight_checker", {"action": "checksum"})["checksums"]
+    for name, data in expected.items():
+        if not name.endswith("_proj.weight"):
+            assert checksums[KEY_PREFIX + name] == hashlib.sha256(data).hexdigest(), name
+    return checksums
