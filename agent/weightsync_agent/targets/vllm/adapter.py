@@ -98,10 +98,7 @@ class VllmAdapter:
     # --- Discovery and readiness -------------------------------------------------------------------
 
     def manifest(self, rank: int) -> Manifest:
-        if not self.settings.engine_side:
-            manifest = fetch_manifest(self.settings, rank, self.name)
-        else:
-            manifest = manifest_of(self.settings.engine, rank, self._current_layout(rank))
+        manifest = self._published(rank)
         self._manifests[rank] = manifest
         return manifest
 
@@ -140,9 +137,7 @@ class VllmAdapter:
         self._post("/resume", None, timeout)
 
     def begin(self, version: int, timeout: float, *, round_id: str) -> None:
-        held = self.held_version(timeout)
-        if held is not None and held.isdigit() and version <= int(held):
-            raise HttpCallError("/weight_info", 409, f"version {version} is not newer than vLLM's ({held})")
+        self._refuse_unless_newer(version, "/weight_info", timeout)
 
     def verify(
         self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
@@ -160,9 +155,7 @@ class VllmAdapter:
         # The commit is several vLLM calls; ``timeout`` bounds them together, ending a little before the driver
         # stops waiting, so no step of a commit the round already gave up on can land afterwards.
         left = _budget(timeout)
-        held = self.held_version(left("/weight_info"))
-        if held is not None and held.isdigit() and version <= int(held):
-            raise HttpCallError("/finish_weight_update", 409, f"version {version} is not newer than vLLM's ({held})")
+        self._refuse_unless_newer(version, "/finish_weight_update", left("/weight_info"))
         sessions = self._written_sessions(left)
         try:
             self._post("/pause?mode=wait", None, left("/pause"))
@@ -231,10 +224,7 @@ class VllmAdapter:
         sessions: dict[str, str] = {}
         for rank in range(self.settings.ranks):
             written = self._manifests.get(rank)
-            if self.settings.engine_side:
-                now = manifest_of(self.settings.engine, rank, self._current_layout(rank))
-            else:
-                now = fetch_manifest(self.settings, rank, self.name, timeout=left(MANIFEST_ROUTE))
+            now = self._published(rank, left(MANIFEST_ROUTE))
             if written is not None and written.placement != now.placement:
                 raise HttpCallError(
                     "/update_weights",
@@ -244,6 +234,18 @@ class VllmAdapter:
                 )
             sessions[rank_tag(rank)] = (written or now).session_id
         return sessions
+
+    def _refuse_unless_newer(self, version: int, route: str, timeout: float) -> None:
+        held = self.held_version(timeout)
+        if held is not None and held.isdigit() and version <= int(held):
+            raise HttpCallError(route, 409, f"version {version} is not newer than vLLM's ({held})")
+
+    def _published(self, rank: int, timeout: float | None = None) -> Manifest:
+        """Rank ``rank``'s manifest as the engine publishes it now: from its buffer's layout in the engine's pod,
+        from that pod's agent elsewhere (``timeout`` bounds that call)."""
+        if self.settings.engine_side:
+            return manifest_of(self.settings.engine, rank, self._current_layout(rank))
+        return fetch_manifest(self.settings, rank, self.name, timeout=timeout)
 
     def _current_layout(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s buffer layout as the engine has it now: the plugin is asked for its buffers every time
