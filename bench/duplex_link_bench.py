@@ -5,11 +5,11 @@ trainer's gather into it (``gather.py``: a source process in the root namespace,
 two requests ahead) of ``--mib`` MiB, first alone, then while a plain TCP stream from the node saturates its
 outbound direction. No Mooncake and no agents: what this shows is the emulated link's, not the round's.
 
-    sudo python bench/duplex_link_bench.py [--rate 500mbit] [--mib 256] [--latency 100ms]
+    sudo python bench/duplex_link_bench.py [--rate 500mbit] [--mib 256] [--mtu 9000] [--latency 100ms]
 
-Measured on the 2-core development machine (26 Nov 2026): alone 4.48 s (0.96 of the link), with the outbound
-stream 4.67 s (+4 %), the same with a 5 ms or a 400 ms tbf queue; with 64 or 128 MiB no loss (0.998, 1.000)
-(docs/testbed.md, scenario B).
+Measured on the 2-core development machine (27 Nov 2026): at MTU 1500 alone 4.485 s (0.96 of the link: tbf
+charges each 1448-byte segment's 66 bytes of headers), with the outbound stream 4.673 s (0.92: the other
+direction's ACKs too); at MTU 9000 4.321 s (0.99) and 4.453 s (0.96) (docs/testbed.md, "MTU").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 import time
 
 from weightsync_testing.testbed.gather import GatherLink
-from weightsync_testing.testbed.netns import burst_bytes
+from weightsync_testing.testbed.netns import DEFAULT_MTU, burst_bytes
 from weightsync_testing.testbed.runner import build_testbed
 from weightsync_testing.testbed.scenario import Layout, parse_rate
 
@@ -58,10 +58,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="500mbit")
     parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--mtu", type=int, default=DEFAULT_MTU, help="every link's MTU (default %(default)s)")
     parser.add_argument("--latency", default=None, help="the tbf queue of both directions (default: the testbed's)")
     args = parser.parse_args()
     rate = parse_rate(args.rate)
-    testbed = build_testbed(Layout(trainers=1, engines=1, tp=1), rate)
+    testbed = build_testbed(Layout(trainers=1, engines=1, tp=1), rate, args.mtu)
     testbed.create()
     processes: list[subprocess.Popen[bytes]] = []
     try:
@@ -93,7 +94,8 @@ def main() -> None:
         busy = _gather(link, total)
         after = link_of.counters()
         bound = total * 8 / rate
-        print(f"# one node, {args.rate} per direction, tbf queue {args.latency or 'the testbed default'}")
+        queue = args.latency or "the testbed default"
+        print(f"# one node, {args.rate} per direction, MTU {args.mtu}, tbf queue {queue}")
         print(f"gather {args.mib} MiB alone                    {alone:.3f} s  ({bound / alone:.2f} of the link)")
         print(f"gather {args.mib} MiB, outbound saturated      {busy:.3f} s  ({bound / busy:.2f} of the link)")
         print(f"# outbound meanwhile: {(after[1] - before[1]) / MiB:.0f} MiB; busy / alone = {busy / alone:.3f}")

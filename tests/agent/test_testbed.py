@@ -8,13 +8,15 @@ cut). Needs root for ``ip netns``; skipped with the reason otherwise. Leaves no 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 
 import pytest
 
 from weightsync_testing.testbed import netns, three_ways
-from weightsync_testing.testbed.runner import Options, run
-from weightsync_testing.testbed.scenario import Layout
+from weightsync_testing.testbed.runner import Options, build_testbed, report_header, run
+from weightsync_testing.testbed.scenario import Layout, parse_rate
 
 
 def _skip_reason() -> str | None:
@@ -55,6 +57,28 @@ def test_tiny_scenario_in_namespaces_is_bit_exact() -> None:
     for rank in (0, 1):
         shard = report["target_bytes"][f"0/{rank}"]
         assert shard <= links[f"e0r{rank} in"] < 1.2 * shard + (1 << 20)
+
+
+@pytest.mark.parametrize("mtu", [1500, 9000])
+def test_every_link_and_the_bridge_carry_the_testbed_mtu(mtu: int) -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
+    with build_testbed(testbed_layout(), parse_rate("1gbit"), mtu) as testbed:
+        assert _mtu([], testbed.bridge) == mtu
+        for link in testbed.links.values():
+            assert _mtu([], link.host_if) == mtu, link.host_if
+            assert _mtu(["-n", link.namespace], link.ns_if) == mtu, link.ns_if
+        assert report_header("A", testbed_layout(), Options(mtu=mtu), 1)["mtu"] == mtu
+
+
+def testbed_layout() -> Layout:
+    return Layout(trainers=1, engines=1, tp=2)
+
+
+def _mtu(where: list[str], dev: str) -> int:
+    shown = subprocess.run(["ip", *where, "-j", "link", "show", "dev", dev], capture_output=True, check=True)
+    return int(json.loads(shown.stdout)[0]["mtu"])
 
 
 def test_loopback_scenario_needs_no_root() -> None:

@@ -306,6 +306,15 @@ def bench(
             "after the trainer staged it; docs/testbed.md).",
         ),
     ] = None,
+    mtu: Annotated[
+        int,
+        typer.Option(
+            min=576,
+            max=9000,
+            help="MTU of every emulated link (tbf charges each segment's headers: 1500 leaves a TCP stream 0.956 of "
+            "the rate; docs/testbed.md).",
+        ),
+    ] = 9000,
     pods: Annotated[
         str, typer.Option(help="scale: group sizes in pods, in order (multiples of 16); the last is scaled out.")
     ] = "256,1024",
@@ -348,6 +357,7 @@ def bench(
             plot=(plot or Path(f"weightsync-bench-{scenario.upper()}.png")) if points else None,
             gather_shards=gather_shards,
             p2p_bucket_mib=p2p_bucket_mib,
+            mtu=mtu,
         )
 
         def say(line: str) -> None:

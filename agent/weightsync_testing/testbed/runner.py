@@ -98,6 +98,8 @@ class Options:
     #: inbound link (the emulated all-gather, ``gather.py``); 1 = the rank holds full tensors (no gather);
     #: None = the scenario's (A: 1, B: 2).
     gather_shards: int | None = None
+    #: Every emulated link's MTU (``netns.Testbed.mtu``: what tbf charges per segment).
+    mtu: int = netns.DEFAULT_MTU
 
     @property
     def p2p_bucket(self) -> int:
@@ -148,7 +150,7 @@ class Net:
         return self.testbed.counters() if self.testbed else None
 
 
-def build_testbed(layout: Layout, rate_bits: int | None) -> netns.Testbed:
+def build_testbed(layout: Layout, rate_bits: int | None, mtu: int = netns.DEFAULT_MTU) -> netns.Testbed:
     subnet = netns.free_subnet(list(range(16 + os.getpid() % 200, 250)) + list(range(16, 250)))
     namespace_links: dict[str, list[tuple[str, str]]] = {}
     for i in range(layout.trainers):
@@ -157,7 +159,7 @@ def build_testbed(layout: Layout, rate_bits: int | None) -> netns.Testbed:
     for e in range(layout.engines):
         nodes = [engine_node(e, r) for r in range(layout.tp)]
         namespace_links[f"e{e}"] = [(n, layout.address(n, subnet)) for n in nodes]
-    return netns.Testbed(namespace_links, subnet, rate_bits)
+    return netns.Testbed(namespace_links, subnet, rate_bits, mtu)
 
 
 # ---------------------------------------------------------------------------------------------- the group
@@ -782,7 +784,7 @@ def open_testbed(options: Options, layout: Layout, rate_bits: int | None, say: S
     removed = netns.cleanup_leftovers()
     if removed:
         say(f"removed leftovers of earlier runs: {', '.join(removed)}")
-    return build_testbed(layout, rate_bits)
+    return build_testbed(layout, rate_bits, options.mtu)
 
 
 def new_workdir() -> Path:
@@ -800,6 +802,7 @@ def report_header(scenario: str, layout: Layout, options: Options, rate_bits: in
         "network": "namespaces, capped links" if options.caps else "loopback, no caps",
         "rate": None if rate_bits is None else format_rate(rate_bits),
         "rate_bits": rate_bits,
+        "mtu": options.mtu if options.caps else None,
         "bucket_mib": options.bucket_mib,
         "p2p_bucket_mib": options.p2p_bucket,
         "machine": _machine(),
@@ -889,6 +892,7 @@ def table(report: Mapping[str, Any]) -> str:
         f" (one node per engine rank); {report['model_bytes'] / MiB:.0f} MiB model (float32);"
         f" bucket {report['bucket_mib']} MiB; live rounds",
         f"# network: {report['network']}" + (f", {report['rate']} per link and direction" if report["rate"] else "")
+        + (f", MTU {report['mtu']}" if report.get("mtu") else "")
         + f"; {report['machine']['cpus']} CPUs ({report['machine']['cpu']}), load {report['machine']['load']}",
         f"{'mode':<34}{'rounds':>7}{'min s':>8}{'median s':>10}{'max s':>8}{'wire MiB':>10}  busiest link (payload)",
     ]  # fmt: skip

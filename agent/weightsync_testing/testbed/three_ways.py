@@ -259,6 +259,7 @@ def table(report: Mapping[str, Any]) -> str:
         f" (p2p ways {report.get('p2p_bucket_mib', report['bucket_mib'])} MiB);"
         " live rounds",
         f"# network: {report['network']}" + (f", {report['rate']} per link and direction" if report["rate"] else "")
+        + (f", MTU {report['mtu']}" if report.get("mtu") else "")
         + f"; {report['machine']['cpus']} CPUs ({report['machine']['cpu']}), load {report['machine']['load']}",
         "# time: stage-to-commit (p2p ways) or the sender's round (broadcast); pause: longest engine pause",
         _staging_line(report.get("gather_shards") or 1),
