@@ -33,6 +33,12 @@ class Capabilities:
     #: Whether the engine's weight memory accepts transport (Mooncake) writes only inside an open round, i.e.
     #: is registered at begin and unregistered at commit/abort (docs/security.md, "The data plane").
     writable_only_in_round: bool = False
+    #: Where a mode allows fewer stagings than ``staging`` (each mode's own way into the engine), that mode's.
+    staging_by_mode: tuple[tuple[SyncModeName, frozenset[Staging]], ...] = ()
+
+    def stagings(self, mode: SyncModeName) -> frozenset[Staging]:
+        """The stagings ``mode`` can do."""
+        return dict(self.staging_by_mode).get(mode, self.staging)
 
 
 @dataclass(frozen=True)
@@ -70,17 +76,19 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
     ),
     "vllm": EngineKind(
         "vllm",
-        # Stock vLLM with weightsync's backend plugin (docs/engines/vllm.md): sources write the checkpoint's
+        # Stock vLLM (docs/engines/vllm.md). p2p, with weightsync's backend plugin: sources write the checkpoint's
         # tensors into the plugin's receive buffer while vLLM serves; the commit applies them through vLLM's own
         # layerwise reload inside a pause. So staged only; verified per bucket over the buffer by the engine
         # pod's agent. A restarted or joining vLLM publishes a new buffer (a new session) and is caught up from the
-        # replicas. Broadcast (vLLM's nccl backend) is not built yet.
+        # replicas. broadcast, with vLLM's own nccl backend: every rank receives full tensors into its live
+        # weights inside a pause, so live only; verified by vLLM's /weight_checker (sha256 per parameter).
         Capabilities(
-            modes=frozenset({"p2p"}),
-            staging=frozenset({"staged"}),
+            modes=frozenset({"p2p", "broadcast"}),
+            staging=frozenset({"staged", "live"}),
             verify="bucket-xxh3",
             catch_up=True,
             writable_only_in_round=False,
+            staging_by_mode=(("p2p", frozenset({"staged"})), ("broadcast", frozenset({"live"}))),
         ),
     ),
 }
@@ -121,11 +129,12 @@ def refusal(adapter: str, request: Request) -> Refusal | None:
             f"inference.adapter {adapter!r} cannot sync in transfer.mode {request.mode!r} "
             f"(it supports {', '.join(sorted(caps.modes))})",
         )
-    if request.staging not in caps.staging:
+    stagings = caps.stagings(request.mode)
+    if request.staging not in stagings:
         return Refusal(
             "AdapterLacksCapability",
-            f"inference.adapter {adapter!r} cannot do transfer.targetStaging {request.staging!r} "
-            f"(it supports {', '.join(sorted(caps.staging))})",
+            f"inference.adapter {adapter!r} cannot do transfer.targetStaging {request.staging!r} in transfer.mode "
+            f"{request.mode!r} (it supports {', '.join(sorted(stagings))})",
         )
     if request.verify and caps.verify == "none":
         return Refusal(

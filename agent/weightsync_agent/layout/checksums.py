@@ -14,6 +14,7 @@ pieces (merged or not) does not change it.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Callable, Iterable
 
 import xxhash
@@ -67,6 +68,7 @@ def source_checksum(bucket: Bucket, replica_address: int) -> str:
 TENSOR_HASHES: dict[str, Callable[[memoryview | bytes], str]] = {
     "tensor-sha256-8": sglang_cpu_hash,
     "tensor-sglang-gpu": sglang_gpu_hash,
+    "tensor-sha256": lambda data: hashlib.sha256(data).hexdigest(),  # vLLM's /weight_checker (weight_checksum.py)
 }
 
 

@@ -49,7 +49,7 @@ ITEMSIZE: dict[str, int] = {
 #: own verify routes); or per tensor, in manifest order, the engine's own hash: ``tensor-sha256-8`` is
 #: the first 8 bytes of sha256 of the tensor's bytes (SGLang's ``/weights_checker`` on CPU tensors),
 #: ``tensor-sglang-gpu`` SGLang's ``gpu_tensor_hash`` (on CUDA tensors).
-ChecksumScheme = Literal["bucket-xxh3", "tensor-sha256-8", "tensor-sglang-gpu"]
+ChecksumScheme = Literal["bucket-xxh3", "tensor-sha256-8", "tensor-sglang-gpu", "tensor-sha256"]
 
 
 class ManifestError(ValueError):

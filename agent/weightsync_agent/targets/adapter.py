@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-from weightsync.api.engines import Capabilities, Staging
+from weightsync.api.engines import Capabilities, Staging, SyncModeName
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.layout.manifest import Manifest
@@ -42,10 +42,15 @@ class BroadcastReception:
       (``transport/custom_group.py``) and is told each chunk's full tensors (``receive_broadcast``, which
       blocks until they are received and loaded), then gets one plain broadcast per tensor, in that order
       (stock SGLang's ``/init_weights_update_group`` and ``/update_weights_from_distributed``).
+
+    ``rendezvous`` (announced tensors only): how the group is met. ``"torch-store"``: a ``tcp://`` torch store
+    (SGLang); ``"nccl-unique-id"``: a raw ``ncclUniqueId`` the sender mints, told to the engines as
+    ``nccl-uid:<base64>`` (stock vLLM's ``nccl`` backend; ``transport/nccl_uid_group.py``).
     """
 
     receivers: Receivers
     framing: Literal["weightsync-buckets", "announced-tensors"]
+    rendezvous: Literal["torch-store", "nccl-unique-id"] = "torch-store"
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class AdapterSettings:
     bucket_bytes: int
     verify: bool = True
     staging: Staging = "live"
+    #: The plan's ``transfer.mode`` (a kind may take each mode through another of the engine's backends).
+    mode: SyncModeName = "p2p"
     #: Bound on one HTTP call to the engine (docs/architecture.md, "Timeouts").
     call_timeout: float = HTTP_CALL_SECONDS
     #: The agent of the engine's first pod, for kinds whose manifests that agent assembles (SGLang).

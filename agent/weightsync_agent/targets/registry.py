@@ -13,17 +13,24 @@ from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailable
 from weightsync_agent.targets.reference.adapter import ReferenceAdapter
 from weightsync_agent.targets.sglang.adapter import SglangAdapter
 from weightsync_agent.targets.vllm.adapter import VllmAdapter
+from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
 
 ADAPTERS: Final[dict[str, type[EngineAdapter]]] = {
     ReferenceAdapter.kind: ReferenceAdapter,
     SglangAdapter.kind: SglangAdapter,
     VllmAdapter.kind: VllmAdapter,
 }
+#: Where an engine takes one ``transfer.mode`` through another of its backends, that mode's adapter (stock vLLM:
+#: p2p through weightsync's plugin, broadcast through vLLM's own nccl backend).
+MODE_ADAPTERS: Final[dict[tuple[str, str], type[EngineAdapter]]] = {
+    (VllmNcclAdapter.kind, "broadcast"): VllmNcclAdapter,
+}
 
 
 def make_adapter(kind: str, settings: AdapterSettings) -> EngineAdapter:
-    """The adapter of engine kind ``kind``; raises :class:`AdapterUnavailableError` naming why there is none."""
-    factory = ADAPTERS.get(kind)
+    """The adapter of engine kind ``kind`` for ``settings.mode``; raises :class:`AdapterUnavailableError` naming why
+    there is none."""
+    factory = MODE_ADAPTERS.get((kind, settings.mode)) or ADAPTERS.get(kind)
     if factory is None:
         known = ENGINE_KINDS.get(kind)  # type: ignore[call-overload]
         if known is not None and known.capabilities is None:
@@ -61,6 +68,7 @@ def settings_for(
         bucket_bytes=transfer.bucket_bytes,
         verify=transfer.verify,
         staging=transfer.target_staging,
+        mode=transfer.mode,
         call_timeout=call_timeout,
         agent_url=agent_url,
         engine_side=engine_side,

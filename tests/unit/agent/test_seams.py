@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import hashlib
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import get_args
@@ -35,7 +36,9 @@ from weightsync_agent.targets.adapter import (
     Readiness,
 )
 from weightsync_agent.targets.agent import EngineAgent
-from weightsync_agent.targets.registry import ADAPTERS, make_adapter, settings_for
+from weightsync_agent.targets.registry import ADAPTERS, MODE_ADAPTERS, make_adapter, settings_for
+from weightsync_agent.targets.vllm.adapter import VllmAdapter
+from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
 
 AGENT = Path(__file__).resolve().parents[3] / "agent" / "weightsync_agent"
 SETTINGS = AdapterSettings(engine=0, url="http://127.0.0.1:9", ranks=2, bucket_bytes=1 << 20)
@@ -232,7 +235,8 @@ def test_the_refusal_names_adapter_and_capability() -> None:
     assert refusal("sglang", Request("broadcast", "live", True)) is None
     assert refusal("sglang", Request("broadcast", "staged", True)) == Refusal(
         "AdapterLacksCapability",
-        "inference.adapter 'sglang' cannot do transfer.targetStaging 'staged' (it supports live)",
+        "inference.adapter 'sglang' cannot do transfer.targetStaging 'staged' in transfer.mode 'broadcast' "
+        "(it supports live)",
     )
 
 
@@ -270,12 +274,22 @@ def test_only_kinds_whose_agent_assembles_manifests_look_that_agent_up(adapter: 
 
 def test_every_broadcast_capable_adapter_says_how_it_takes_rounds() -> None:
     capable = {kind for kind in ADAPTERS if "broadcast" in (ENGINE_KINDS[kind].capabilities.modes)}  # type: ignore[index,union-attr]
-    assert capable == {"reference", "sglang"}  # vLLM: p2p only so far (docs/engines/vllm.md); specs asking are refused
-    for kind in capable:
-        assert ADAPTERS[kind].broadcast.receivers in ("engine", "rank")
-    assert ADAPTERS["reference"].broadcast == BroadcastReception("engine", "weightsync-buckets")
+    assert capable == {"reference", "sglang", "vllm"}
+    broadcasting = {kind: MODE_ADAPTERS.get((kind, "broadcast"), ADAPTERS[kind]) for kind in capable}
+    for adapter in broadcasting.values():
+        assert adapter.broadcast.receivers in ("engine", "rank")
+    assert broadcasting["reference"].broadcast == BroadcastReception("engine", "weightsync-buckets")
     # Stock SGLang: every TP rank joins through /init_weights_update_group and receives full HF tensors.
-    assert ADAPTERS["sglang"].broadcast == BroadcastReception("rank", "announced-tensors")
+    assert broadcasting["sglang"].broadcast == BroadcastReception("rank", "announced-tensors")
+    # Stock vLLM: every TP rank joins its nccl backend from an NCCL unique id and receives full HF tensors.
+    assert broadcasting["vllm"].broadcast == BroadcastReception("rank", "announced-tensors", "nccl-unique-id")
+
+
+def test_vllm_takes_each_mode_through_its_own_adapter() -> None:
+    for mode, kind in (("p2p", VllmAdapter), ("broadcast", VllmNcclAdapter)):
+        made = make_adapter("vllm", replace(SETTINGS, mode=mode))  # type: ignore[arg-type]
+        assert type(made) is kind
+    assert make_adapter("sglang", replace(SETTINGS, mode="broadcast")).kind == "sglang"
 
 
 def test_sglang_joins_only_as_one_consecutive_group_rank_per_tp_rank() -> None:

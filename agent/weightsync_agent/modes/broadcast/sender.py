@@ -44,13 +44,13 @@ from weightsync.plan import Plan, Target
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.modes.broadcast.checksums import target_checksums
+from weightsync_agent.modes.broadcast.groups import AnnouncedGroup, SenderGroup, sender_group
 from weightsync_agent.modes.broadcast.layout import SENDER, BroadcastLayout, Receivers, broadcast_round_plan
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.writer import SourceConfigError, validate
 from weightsync_agent.targets.adapter import BroadcastReception, EngineAdapter, FullTensor
 from weightsync_agent.transport.base import TransportError
 from weightsync_agent.transport.collective import BroadcastGroup
-from weightsync_agent.transport.custom_group import CustomGroupSender, resolve_backend
 
 log = logging.getLogger("weightsync.agent.broadcast")
 
@@ -112,7 +112,7 @@ class BroadcastSource:
                 for part in entry.parts:
                     self.expected.setdefault(part.source, (part.full_shape, entry.dtype))
         self.staged: dict[str, torch.Tensor] = {}
-        self.group: BroadcastGroup | CustomGroupSender | None = None
+        self.group: SenderGroup | None = None
         self.group_name: str | None = None  # the group the engines joined, for leave_broadcast
         self.lost: str | None = None  # why the last group was torn down, for the rounds that follow
         self._checksums: tuple[int, Future[dict[Target, list[str]]]] | None = None
@@ -138,12 +138,11 @@ class BroadcastSource:
         world = self.layout.world_size
         # A fresh name per group: an engine that still holds an earlier one (a leave that never arrived) can join.
         name = f"weightsync-{uuid.uuid4().hex[:12]}"
-        if self.announced:
-            backend = resolve_backend(backend)  # the engines' routes take a concrete torch backend
+        told, backend, form = sender_group(self.reception, world, init_method, name, backend, timeout)
         joins = {
             self._pool.submit(
                 self.engines[engine].join_broadcast,
-                init_method,
+                told,
                 world,
                 [m.as_json() for m in members],
                 backend,
@@ -153,11 +152,7 @@ class BroadcastSource:
             for engine, members in self.layout.members.items()
         }
         self.group_name = name
-        own: Future[BroadcastGroup] | Future[CustomGroupSender]
-        if self.announced:
-            own = self._pool.submit(CustomGroupSender, world, init_method, name, backend, timeout)
-        else:
-            own = self._pool.submit(BroadcastGroup, SENDER, world, init_method, backend, timeout)
+        own: Future[SenderGroup] = self._pool.submit(form)
         try:
             for future in as_completed(joins):
                 try:
@@ -243,7 +238,7 @@ class BroadcastSource:
             )
         checksums = self._checksums_for_staged()
         try:
-            if isinstance(group, CustomGroupSender):
+            if not isinstance(group, BroadcastGroup):
                 nbytes = self._send_announced(group, version, deadline)
             else:
                 refused = self._arm(version, deadline, round_id)
@@ -297,7 +292,7 @@ class BroadcastSource:
         if chunk:
             yield chunk
 
-    def _send_announced(self, group: CustomGroupSender, version: int, deadline: float) -> int:
+    def _send_announced(self, group: AnnouncedGroup, version: int, deadline: float) -> int:
         """``announced-tensors``: per chunk, every engine is told the tensors while they go out, in that order."""
         sent = 0
         for index, chunk in enumerate(self._chunks()):
@@ -395,6 +390,6 @@ class BroadcastSource:
         self.close()
 
 
-def _close_group(future: Future[BroadcastGroup] | Future[CustomGroupSender]) -> None:
+def _close_group(future: Future[SenderGroup]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().close()

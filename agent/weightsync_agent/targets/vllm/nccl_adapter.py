@@ -1,0 +1,254 @@
+"""Stock vLLM in broadcast mode: vLLM's own ``nccl`` weight-transfer backend, no weightsync code in the engine.
+
+The server runs as it ships with ``VLLM_SERVER_DEV_MODE=1 --weight-transfer-config '{"backend": "nccl"}'``. The
+trainer side is weightsync's broadcast sender over a raw NCCL group (``transport/nccl_uid_group.py``): vLLM's
+``nccl_unique_id_b64`` rendezvous needs no vLLM on the trainer. A live round (docs/engines/vllm.md):
+
+| step | vLLM route / what |
+|---|---|
+| join | ``/init_weight_transfer_engine {"init_info": {nccl_unique_id_b64, rank_offset, world_size, packed: false}}`` |
+| pause | ``/pause?mode=wait`` |
+| begin | the version must be newer than ``/weight_info``'s |
+| write | ``/start_weight_update`` (vLLM's layerwise reload) with the first chunk, then per chunk ``/update_weights |
+|       | {"update_info": {names, dtype_names, shapes}}`` while the sender broadcasts each tensor; every TP rank |
+|       | receives the full tensors and its own ``load_weights`` cuts them |
+| verify | ``/finish_weight_update`` without a version (the reload completes), then ``/weight_checker`` ``checksum``: |
+|        | vLLM's sha256 of each parameter against the sender's, cut by the trace (``trace_model.py``) |
+| commit | ``/update_weight_version``: the label moves only after every rank verified |
+| resume | ``/resume`` |
+| abort | an update left open is finished (no label); the engine stays paused, reporting the version it held |
+|       | (a vLLM whose chunk failed inside its reload cannot serve again: its engine core dies on the next request) |
+
+Manifests: the engine's pod traces the model with vLLM's own code (model, TP size and dtype from
+``/server_info``); a manifest's addresses are offsets in a virtual layout (bytes arrive by NCCL, never by address).
+Everyone else fetches them from that pod's agent, as in p2p mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ManifestError
+from weightsync_agent.layout.traced_manifest import assemble
+from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, Readiness, TargetVerdict
+from weightsync_agent.targets.engine_agent_calls import fetch_manifest
+from weightsync_agent.targets.vllm.adapter import VllmAdapter
+from weightsync_agent.transport.nccl_uid_group import unique_id_of
+
+log = logging.getLogger("weightsync.agent.vllm")
+
+#: The engine's Python (its image's, in a pod; the pinned vLLM virtualenv in tests): the trace runs vLLM's code.
+ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
+TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
+TRACE_TIMEOUT_SECONDS = 300.0
+BACKEND = "nccl"
+#: Manifests in broadcast mode name no transport session: the bytes come over the group.
+SESSION = "vllm-nccl-broadcast"
+#: The virtual layout's base address and alignment (never dereferenced: see the module docstring).
+VIRTUAL_BASE, VIRTUAL_ALIGN = 1 << 20, 256
+NOT_SERVING_NCCL = (
+    "vLLM does not serve its RL routes: start it with VLLM_SERVER_DEV_MODE=1 and "
+    f'--weight-transfer-config \'{{"backend": "{BACKEND}"}}\''
+)
+
+
+class VllmNcclAdapter(VllmAdapter):
+    """One stock vLLM engine taking broadcast rounds through its own ``nccl`` backend."""
+
+    #: Every TP rank is a group member (rank_offset + its rank, vLLM's rule) and receives the full tensors.
+    broadcast: ClassVar[BroadcastReception] = BroadcastReception("rank", "announced-tensors", "nccl-unique-id")
+
+    def __init__(self, settings: AdapterSettings) -> None:
+        super().__init__(settings)
+        self.name = f"engine {settings.engine} (vLLM at {self.client.base_url}, nccl backend)"
+        self._traces: dict[int, dict[str, Any]] = {}
+        self._checked: tuple[int, dict[str, str]] | None = None  # (version, key -> sha256) after the reload
+        self._open_update = False
+        self._round_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"VllmNcclAdapter({self.name})"
+
+    # --- Discovery and readiness -------------------------------------------------------------------
+
+    def manifest(self, rank: int) -> Manifest:
+        engine_side = self.settings.engine_side
+        manifest = self._assemble(rank) if engine_side else fetch_manifest(self.settings, rank, self.name)
+        self._manifests[rank] = manifest
+        return manifest
+
+    def readiness(self) -> Readiness:
+        try:
+            for rank in range(self.settings.ranks):
+                self.manifest(rank)
+        except HttpCallError as exc:
+            if exc.status in (401, 403):
+                return Readiness(False, "EngineUnauthorized", f"vLLM refused the group's token ({exc})")
+            if exc.status == 404:
+                return Readiness(False, "EngineNotPublishing", f"{NOT_SERVING_NCCL} ({exc})")
+            return Readiness(False, "EngineUnavailable", str(exc))
+        except ManifestError as exc:
+            return Readiness(False, "ManifestRefused", str(exc))
+        return Readiness(True, "EngineServing", f"vLLM at {self.client.base_url}: {self.settings.ranks} rank(s) traced")
+
+    # --- The round (live: inside a pause) ----------------------------------------------------------
+
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
+        # vLLM's update opens with the first chunk (receive_broadcast): its layerwise reload takes the weights apart
+        # until finish, so a round that fails before sending anything leaves the engine as it was.
+        self._refuse_unless_newer(version, "/start_weight_update", timeout)
+        with self._round_lock:
+            self._checked = None
+
+    def verify(
+        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
+    ) -> TargetVerdict:
+        manifest = self._manifests.get(rank) or self.manifest(rank)
+        if len(checksums) != len(manifest.tensors):
+            return TargetVerdict(
+                ok=False, error=f"{len(checksums)} checksums for {len(manifest.tensors)} parameters of rank {rank}"
+            )
+        held = self._reloaded_checksums(version, timeout)
+        prefix = f"dp0:pp0:pcp0:tp{rank}:"
+        mismatched = [i for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
+                      if held.get(prefix + t.name) != want]  # fmt: skip
+        if mismatched:
+            names = [manifest.tensors[i].name for i in mismatched[:5]]
+            return TargetVerdict(ok=False, mismatched=mismatched[:64], error=f"parameters {names} differ")
+        return TargetVerdict(ok=True)
+
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
+        self._refuse_unless_newer(version, "/update_weight_version", timeout)
+        with self._round_lock:
+            if self._checked is None or self._checked[0] != version:
+                raise HttpCallError("/update_weight_version", 409, f"version {version} was not verified here")
+        self._post("/update_weight_version", {"new_version": str(version)}, timeout)
+
+    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
+        # Close an update left open (no label): the weights may be a mix, so the engine stays paused, reporting the
+        # version it held, until a round lands.
+        with self._round_lock:
+            if not self._open_update:
+                return
+            self._open_update = False
+            try:
+                self._post("/finish_weight_update", {}, timeout)
+            except HttpCallError as exc:
+                # vLLM's worker drops an update whose receive failed ("finish_weight_update called without a
+                # matching start_weight_update"); one still open is finished by the next begin.
+                log.info("%s: no update left to finish after the failed round (%s)", self.name, exc)
+
+    # --- Broadcast reception: vLLM's own nccl backend ------------------------------------------------
+
+    def join_broadcast(self, init_method: str, world_size: int, members: list[dict[str, Any]], backend: str,
+                       timeout: float, group_name: str = "weightsync") -> None:  # fmt: skip
+        route = "/init_weight_transfer_engine"
+        try:
+            unique_id = unique_id_of(init_method)
+        except ValueError as exc:
+            raise HttpCallError(route, None, f"vLLM's nccl backend joins by an NCCL unique id: {exc}") from exc
+        ordered = sorted(members, key=lambda m: int(m["group_rank"]))
+        offset = int(ordered[0]["group_rank"]) if ordered else 0
+        wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(self.settings.ranks)]
+        if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
+            raise HttpCallError(route, None, f"vLLM joins one group rank per TP rank from an offset; got {members}")
+        init_info = {
+            "nccl_unique_id_b64": init_method.split(":", 1)[1],
+            "rank_offset": offset,
+            "world_size": world_size,
+            "packed": False,  # one broadcast per announced tensor, in order: what the sender does
+        }
+        assert len(unique_id) == 128
+        self._post(route, {"init_info": init_info}, timeout + self.settings.call_timeout)
+
+    def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
+        raise HttpCallError("/update_weights", None, "vLLM is told each chunk's tensors (receive_broadcast), not armed")
+
+    def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
+        update_info = {
+            "names": [t.name for t in tensors],
+            "dtype_names": [t.dtype for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+        }
+        with self._round_lock:
+            if not self._open_update:
+                self._start_update(lambda _route: timeout)
+                self._open_update = True
+        self._post("/update_weights", {"update_info": update_info}, timeout)
+
+    def leave_broadcast(self, group_name: str, timeout: float) -> None:
+        # vLLM has no route to drop its group: the sender's abort fails any receive still in it, and the next
+        # join replaces it.
+        return
+
+    # --- Pieces ------------------------------------------------------------------------------------
+
+    def _reloaded_checksums(self, version: int, timeout: float) -> dict[str, str]:
+        """vLLM's sha256 of every parameter once the reload finished (one finish and one checker call per round)."""
+        with self._round_lock:
+            if self._checked is not None and self._checked[0] == version:
+                return self._checked[1]
+            if self._open_update:
+                self._post("/finish_weight_update", {}, timeout)  # no version: the label moves in commit only
+                self._open_update = False
+            answer = self._post("/weight_checker", {"action": "checksum"}, timeout)
+            sums = answer.get("checksums") if isinstance(answer, dict) else None
+            if not isinstance(sums, dict):
+                raise HttpCallError("/weight_checker", 200, f"no checksums in {str(answer)[:200]}", answer)
+            self._checked = (version, {str(k): str(v) for k, v in sums.items()})
+            return self._checked[1]
+
+    def _assemble(self, rank: int) -> Manifest:
+        trace = self._trace(rank)
+        offset, weights_info = VIRTUAL_BASE, {}
+        for entry in trace.get("tensors") or []:
+            numel, itemsize = 1, ITEMSIZE.get(str(entry["dtype"]), 0)
+            for dim in entry["shape"]:
+                numel *= int(dim)
+            weights_info[str(entry["name"])] = [offset, numel, itemsize]
+            offset += -(-max(numel * itemsize, 1) // VIRTUAL_ALIGN) * VIRTUAL_ALIGN
+        return assemble(self.settings.engine, rank, trace, SESSION, weights_info, checksum="tensor-sha256")
+
+    def _trace(self, rank: int) -> dict[str, Any]:
+        with self._lock:  # one trace at a time: readiness and every source ask at start-up
+            if rank not in self._traces:
+                self._traces[rank] = self._run_trace(rank, self._served_model())
+            return self._traces[rank]
+
+    def _served_model(self) -> dict[str, str]:
+        """Model directory, TP size and dtype of the running server (``/server_info``, dev mode)."""
+        _, answer = self.client.request("GET", "/server_info", query={"config_format": "json"})
+        config = (answer or {}).get("vllm_config") if isinstance(answer, dict) else None
+        if not isinstance(config, dict):
+            raise ManifestError(f"{self.name}: /server_info has no vllm_config")
+        model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
+        if not model.get("model"):
+            raise ManifestError(f"{self.name}: /server_info names no model")
+        return {
+            "model": str(model["model"]),
+            "tp": str(int(parallel.get("tensor_parallel_size") or 1)),
+            "dtype": str(model.get("dtype") or "auto").removeprefix("torch."),
+        }
+
+    def _run_trace(self, rank: int, served: dict[str, str]) -> dict[str, Any]:
+        python = os.environ.get(ENV_ENGINE_PYTHON) or sys.executable
+        command = [python, str(TRACE_SCRIPT), "--model", served["model"], "--tp", served["tp"], "--rank", str(rank),
+                   "--dtype", served["dtype"]]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TRACE_TIMEOUT_SECONDS, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise ManifestError(f"{self.name}: tracing rank {rank}'s model failed: {' | '.join(tail)}")
+        try:
+            trace: dict[str, Any] = json.loads(done.stdout)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{self.name}: the trace of rank {rank} is not JSON: {exc}") from exc
+        return trace
