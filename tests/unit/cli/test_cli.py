@@ -93,7 +93,8 @@ def test_unplannable_cap_is_refused(tmp_path: Path) -> None:
 
 
 def test_validate_accepts_the_examples_and_names_what_the_operator_would_refuse(tmp_path: Path) -> None:
-    for example in ("tcp-group.yaml", "rdma-group.yaml", "sglang-group.yaml", "vllm-group.yaml"):
+    for kind in ("tcp", "rdma", "sglang", "vllm", "vllm-broadcast"):
+        example = f"{kind}-group.yaml"
         result = runner.invoke(app, ["validate", "-f", str(TCP.parent / example)])
         assert result.exit_code == 0 and ": valid" in result.output, (example, result.output)
     staged = tmp_path / "staged.yaml"
@@ -109,6 +110,13 @@ def test_validate_accepts_the_examples_and_names_what_the_operator_would_refuse(
     result = runner.invoke(app, ["validate", "-f", str(live)])
     assert result.exit_code == 2
     assert "AdapterLacksCapability" in result.output and "transfer.targetStaging 'live'" in result.output
+    broadcast_staged = tmp_path / "broadcast-staged.yaml"
+    broadcast_staged.write_text(
+        (TCP.parent / "vllm-broadcast-group.yaml").read_text().replace("targetStaging: live ", "targetStaging: staged")
+    )
+    result = runner.invoke(app, ["validate", "-f", str(broadcast_staged)])
+    assert result.exit_code == 2
+    assert "'staged' in transfer.mode 'broadcast' (it supports live)" in result.output
 
 
 def _bomb(levels: int = 9) -> str:

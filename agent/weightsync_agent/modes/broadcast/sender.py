@@ -14,10 +14,12 @@ branch on the engine kind here. Each :meth:`publish` (one attempt of a round):
    - ``weightsync-buckets`` (the reference engine): arms every engine for the version (``arm_broadcast``),
      so a retry in the same round is received again (an engine that cannot be armed fails the attempt,
      naming it), then broadcasts the full tensors in weightsync's buckets (``transport/collective.py``);
-   - ``announced-tensors`` (stock SGLang): per chunk of whole tensors up to the bucket size, tells every
+   - ``announced-tensors`` (stock SGLang and vLLM): per chunk of whole tensors up to the bucket size, tells every
      engine the chunk's names, dtypes and shapes (``receive_broadcast``, which blocks while the engine
      receives and loads) while broadcasting each tensor once, in that order, over a torch custom process
-     group (``transport/custom_group.py``); the first engine that refuses or fails ends the attempt;
+     group (``transport/custom_group.py``, SGLang) or a raw NCCL group met by an ``ncclUniqueId``
+     (``transport/nccl_uid_group.py``, vLLM; ``groups.py`` picks); the first engine that refuses or fails ends
+     the attempt;
 3. reports those checksums for every target: the engines verify what they cut against them and only
    then may commit, exactly as in p2p mode.
 
