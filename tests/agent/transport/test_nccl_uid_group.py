@@ -5,28 +5,38 @@ standard base64 that decodes back to the same 128 bytes, and anything else is re
 refuses with a clear error. Where two GPUs are visible: the sender on GPU 0 and receiver processes doing exactly
 what a vLLM worker does (``nccl_uid_peer.py``) form the group, answer the warm-up, and every announced tensor
 arrives bit-exact, in order, whatever its dtype; a receiver that is gone makes the sender fail within its timeout.
+Where vLLM's own code is importable too: vLLM's ``NCCLWeightTransferEngine`` (``vllm_nccl_member.py``), given the
+adapter's exact payloads, receives a round from the sender (docs/engines/vllm.md, "What ran where", says how it was
+run on the GPU machine).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 import torch
 
+from weightsync_agent.targets.adapter import FullTensor
+from weightsync_agent.targets.vllm.nccl_adapter import init_info_payload, update_info_payload
 from weightsync_agent.transport.base import TransportError
 from weightsync_agent.transport.nccl_library import NcclLibrary, library_path
 from weightsync_agent.transport.nccl_uid_group import UniqueIdGroupSender, mint, rendezvous_of, unique_id_of
 
 PEER = Path(__file__).with_name("nccl_uid_peer.py")
+VLLM_MEMBER = Path(__file__).with_name("vllm_nccl_member.py")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 AGENT = str(Path(__file__).parents[3] / "agent")
 
 
@@ -88,8 +98,7 @@ def _peers(told: str, world: int, tensors: list[tuple[str, str, list[int]]]) -> 
     ]
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
-def test_every_announced_tensor_arrives_bit_exact_at_every_receiver() -> None:
+def _full_tensors() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
     full = {}
     for name, dtype, shape in TENSORS:
@@ -97,6 +106,16 @@ def test_every_announced_tensor_arrives_bit_exact_at_every_receiver() -> None:
             full[name] = torch.randint(0, 1 << 40, shape, generator=generator)
         else:
             full[name] = torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+    return full
+
+
+def _sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_every_announced_tensor_arrives_bit_exact_at_every_receiver() -> None:
+    full = _full_tensors()
     world = min(GPUS, 4)
     unique_id = mint()
     peers = _peers(rendezvous_of(unique_id), world, TENSORS)
@@ -112,7 +131,7 @@ def test_every_announced_tensor_arrives_bit_exact_at_every_receiver() -> None:
                 p.kill()
             p.wait()
     assert sent == sum(t.numel() * t.element_size() for t in full.values())
-    want = {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest() for n, t in full.items()}
+    want = {n: _sha256(t) for n, t in full.items()}
     assert sorted(o["rank"] for o in outs) == list(range(1, world))
     for out in outs:
         assert out["warm_up"] == 0.0 and out["sha256"] == want, out
@@ -136,3 +155,47 @@ def test_a_receiver_that_dies_fails_the_sender_within_its_timeout() -> None:
     finally:
         for p in peers:
             p.communicate(timeout=60)
+
+
+@pytest.mark.skipif(GPUS < 2 or not HAS_VLLM, reason="needs two GPUs and vLLM's own code")
+def test_vllms_own_nccl_engine_receives_a_round_from_the_sender() -> None:
+    """vLLM's NCCLWeightTransferEngine (``vllm_nccl_member.py``) per member, given the adapter's exact payloads."""
+    full = _full_tensors()
+    world = min(GPUS, 4)
+    unique_id = mint()
+    told = rendezvous_of(unique_id)
+    announced = [FullTensor(name, dtype, tuple(shape)) for name, dtype, shape in TENSORS]
+    chunks = [announced[:2], announced[2:]]  # two /update_weights calls, as the sender splits by bucket size
+    updates = json.dumps([update_info_payload(chunk) for chunk in chunks])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [AGENT, os.environ.get("PYTHONPATH")]))}
+    members = []
+    for rank in range(1, world):
+        init_info = init_info_payload(told, world, [{"group_rank": rank, "ranks": [0]}], ranks=1)
+        command = [sys.executable, str(VLLM_MEMBER), "--init-info", json.dumps(init_info), "--chunks", updates,
+                   "--device", str(rank)]  # fmt: skip
+        members.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    torch.cuda.set_device(0)
+    joining = ThreadPoolExecutor(1)  # NCCL's init has no timeout: a member that never joins must fail the test
+    try:
+        try:
+            sender = joining.submit(UniqueIdGroupSender, world, unique_id, "weightsync-test", 120).result(timeout=90)
+        except FutureTimeout:
+            for p in members:
+                p.kill()
+            errors = [p.communicate()[1][-3000:] for p in members]
+            pytest.fail(f"no member joined within 90 s: {errors}")
+        for chunk in chunks:
+            sender.broadcast([(t.name, full[t.name]) for t in chunk], deadline=time.monotonic() + 120)
+        sender.close()
+        answers = [p.communicate(timeout=180) for p in members]
+        assert all(p.returncode == 0 for p in members), [err[-3000:] for _, err in answers]
+        outs = [json.loads(out.strip().splitlines()[-1]) for out, _ in answers]
+    finally:
+        joining.shutdown(wait=False)
+        for p in members:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    want = {n: _sha256(t) for n, t in full.items()}
+    for out in outs:
+        assert out["order"] == [name for name, _, _ in TENSORS] and out["sha256"] == want, out

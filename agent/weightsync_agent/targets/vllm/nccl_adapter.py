@@ -153,32 +153,16 @@ class VllmNcclAdapter(VllmAdapter):
                        timeout: float, group_name: str = "weightsync") -> None:  # fmt: skip
         route = "/init_weight_transfer_engine"
         try:
-            unique_id = unique_id_of(init_method)
+            init_info = init_info_payload(init_method, world_size, members, self.settings.ranks)
         except ValueError as exc:
-            raise HttpCallError(route, None, f"vLLM's nccl backend joins by an NCCL unique id: {exc}") from exc
-        ordered = sorted(members, key=lambda m: int(m["group_rank"]))
-        offset = int(ordered[0]["group_rank"]) if ordered else 0
-        wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(self.settings.ranks)]
-        if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
-            raise HttpCallError(route, None, f"vLLM joins one group rank per TP rank from an offset; got {members}")
-        init_info = {
-            "nccl_unique_id_b64": init_method.split(":", 1)[1],
-            "rank_offset": offset,
-            "world_size": world_size,
-            "packed": False,  # one broadcast per announced tensor, in order: what the sender does
-        }
-        assert len(unique_id) == 128
+            raise HttpCallError(route, None, str(exc)) from exc
         self._post(route, {"init_info": init_info}, timeout + self.settings.call_timeout)
 
     def arm_broadcast(self, version: int, timeout: float, *, round_id: str | None = None) -> None:
         raise HttpCallError("/update_weights", None, "vLLM is told each chunk's tensors (receive_broadcast), not armed")
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
-        update_info = {
-            "names": [t.name for t in tensors],
-            "dtype_names": [t.dtype for t in tensors],
-            "shapes": [list(t.shape) for t in tensors],
-        }
+        update_info = update_info_payload(tensors)
         with self._round_lock:
             if not self._open_update:
                 self._start_update(lambda _route: timeout)
@@ -252,3 +236,35 @@ class VllmNcclAdapter(VllmAdapter):
         except json.JSONDecodeError as exc:
             raise ManifestError(f"{self.name}: the trace of rank {rank} is not JSON: {exc}") from exc
         return trace
+
+
+def init_info_payload(
+    init_method: str, world_size: int, members: Sequence[dict[str, Any]], ranks: int
+) -> dict[str, Any]:
+    """``/init_weight_transfer_engine``'s ``init_info`` for an engine of ``ranks`` TP ranks joining as ``members``
+    (vLLM's ``NCCLWeightTransferInitInfo``); ValueError when ``init_method`` is not a unique id or the members are
+    not one group rank per TP rank, consecutive from an offset (vLLM's rule: rank_offset + its rank)."""
+    try:
+        unique_id_of(init_method)
+    except ValueError as exc:
+        raise ValueError(f"vLLM's nccl backend joins by an NCCL unique id: {exc}") from exc
+    ordered = sorted(members, key=lambda m: int(m["group_rank"]))
+    offset = int(ordered[0]["group_rank"]) if ordered else 0
+    wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(ranks)]
+    if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
+        raise ValueError(f"vLLM joins one group rank per TP rank from an offset; got {list(members)}")
+    return {
+        "nccl_unique_id_b64": init_method.split(":", 1)[1],
+        "rank_offset": offset,
+        "world_size": world_size,
+        "packed": False,  # one broadcast per announced tensor, in order: what the sender does
+    }
+
+
+def update_info_payload(tensors: Sequence[FullTensor]) -> dict[str, Any]:
+    """``/update_weights``' ``update_info`` announcing ``tensors``, in the order they are broadcast."""
+    return {
+        "names": [t.name for t in tensors],
+        "dtype_names": [t.dtype for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+    }
