@@ -37,7 +37,8 @@ from weightsync_agent.rounds.driver import RoundDriver
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.targets.adapter import AdapterSettings
 from weightsync_agent.targets.engine_client import EngineClient
-from weightsync_agent.targets.sglang.adapter import ENV_ENGINE_PYTHON, SglangAdapter
+from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
+from weightsync_agent.targets.sglang.adapter import SglangAdapter
 from weightsync_agent.transport.custom_group import CustomGroupSender
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from weightsync_agent.targets.adapter import AdapterSettings
-from weightsync_agent.targets.sglang.adapter import ENV_ENGINE_PYTHON, SglangAdapter
+from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
+from weightsync_agent.targets.sglang.adapter import SglangAdapter
 from weightsync_testing.sglang_server import SglangProcess, launch_sglang
 
 

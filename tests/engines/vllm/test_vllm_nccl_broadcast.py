@@ -31,8 +31,9 @@ from vllm_helpers import API_KEY, KEY_PREFIX, LINEAR, complete, ok, safetensors_
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.modes.broadcast.checksums import tensor_checksums
 from weightsync_agent.targets.adapter import AdapterSettings, FullTensor
+from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
 from weightsync_agent.targets.registry import make_adapter
-from weightsync_agent.targets.vllm.nccl_adapter import ENV_ENGINE_PYTHON, VllmNcclAdapter
+from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
 from weightsync_agent.transport.nccl_uid_group import mint, rendezvous_of
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 

@@ -26,10 +26,6 @@ addresses (:mod:`.manifest`); everyone else fetches them from that pod's agent.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -49,12 +45,10 @@ from weightsync_agent.targets.adapter import (
 )
 from weightsync_agent.targets.engine_agent_calls import fetch_manifest
 from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_agent.targets.engine_trace import run_trace
 from weightsync_agent.targets.sglang.manifest import assemble
 
-#: The engine's Python (its image's, in a pod; the pinned SGLang virtualenv in tests).
-ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
 TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
-TRACE_TIMEOUT_SECONDS = 300.0
 FLUSH_RETRY_SECONDS = 0.2
 INIT_GROUP_ROUTE = "/init_weights_update_group"
 UPDATE_ROUTE = "/update_weights_from_distributed"
@@ -327,25 +321,5 @@ class SglangAdapter:
             return self._traces[rank]
 
     def _run_trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
-        python = os.environ.get(ENV_ENGINE_PYTHON) or sys.executable
-        command = [
-            python,
-            str(TRACE_SCRIPT),
-            "--model",
-            str(server_info["model_path"]),
-            "--tp",
-            str(int(server_info.get("tp_size") or 1)),
-            "--rank",
-            str(rank),
-            "--dtype",
-            str(server_info.get("dtype") or "auto"),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TRACE_TIMEOUT_SECONDS, check=False)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise ManifestError(f"{self.name}: tracing rank {rank}'s model failed: {' | '.join(tail)}")
-        try:
-            trace: dict[str, Any] = json.loads(done.stdout)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{self.name}: the trace of rank {rank} is not JSON: {exc}") from exc
-        return trace
+        return run_trace(TRACE_SCRIPT, model=str(server_info["model_path"]), tp=int(server_info.get("tp_size") or 1),
+                         rank=rank, dtype=str(server_info.get("dtype") or "auto"), who=self.name)  # fmt: skip

@@ -84,6 +84,8 @@ class VllmAdapter:
     capabilities: ClassVar[Capabilities] = ENGINE_KINDS["vllm"].capabilities  # type: ignore[assignment]
     manifests_from_engine_agent: ClassVar[bool] = True  # the buffer's layout is a file in the engine's pod
     broadcast: ClassVar[BroadcastReception] = BroadcastReception("engine", "announced-tensors")  # not supported
+    #: How to start vLLM when its RL routes answer 404 (readiness' ``EngineNotPublishing``).
+    not_serving: ClassVar[str] = NOT_SERVING_ROUTES
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings
@@ -122,7 +124,7 @@ class VllmAdapter:
             if exc.status in (401, 403):
                 return Readiness(False, "EngineUnauthorized", f"vLLM refused the group's token ({exc})")
             if exc.status == 404:
-                return Readiness(False, "EngineNotPublishing", f"{NOT_SERVING_ROUTES} ({exc})")
+                return Readiness(False, "EngineNotPublishing", f"{self.not_serving} ({exc})")
             return Readiness(False, "EngineUnavailable", str(exc))
         except ManifestError as exc:
             return Readiness(False, "ManifestRefused", str(exc))

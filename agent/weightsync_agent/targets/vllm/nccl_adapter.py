@@ -26,11 +26,7 @@ Everyone else fetches them from that pod's agent, as in p2p mode.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,17 +35,15 @@ from typing import Any, ClassVar
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ManifestError
 from weightsync_agent.layout.traced_manifest import assemble
-from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, Readiness, TargetVerdict
+from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, TargetVerdict
 from weightsync_agent.targets.engine_agent_calls import fetch_manifest
+from weightsync_agent.targets.engine_trace import run_trace
 from weightsync_agent.targets.vllm.adapter import VllmAdapter
 from weightsync_agent.transport.nccl_uid_group import unique_id_of
 
 log = logging.getLogger("weightsync.agent.vllm")
 
-#: The engine's Python (its image's, in a pod; the pinned vLLM virtualenv in tests): the trace runs vLLM's code.
-ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
 TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
-TRACE_TIMEOUT_SECONDS = 300.0
 BACKEND = "nccl"
 #: Manifests in broadcast mode name no transport session: the bytes come over the group.
 SESSION = "vllm-nccl-broadcast"
@@ -66,6 +60,7 @@ class VllmNcclAdapter(VllmAdapter):
 
     #: Every TP rank is a group member (rank_offset + its rank, vLLM's rule) and receives the full tensors.
     broadcast: ClassVar[BroadcastReception] = BroadcastReception("rank", "announced-tensors", "nccl-unique-id")
+    not_serving: ClassVar[str] = NOT_SERVING_NCCL
 
     def __init__(self, settings: AdapterSettings) -> None:
         super().__init__(settings)
@@ -85,20 +80,6 @@ class VllmNcclAdapter(VllmAdapter):
         manifest = self._assemble(rank) if engine_side else fetch_manifest(self.settings, rank, self.name)
         self._manifests[rank] = manifest
         return manifest
-
-    def readiness(self) -> Readiness:
-        try:
-            for rank in range(self.settings.ranks):
-                self.manifest(rank)
-        except HttpCallError as exc:
-            if exc.status in (401, 403):
-                return Readiness(False, "EngineUnauthorized", f"vLLM refused the group's token ({exc})")
-            if exc.status == 404:
-                return Readiness(False, "EngineNotPublishing", f"{NOT_SERVING_NCCL} ({exc})")
-            return Readiness(False, "EngineUnavailable", str(exc))
-        except ManifestError as exc:
-            return Readiness(False, "ManifestRefused", str(exc))
-        return Readiness(True, "EngineServing", f"vLLM at {self.client.base_url}: {self.settings.ranks} rank(s) traced")
 
     # --- The round (live: inside a pause) ----------------------------------------------------------
 
@@ -205,7 +186,9 @@ class VllmNcclAdapter(VllmAdapter):
     def _trace(self, rank: int) -> dict[str, Any]:
         with self._lock:  # one trace at a time: readiness and every source ask at start-up
             if rank not in self._traces:
-                self._traces[rank] = self._run_trace(rank, self._served_model())
+                served = self._served_model()
+                self._traces[rank] = run_trace(TRACE_SCRIPT, model=served["model"], tp=int(served["tp"]), rank=rank,
+                                               dtype=served["dtype"], who=self.name)  # fmt: skip
             return self._traces[rank]
 
     def _served_model(self) -> dict[str, str]:
@@ -222,20 +205,6 @@ class VllmNcclAdapter(VllmAdapter):
             "tp": str(int(parallel.get("tensor_parallel_size") or 1)),
             "dtype": str(model.get("dtype") or "auto").removeprefix("torch."),
         }
-
-    def _run_trace(self, rank: int, served: dict[str, str]) -> dict[str, Any]:
-        python = os.environ.get(ENV_ENGINE_PYTHON) or sys.executable
-        command = [python, str(TRACE_SCRIPT), "--model", served["model"], "--tp", served["tp"], "--rank", str(rank),
-                   "--dtype", served["dtype"]]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TRACE_TIMEOUT_SECONDS, check=False)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise ManifestError(f"{self.name}: tracing rank {rank}'s model failed: {' | '.join(tail)}")
-        try:
-            trace: dict[str, Any] = json.loads(done.stdout)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{self.name}: the trace of rank {rank} is not JSON: {exc}") from exc
-        return trace
 
 
 def init_info_payload(
