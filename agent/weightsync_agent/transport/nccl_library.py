@@ -59,6 +59,31 @@ class UniqueId(ctypes.Structure):
 
 Comm = ctypes.c_void_p
 
+#: ``ncclConfig_t`` as NCCL 2.14 laid it out. NCCL reads a caller's config by its ``size`` and ``version`` and
+#: defaults every later field, so this prefix works with every NCCL since (the struct's stated compatibility rule).
+NCCL_CONFIG_MAGIC: Final = 0xCAFEBEEF
+NCCL_CONFIG_VERSION: Final = 21403  # NCCL_VERSION(2, 14, 3)
+NCCL_CONFIG_UNDEF_INT: Final = -(2**31)
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+    ]
+
+    @classmethod
+    def nonblocking(cls) -> Config:
+        """``NCCL_CONFIG_INITIALIZER`` with ``blocking = 0``: calls return ``ncclInProgress`` instead of waiting."""
+        undef = NCCL_CONFIG_UNDEF_INT
+        return cls(ctypes.sizeof(cls), NCCL_CONFIG_MAGIC, NCCL_CONFIG_VERSION, 0, undef, undef, undef, None)
+
 
 def library_path() -> str:
     """Where the NCCL library is taken from (the environment, torch's wheel, or the loader's search)."""
@@ -97,6 +122,7 @@ class NcclLibrary:
             "ncclGetVersion": [ctypes.POINTER(c_int)],
             "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
             "ncclCommInitRank": [ctypes.POINTER(Comm), c_int, UniqueId, c_int],
+            "ncclCommInitRankConfig": [ctypes.POINTER(Comm), c_int, UniqueId, c_int, ctypes.POINTER(Config)],
             "ncclAllReduce": [c_void_p, c_void_p, c_size_t, c_int, c_int, Comm, c_void_p],
             "ncclBroadcast": [c_void_p, c_void_p, c_size_t, c_int, c_int, Comm, c_void_p],
             "ncclCommGetAsyncError": [Comm, ctypes.POINTER(c_int)],
@@ -110,7 +136,9 @@ class NcclLibrary:
         lib.ncclGetErrorString.argtypes = [c_int]
 
     def check(self, result: int, what: str) -> None:
-        if result != NCCL_SUCCESS:
+        """Raise unless ``result`` is success, or ``ncclInProgress`` (a non-blocking communicator's call under way:
+        its outcome is :meth:`state`'s)."""
+        if result not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
             text = self.lib.ncclGetErrorString(result).decode(errors="replace")
             raise NcclError(f"{what}: {text} (NCCL error {result})")
 
@@ -144,6 +172,27 @@ class NcclLibrary:
         self.check(
             self.lib.ncclBroadcast(pointer, pointer, count, NCCL_DTYPES[dtype], root, comm, stream), "ncclBroadcast"
         )
+
+    def init_rank_nonblocking(self, world_size: int, unique_id: bytes, rank: int) -> ctypes.c_void_p:
+        """``ncclCommInitRankConfig`` with ``blocking = 0`` on the current CUDA device: returns at once; the join is
+        complete when :meth:`state` is success, and can be given up with :meth:`abort` while it is not."""
+        comm, config = Comm(), Config.nonblocking()
+        self.check(
+            self.lib.ncclCommInitRankConfig(
+                ctypes.byref(comm), world_size, UniqueId.from_bytes(unique_id), rank, ctypes.byref(config)
+            ),
+            f"ncclCommInitRankConfig(rank {rank} of {world_size})",
+        )
+        return comm
+
+    def state(self, comm: ctypes.c_void_p) -> int:
+        """``ncclCommGetAsyncError``'s raw state: success, ``ncclInProgress``, or an error code."""
+        value = ctypes.c_int()
+        self.check(self.lib.ncclCommGetAsyncError(comm, ctypes.byref(value)), "ncclCommGetAsyncError")
+        return value.value
+
+    def error_text(self, code: int) -> str:
+        return str(self.lib.ncclGetErrorString(code).decode(errors="replace"))
 
     def async_error(self, comm: ctypes.c_void_p) -> str | None:
         """NCCL's pending asynchronous error on ``comm`` (a peer gone, a timeout), or None."""

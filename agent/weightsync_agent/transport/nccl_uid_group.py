@@ -7,7 +7,8 @@ a one-element float32 sum ``all_reduce`` (``PyNcclCommunicator.from_unique_id_by
 that protocol, through :mod:`weightsync_agent.transport.nccl_library` (no vLLM, no torch store).
 
 :func:`mint` makes the id (and what engines are told, :func:`rendezvous_of`); :class:`UniqueIdGroupSender` joins as
-rank 0 (blocking until the world joined, as NCCL's init does), answers the warm-up, and broadcasts. Each broadcast is
+rank 0 (waiting until the world joined, bounded by the group's timeout: the communicator is non-blocking, so a
+join that never completes is aborted), answers the warm-up, and broadcasts. Each broadcast is
 waited for on its CUDA stream with the group's timeout and NCCL's asynchronous error checked meanwhile; a timeout, an
 error or the round's deadline **aborts** the communicator (``ncclCommAbort``), so receivers blocked in it fail instead
 of holding their engine. A new group needs a new id.
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.nccl_library import NCCL_DTYPES, NcclError, NcclLibrary
+from weightsync_agent.transport.nccl_library import NCCL_DTYPES, NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclError, NcclLibrary
 
 SENDER = 0
 #: What an ``init_method`` carrying a unique id looks like (``nccl-uid:<standard base64>``).
@@ -60,7 +61,8 @@ def unique_id_of(init_method: str) -> bytes:
 
 
 class UniqueIdGroupSender:
-    """Group rank 0 of a unique-id NCCL group named ``group_name``; blocks until the whole world joined."""
+    """Group rank 0 of a unique-id NCCL group named ``group_name``; returns once the whole world joined, raises
+    TransportError (the communicator aborted) when it has not within ``timeout_seconds``."""
 
     def __init__(
         self,
@@ -82,9 +84,12 @@ class UniqueIdGroupSender:
         self._nccl = library or NcclLibrary()
         self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         try:
-            self._comm: ctypes.c_void_p | None = self._nccl.init_rank(world_size, unique_id, SENDER)
+            # Non-blocking, so a member that never joins costs the timeout, then an abort: never a thread blocked
+            # in NCCL's init for good.
+            self._comm: ctypes.c_void_p | None = self._nccl.init_rank_nonblocking(world_size, unique_id, SENDER)
         except NcclError as exc:
             raise TransportError(f"could not form NCCL group {group_name!r}: {exc}") from exc
+        self._settle("joining", time.monotonic() + timeout_seconds)
         # vLLM's members all_reduce one float32 right after joining: answer it, or every rank deadlocks.
         warm_up = torch.zeros(1, dtype=torch.float32, device=self.device)
 
@@ -118,21 +123,35 @@ class UniqueIdGroupSender:
         """Enqueue one collective on this group's stream and wait for it (the group's timeout, the deadline)."""
         if self._comm is None:
             raise TransportError(f"NCCL group {self.group_name!r} is broken ({self.broken}); form it again")
+        limit = time.monotonic() + self.timeout_seconds
+        if deadline is not None:
+            limit = min(limit, deadline)
         try:
             enqueue(self._comm, self._stream.cuda_stream)
         except NcclError as exc:
             self._break(f"{what} failed: {exc}")
+        self._settle(what, limit)  # the call itself (non-blocking: it may still be enqueueing)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(self._stream)
-        limit = time.monotonic() + self.timeout_seconds
-        if deadline is not None:
-            limit = min(limit, deadline)
         while not done.query():  # type: ignore[no-untyped-call]
             error = self._nccl.async_error(self._comm)
             if error is not None:
                 self._break(f"{what} failed: {error}")
             if time.monotonic() >= limit:
                 self._break(f"{what} did not finish in time ({self.timeout_seconds:g} s or the round's deadline)")
+            time.sleep(POLL_SECONDS)
+
+    def _settle(self, what: str, limit: float) -> None:
+        """Wait until the communicator's last call is no longer in progress; an error or ``limit`` breaks the group."""
+        assert self._comm is not None
+        while True:
+            state = self._nccl.state(self._comm)
+            if state == NCCL_SUCCESS:
+                return
+            if state != NCCL_IN_PROGRESS:
+                self._break(f"{what} failed: {self._nccl.error_text(state)}")
+            if time.monotonic() >= limit:
+                self._break(f"{what} did not complete in time ({self.timeout_seconds:g} s or the round's deadline)")
             time.sleep(POLL_SECONDS)
 
     def _break(self, why: str) -> None:

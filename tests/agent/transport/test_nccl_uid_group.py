@@ -137,6 +137,17 @@ def test_every_announced_tensor_arrives_bit_exact_at_every_receiver() -> None:
         assert out["warm_up"] == 0.0 and out["sha256"] == want, out
 
 
+@pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
+def test_a_member_that_never_joins_fails_the_join_within_its_timeout_and_the_next_group_forms() -> None:
+    torch.cuda.set_device(0)
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="joining did not complete in time"):
+        UniqueIdGroupSender(2, mint(), "weightsync-test", timeout_seconds=3)
+    assert time.monotonic() - started < 15  # aborted, not left waiting in NCCL's init
+    if GPUS >= 2:  # and this process still forms groups
+        test_every_announced_tensor_arrives_bit_exact_at_every_receiver()
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_a_receiver_that_dies_fails_the_sender_within_its_timeout() -> None:
     unique_id = mint()
