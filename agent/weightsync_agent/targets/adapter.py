@@ -53,6 +53,17 @@ class BroadcastReception:
     rendezvous: Literal["torch-store", "nccl-unique-id"] = "torch-store"
 
 
+def rank_offset(members: Sequence[dict[str, Any]], ranks: int) -> int:
+    """The group rank of TP rank 0, for engines whose every TP rank joins as ``rank_offset + tp_rank`` (stock SGLang
+    and vLLM): ``members`` must be one per TP rank, consecutive, in rank order; ValueError otherwise."""
+    ordered = sorted(members, key=lambda m: int(m["group_rank"]))
+    offset = int(ordered[0]["group_rank"]) if ordered else 0
+    wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(ranks)]
+    if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
+        raise ValueError(f"one group rank per TP rank from an offset; got members {list(members)}")
+    return offset
+
+
 @dataclass(frozen=True)
 class FullTensor:
     """A full (unsharded) tensor of a broadcast chunk, as the sender will send it."""

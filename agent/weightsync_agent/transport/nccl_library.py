@@ -139,8 +139,7 @@ class NcclLibrary:
         """Raise unless ``result`` is success, or ``ncclInProgress`` (a non-blocking communicator's call under way:
         its outcome is :meth:`state`'s)."""
         if result not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
-            text = self.lib.ncclGetErrorString(result).decode(errors="replace")
-            raise NcclError(f"{what}: {text} (NCCL error {result})")
+            raise NcclError(f"{what}: {self.error_text(result)} (NCCL error {result})")
 
     def version(self) -> int:
         value = ctypes.c_int()
@@ -196,11 +195,8 @@ class NcclLibrary:
 
     def async_error(self, comm: ctypes.c_void_p) -> str | None:
         """NCCL's pending asynchronous error on ``comm`` (a peer gone, a timeout), or None."""
-        state = ctypes.c_int()
-        self.check(self.lib.ncclCommGetAsyncError(comm, ctypes.byref(state)), "ncclCommGetAsyncError")
-        if state.value in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
-            return None
-        return str(self.lib.ncclGetErrorString(state.value).decode(errors="replace"))
+        state = self.state(comm)
+        return None if state in (NCCL_SUCCESS, NCCL_IN_PROGRESS) else self.error_text(state)
 
     def abort(self, comm: ctypes.c_void_p) -> None:
         """``ncclCommAbort``: frees the communicator and makes its pending kernels return."""

@@ -26,7 +26,14 @@ from collections.abc import Callable, Iterable
 import torch
 
 from weightsync_agent.transport.base import TransportError
-from weightsync_agent.transport.nccl_library import NCCL_DTYPES, NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclError, NcclLibrary
+from weightsync_agent.transport.nccl_library import (
+    NCCL_DTYPES,
+    NCCL_IN_PROGRESS,
+    NCCL_SUCCESS,
+    UNIQUE_ID_BYTES,
+    NcclError,
+    NcclLibrary,
+)
 
 SENDER = 0
 #: What an ``init_method`` carrying a unique id looks like (``nccl-uid:<standard base64>``).
@@ -55,8 +62,8 @@ def unique_id_of(init_method: str) -> bytes:
         raw = base64.b64decode(init_method.removeprefix(SCHEME), validate=True)
     except binascii.Error as exc:
         raise ValueError(f"an NCCL unique id travels as standard base64: {exc}") from exc
-    if len(raw) != 128:
-        raise ValueError(f"an NCCL unique id is 128 bytes, got {len(raw)}")
+    if len(raw) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
     return raw
 
 

@@ -42,6 +42,7 @@ from weightsync_agent.targets.adapter import (
     FullTensor,
     Readiness,
     TargetVerdict,
+    rank_offset,
 )
 from weightsync_agent.targets.engine_agent_calls import fetch_manifest
 from weightsync_agent.targets.engine_client import EngineClient
@@ -231,13 +232,10 @@ class SglangAdapter:
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise HttpCallError(INIT_GROUP_ROUTE, None, f"SGLang rendezvous needs tcp://HOST:PORT, got {init_method}")
-        ordered = sorted(members, key=lambda m: int(m["group_rank"]))
-        offset = int(ordered[0]["group_rank"]) if ordered else 0
-        wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(self.settings.ranks)]
-        if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
-            raise HttpCallError(
-                INIT_GROUP_ROUTE, None, f"SGLang joins one group rank per TP rank from an offset; got members {members}"
-            )
+        try:
+            offset = rank_offset(members, self.settings.ranks)
+        except ValueError as exc:
+            raise HttpCallError(INIT_GROUP_ROUTE, None, f"SGLang joins {exc}") from exc
         body = {
             "master_address": url.hostname,
             "master_port": url.port,

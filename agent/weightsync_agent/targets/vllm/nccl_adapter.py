@@ -27,6 +27,7 @@ Everyone else fetches them from that pod's agent, as in p2p mode.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,8 +36,8 @@ from typing import Any, ClassVar
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ManifestError
 from weightsync_agent.layout.traced_manifest import assemble
-from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, TargetVerdict
-from weightsync_agent.targets.engine_agent_calls import fetch_manifest
+from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, TargetVerdict, rank_offset
+from weightsync_agent.targets.engine_agent_calls import MAX_MISMATCHED, fetch_manifest
 from weightsync_agent.targets.engine_trace import run_trace
 from weightsync_agent.targets.vllm.adapter import VllmAdapter
 from weightsync_agent.transport.nccl_uid_group import unique_id_of
@@ -104,7 +105,7 @@ class VllmNcclAdapter(VllmAdapter):
                       if held.get(prefix + t.name) != want]  # fmt: skip
         if mismatched:
             names = [manifest.tensors[i].name for i in mismatched[:5]]
-            return TargetVerdict(ok=False, mismatched=mismatched[:64], error=f"parameters {names} differ")
+            return TargetVerdict(ok=False, mismatched=mismatched[:MAX_MISMATCHED], error=f"parameters {names} differ")
         return TargetVerdict(ok=True)
 
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
@@ -176,9 +177,7 @@ class VllmNcclAdapter(VllmAdapter):
         trace = self._trace(rank)
         offset, weights_info = VIRTUAL_BASE, {}
         for entry in trace.get("tensors") or []:
-            numel, itemsize = 1, ITEMSIZE.get(str(entry["dtype"]), 0)
-            for dim in entry["shape"]:
-                numel *= int(dim)
+            numel, itemsize = math.prod(int(d) for d in entry["shape"]), ITEMSIZE.get(str(entry["dtype"]), 0)
             weights_info[str(entry["name"])] = [offset, numel, itemsize]
             offset += -(-max(numel * itemsize, 1) // VIRTUAL_ALIGN) * VIRTUAL_ALIGN
         return assemble(self.settings.engine, rank, trace, SESSION, weights_info, checksum="tensor-sha256")
@@ -217,11 +216,10 @@ def init_info_payload(
         unique_id_of(init_method)
     except ValueError as exc:
         raise ValueError(f"vLLM's nccl backend joins by an NCCL unique id: {exc}") from exc
-    ordered = sorted(members, key=lambda m: int(m["group_rank"]))
-    offset = int(ordered[0]["group_rank"]) if ordered else 0
-    wanted = [{"group_rank": offset + r, "ranks": [r]} for r in range(ranks)]
-    if [{"group_rank": int(m["group_rank"]), "ranks": [int(r) for r in m["ranks"]]} for m in ordered] != wanted:
-        raise ValueError(f"vLLM joins one group rank per TP rank from an offset; got {list(members)}")
+    try:
+        offset = rank_offset(members, ranks)
+    except ValueError as exc:
+        raise ValueError(f"vLLM joins {exc}") from exc
     return {
         "nccl_unique_id_b64": init_method.split(":", 1)[1],
         "rank_offset": offset,
