@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
 from weightsync_testing.server_process import ServerProcess
 
@@ -124,7 +125,7 @@ class SglangEngines:
             extra_env=mooncake_port_env(spec),  # SGLang's own Mooncake engine reads them, as in its pod
         )
         self.servers[engine] = server
-        return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_ENGINE_PYTHON": self.python}, token)
+        return StartedEngine(server.url, server.stop, {ENV_ENGINE_PYTHON: self.python}, token)
 
     def signal(self, engine: int, sig: signal.Signals) -> None:
         """``sig`` to every process of engine ``engine``'s server (its HTTP server, schedulers, detokenizer)."""
@@ -156,13 +157,22 @@ class VllmEngines:
     plugin and its token guard, each with its receive directory shared with its agent."""
 
     def __init__(
-        self, model_dir: Path, *, python: str, work_dir: Path, dtype: str = "float32", tensor_parallel: int = 1
+        self,
+        model_dir: Path,
+        *,
+        python: str,
+        work_dir: Path,
+        dtype: str = "float32",
+        tensor_parallel: int = 1,
+        plugin_paths: Sequence[Path] = (),
     ) -> None:
+        """``plugin_paths``: more directories on the servers' ``PYTHONPATH`` (test-only vLLM plugins)."""
         self.model_dir = model_dir
         self.python = python
         self.dtype = dtype
         self.work_dir = work_dir
         self.tensor_parallel = tensor_parallel
+        self.plugin_paths = list(plugin_paths)
         self.site = vllm_plugin_site(work_dir / "plugin-site")
         self.servers: dict[int, VllmProcess] = {}
 
@@ -188,13 +198,15 @@ class VllmEngines:
             api_key=token,
             dtype=self.dtype,
             weight_transfer_backend="weightsync",
-            pythonpath=[self.site, AGENT_DIR],
+            pythonpath=[self.site, AGENT_DIR, *self.plugin_paths],
             extra_env=env,
             extra_args=[*guard, *parallel],
             log_dir=self.work_dir / f"engine-{engine}-log",
         )
         self.servers[engine] = server
-        return StartedEngine(server.url, server.stop, {"WEIGHTSYNC_VLLM_RECEIVE_DIR": str(receive)}, token)
+        # The engine pod's agent: the receive directory it shares with vLLM, and vLLM's Python for the trace.
+        agent_env = {"WEIGHTSYNC_VLLM_RECEIVE_DIR": str(receive), ENV_ENGINE_PYTHON: self.python}
+        return StartedEngine(server.url, server.stop, agent_env, token)
 
     def signal(self, engine: int, sig: signal.Signals) -> None:
         """``sig`` to every process of engine ``engine``'s server (its API server, engine core, worker)."""

@@ -126,13 +126,18 @@ class ReceiveBuffer:
         }
 
     def publish(self, **extra: Any) -> None:
-        """Write the layout next to the region, atomically (a reader never sees half of it)."""
-        temporary = self.layout_path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(self.describe(**extra)))
-        temporary.replace(self.layout_path)
+        """Write the layout next to the region (:func:`publish_json`: a reader never sees half of it)."""
+        publish_json(self.layout_path, self.describe(placement="buffer", **extra))
 
     def close(self) -> None:
         self.layout_path.unlink(missing_ok=True)
         del self._bytes
         self._map.close()
         self.path.unlink(missing_ok=True)
+
+
+def publish_json(path: Path, content: dict[str, Any]) -> None:
+    """Write ``content`` to ``path`` atomically: the engine pod's agent reads these files while the plugin writes."""
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(content))
+    temporary.replace(path)

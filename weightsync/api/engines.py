@@ -76,19 +76,21 @@ ENGINE_KINDS: Final[dict[Adapter, EngineKind]] = {
     ),
     "vllm": EngineKind(
         "vllm",
-        # Stock vLLM (docs/engines/vllm.md). p2p, with weightsync's backend plugin: sources write the checkpoint's
-        # tensors into the plugin's receive buffer while vLLM serves; the commit applies them through vLLM's own
-        # layerwise reload inside a pause. So staged only; verified per bucket over the buffer by the engine
-        # pod's agent. A restarted or joining vLLM publishes a new buffer (a new session) and is caught up from the
-        # replicas. broadcast, with vLLM's own nccl backend: every rank receives full tensors into its live
-        # weights inside a pause, so live only; verified by vLLM's /weight_checker (sha256 per parameter).
+        # Stock vLLM (docs/engines/vllm.md). p2p, with weightsync's backend plugin, either way: staged, sources
+        # write the checkpoint's tensors into the plugin's receive buffer while vLLM serves and the commit applies
+        # them through vLLM's own layerwise reload inside a pause (any build, any model), verified per bucket over
+        # the buffer by the engine pod's agent; live, sources write each rank's shard into vLLM's own parameters
+        # inside a pause (plain unquantized weights: CUDA), verified by vLLM's /weight_checker (sha256 per
+        # parameter). A restarted or joining vLLM publishes a new session and is caught up from the replicas.
+        # broadcast, with vLLM's own nccl backend: every rank receives full tensors into its live weights inside
+        # a pause, so live only; verified by /weight_checker.
         Capabilities(
             modes=frozenset({"p2p", "broadcast"}),
             staging=frozenset({"staged", "live"}),
             verify="bucket-xxh3",
             catch_up=True,
             writable_only_in_round=False,
-            staging_by_mode=(("p2p", frozenset({"staged"})), ("broadcast", frozenset({"live"}))),
+            staging_by_mode=(("broadcast", frozenset({"live"})),),
         ),
     ),
 }

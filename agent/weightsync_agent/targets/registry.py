@@ -13,6 +13,7 @@ from weightsync_agent.targets.adapter import AdapterSettings, AdapterUnavailable
 from weightsync_agent.targets.reference.adapter import ReferenceAdapter
 from weightsync_agent.targets.sglang.adapter import SglangAdapter
 from weightsync_agent.targets.vllm.adapter import VllmAdapter
+from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
 
 ADAPTERS: Final[dict[str, type[EngineAdapter]]] = {
@@ -20,17 +21,19 @@ ADAPTERS: Final[dict[str, type[EngineAdapter]]] = {
     SglangAdapter.kind: SglangAdapter,
     VllmAdapter.kind: VllmAdapter,
 }
-#: Where an engine takes one ``transfer.mode`` through another of its backends, that mode's adapter (stock vLLM:
-#: p2p through weightsync's plugin, broadcast through vLLM's own nccl backend).
-MODE_ADAPTERS: Final[dict[tuple[str, str], type[EngineAdapter]]] = {
-    (VllmNcclAdapter.kind, "broadcast"): VllmNcclAdapter,
+#: Where an engine takes one ``(transfer.mode, transfer.targetStaging)`` through another of its ways in, that
+#: variant's adapter (stock vLLM: staged p2p into the plugin's receive buffer, the kind's default; live p2p into its
+#: parameters through the same plugin; broadcast through vLLM's own nccl backend).
+MODE_ADAPTERS: Final[dict[tuple[str, str, str], type[EngineAdapter]]] = {
+    (VllmLiveAdapter.kind, "p2p", "live"): VllmLiveAdapter,
+    (VllmNcclAdapter.kind, "broadcast", "live"): VllmNcclAdapter,
 }
 
 
 def make_adapter(kind: str, settings: AdapterSettings) -> EngineAdapter:
-    """The adapter of engine kind ``kind`` for ``settings.mode``; raises :class:`AdapterUnavailableError` naming why
-    there is none."""
-    factory = MODE_ADAPTERS.get((kind, settings.mode)) or ADAPTERS.get(kind)
+    """The adapter of engine kind ``kind`` for ``settings.mode`` and ``settings.staging``; raises
+    :class:`AdapterUnavailableError` naming why there is none."""
+    factory = MODE_ADAPTERS.get((kind, settings.mode, settings.staging)) or ADAPTERS.get(kind)
     if factory is None:
         known = ENGINE_KINDS.get(kind)  # type: ignore[call-overload]
         if known is not None and known.capabilities is None:

@@ -38,6 +38,7 @@ from weightsync_agent.targets.adapter import (
 from weightsync_agent.targets.agent import EngineAgent
 from weightsync_agent.targets.registry import ADAPTERS, MODE_ADAPTERS, make_adapter, settings_for
 from weightsync_agent.targets.vllm.adapter import VllmAdapter
+from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
 
 AGENT = Path(__file__).resolve().parents[3] / "agent" / "weightsync_agent"
@@ -275,7 +276,7 @@ def test_only_kinds_whose_agent_assembles_manifests_look_that_agent_up(adapter: 
 def test_every_broadcast_capable_adapter_says_how_it_takes_rounds() -> None:
     capable = {kind for kind in ADAPTERS if "broadcast" in (ENGINE_KINDS[kind].capabilities.modes)}  # type: ignore[index,union-attr]
     assert capable == {"reference", "sglang", "vllm"}
-    broadcasting = {kind: MODE_ADAPTERS.get((kind, "broadcast"), ADAPTERS[kind]) for kind in capable}
+    broadcasting = {kind: MODE_ADAPTERS.get((kind, "broadcast", "live"), ADAPTERS[kind]) for kind in capable}
     for adapter in broadcasting.values():
         assert adapter.broadcast.receivers in ("engine", "rank")
     assert broadcasting["reference"].broadcast == BroadcastReception("engine", "weightsync-buckets")
@@ -285,10 +286,16 @@ def test_every_broadcast_capable_adapter_says_how_it_takes_rounds() -> None:
     assert broadcasting["vllm"].broadcast == BroadcastReception("rank", "announced-tensors", "nccl-unique-id")
 
 
-def test_vllm_takes_each_mode_through_its_own_adapter() -> None:
-    for mode, kind in (("p2p", VllmAdapter), ("broadcast", VllmNcclAdapter)):
-        made = make_adapter("vllm", replace(SETTINGS, mode=mode))  # type: ignore[arg-type]
-        assert type(made) is kind
+def test_vllm_takes_each_mode_and_staging_through_its_own_adapter() -> None:
+    variants = (
+        ("p2p", "staged", VllmAdapter),
+        ("p2p", "live", VllmLiveAdapter),
+        ("broadcast", "live", VllmNcclAdapter),
+    )
+    for mode, staging, kind in variants:
+        made = make_adapter("vllm", replace(SETTINGS, mode=mode, staging=staging))  # type: ignore[arg-type]
+        assert type(made) is kind, (mode, staging)
+    assert VllmAdapter.placement == "buffer" and VllmLiveAdapter.placement == "parameters"
     assert make_adapter("sglang", replace(SETTINGS, mode="broadcast")).kind == "sglang"
 
 

@@ -47,6 +47,7 @@ from weightsync_agent.targets.adapter import (
 from weightsync_agent.targets.engine_agent_calls import fetch_manifest
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.engine_trace import run_trace
+from weightsync_agent.targets.pass_checksums import PassChecksums
 from weightsync_agent.targets.sglang.manifest import assemble
 
 TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
@@ -86,10 +87,9 @@ class SglangAdapter:
         self.client = EngineClient(settings.url, timeout=settings.call_timeout, api_key=settings.api_key)
         self.name = f"engine {settings.engine} (SGLang at {self.client.base_url})"
         self._manifests: dict[int, Manifest] = {}
-        self._checksums: tuple[int, dict[int, dict[str, str]]] | None = None  # (version, tp rank -> name -> hash)
+        self._sums: PassChecksums[dict[int, dict[str, str]]] = PassChecksums()  # tp rank -> name -> hash, per pass
         self._traces: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
-        self._checking = threading.Lock()
 
     def __repr__(self) -> str:
         return f"SglangAdapter({self.name})"
@@ -162,7 +162,7 @@ class SglangAdapter:
             raise HttpCallError(
                 "/begin_weight_update", 409, f"version {version} is not newer than the version SGLang holds ({held})"
             )
-        self._checksums = None
+        self._sums.forget()
         try:
             self._post("/begin_weight_update", {}, timeout)
         except HttpCallError as exc:
@@ -181,7 +181,7 @@ class SglangAdapter:
             return TargetVerdict(
                 ok=False, error=f"{len(checksums)} checksums for {len(manifest.tensors)} parameters of rank {rank}"
             )
-        held = self._engine_checksums(version, timeout).get(rank)
+        held = self._sums.for_rank(version, rank, lambda: self._engine_checksums(timeout)).get(rank)
         if held is None:
             return TargetVerdict(ok=False, error=f"/weights_checker answered no checksums for TP rank {rank}")
         mismatched = [i for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
@@ -278,20 +278,16 @@ class SglangAdapter:
             raise HttpCallError(route, 400, str(answer.get("message")), answer)
         return answer if isinstance(answer, dict) else {}
 
-    def _engine_checksums(self, version: int, timeout: float) -> dict[int, dict[str, str]]:
-        """Every rank's ``{name: hash}``, asked once per round (the route gathers all TP ranks)."""
-        with self._checking:
-            if self._checksums is not None and self._checksums[0] == version:
-                return self._checksums[1]
-            answer = self._post("/weights_checker", {"action": "checksum"}, timeout)
-            by_rank: dict[int, dict[str, str]] = {}
-            for entry in answer.get("ranks") or []:
-                infos = entry.get("parallelism_info") or []
-                tp_rank = next((int(i["tp_rank"]) for i in infos if i.get("role", "target") == "target"), None)
-                if tp_rank is not None:
-                    by_rank[tp_rank] = {str(k): str(v) for k, v in (entry.get("checksums") or {}).items()}
-            self._checksums = (version, by_rank)
-            return by_rank
+    def _engine_checksums(self, timeout: float) -> dict[int, dict[str, str]]:
+        """Every rank's ``{name: hash}`` (the route gathers all TP ranks; asked once per verify pass)."""
+        answer = self._post("/weights_checker", {"action": "checksum"}, timeout)
+        by_rank: dict[int, dict[str, str]] = {}
+        for entry in answer.get("ranks") or []:
+            infos = entry.get("parallelism_info") or []
+            tp_rank = next((int(i["tp_rank"]) for i in infos if i.get("role", "target") == "target"), None)
+            if tp_rank is not None:
+                by_rank[tp_rank] = {str(k): str(v) for k, v in (entry.get("checksums") or {}).items()}
+        return by_rank
 
     def _fetch(self, rank: int) -> Manifest:
         return fetch_manifest(self.settings, rank, self.name)

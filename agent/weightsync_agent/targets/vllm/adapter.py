@@ -34,6 +34,7 @@ import mmap
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -86,6 +87,8 @@ class VllmAdapter:
     broadcast: ClassVar[BroadcastReception] = BroadcastReception("engine", "announced-tensors")  # not supported
     #: How to start vLLM when its RL routes answer 404 (readiness' ``EngineNotPublishing``).
     not_serving: ClassVar[str] = NOT_SERVING_ROUTES
+    #: Where the plugin lands this adapter's bytes (``weightsync_vllm.engine.PLACEMENTS``): its receive buffer.
+    placement: ClassVar[str] = "buffer"
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings
@@ -258,10 +261,30 @@ class VllmAdapter:
         except OSError as exc:
             raise ManifestError(f"{self.name}: cannot make the receive directory {directory}: {exc}") from exc
         host = os.environ.get(ENV_MOONCAKE_HOST) or urlparse(self.client.base_url).hostname or "127.0.0.1"
+        request = uuid.uuid4().hex
+        init_info = {"directory": directory, "host": host, "placement": self.placement, "request": request}
         with self._lock:
-            self._post("/init_weight_transfer_engine", {"init_info": {"directory": directory, "host": host}},
-                       self.settings.call_timeout)  # fmt: skip
-            return self._read_layout(rank)
+            try:
+                self._post("/init_weight_transfer_engine", {"init_info": init_info}, self.settings.call_timeout)
+            except HttpCallError as exc:
+                # vLLM answers a failed init with a bare 500; the plugin publishes why it refused.
+                refused = self._refusal(rank, request)
+                if refused:
+                    raise ManifestError(f"{self.name}: rank {rank}: {refused}") from exc
+                raise
+            layout = self._read_layout(rank)
+        if layout.get("placement") != self.placement:
+            raise ManifestError(f"{self.name}: rank {rank}'s layout is placement {layout.get('placement')!r}, "
+                                f"not {self.placement!r}")  # fmt: skip
+        return layout
+
+    def _refusal(self, rank: int, request: str) -> str:
+        """Why the plugin refused ``request`` for rank ``rank``, if it published a refusal for it."""
+        try:
+            layout = self._read_layout(rank)
+        except ManifestError:
+            return ""
+        return str(layout.get("refused") or "") if layout.get("request") == request else ""
 
     def _read_layout(self, rank: int) -> dict[str, Any]:
         path = Path(self._receive_dir()) / f"{rank_tag(rank)}.json"

@@ -26,25 +26,17 @@ Everyone else fetches them from that pod's agent, as in p2p mode.
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 from weightsync_agent.http.client import HttpCallError
-from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ManifestError
+from weightsync_agent.layout.manifest import ITEMSIZE, Manifest
 from weightsync_agent.layout.traced_manifest import assemble
-from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, TargetVerdict, rank_offset
-from weightsync_agent.targets.engine_agent_calls import MAX_MISMATCHED, fetch_manifest
-from weightsync_agent.targets.engine_trace import run_trace
-from weightsync_agent.targets.vllm.adapter import VllmAdapter
+from weightsync_agent.targets.adapter import AdapterSettings, BroadcastReception, FullTensor, rank_offset
+from weightsync_agent.targets.vllm.traced import VllmTracedAdapter
 from weightsync_agent.transport.nccl_uid_group import unique_id_of
 
-log = logging.getLogger("weightsync.agent.vllm")
-
-TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
 BACKEND = "nccl"
 #: Manifests in broadcast mode name no transport session: the bytes come over the group.
 SESSION = "vllm-nccl-broadcast"
@@ -56,7 +48,7 @@ NOT_SERVING_NCCL = (
 )
 
 
-class VllmNcclAdapter(VllmAdapter):
+class VllmNcclAdapter(VllmTracedAdapter):
     """One stock vLLM engine taking broadcast rounds through its own ``nccl`` backend."""
 
     #: Every TP rank is a group member (rank_offset + its rank, vLLM's rule) and receives the full tensors.
@@ -66,68 +58,15 @@ class VllmNcclAdapter(VllmAdapter):
     def __init__(self, settings: AdapterSettings) -> None:
         super().__init__(settings)
         self.name = f"engine {settings.engine} (vLLM at {self.client.base_url}, nccl backend)"
-        self._traces: dict[int, dict[str, Any]] = {}
-        self._checked: tuple[int, dict[str, str]] | None = None  # (version, key -> sha256) after the reload
-        self._open_update = False
-        self._round_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"VllmNcclAdapter({self.name})"
 
-    # --- Discovery and readiness -------------------------------------------------------------------
-
-    def manifest(self, rank: int) -> Manifest:
-        engine_side = self.settings.engine_side
-        manifest = self._assemble(rank) if engine_side else fetch_manifest(self.settings, rank, self.name)
-        self._manifests[rank] = manifest
-        return manifest
-
     # --- The round (live: inside a pause) ----------------------------------------------------------
 
-    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
-        # vLLM's update opens with the first chunk (receive_broadcast): its layerwise reload takes the weights apart
-        # until finish, so a round that fails before sending anything leaves the engine as it was.
-        self._refuse_unless_newer(version, "/start_weight_update", timeout)
-        with self._round_lock:
-            self._checked = None
-
-    def verify(
-        self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
-    ) -> TargetVerdict:
-        manifest = self._manifests.get(rank) or self.manifest(rank)
-        if len(checksums) != len(manifest.tensors):
-            return TargetVerdict(
-                ok=False, error=f"{len(checksums)} checksums for {len(manifest.tensors)} parameters of rank {rank}"
-            )
-        held = self._reloaded_checksums(version, timeout)
-        prefix = f"dp0:pp0:pcp0:tp{rank}:"
-        mismatched = [i for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
-                      if held.get(prefix + t.name) != want]  # fmt: skip
-        if mismatched:
-            names = [manifest.tensors[i].name for i in mismatched[:5]]
-            return TargetVerdict(ok=False, mismatched=mismatched[:MAX_MISMATCHED], error=f"parameters {names} differ")
-        return TargetVerdict(ok=True)
-
-    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
-        self._refuse_unless_newer(version, "/update_weight_version", timeout)
-        with self._round_lock:
-            if self._checked is None or self._checked[0] != version:
-                raise HttpCallError("/update_weight_version", 409, f"version {version} was not verified here")
-        self._post("/update_weight_version", {"new_version": str(version)}, timeout)
-
-    def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
-        # Close an update left open (no label): the weights may be a mix, so the engine stays paused, reporting the
-        # version it held, until a round lands.
-        with self._round_lock:
-            if not self._open_update:
-                return
-            self._open_update = False
-            try:
-                self._post("/finish_weight_update", {}, timeout)
-            except HttpCallError as exc:
-                # vLLM's worker drops an update whose receive failed ("finish_weight_update called without a
-                # matching start_weight_update"); one still open is finished by the next begin.
-                log.info("%s: no update left to finish after the failed round (%s)", self.name, exc)
+    # begin, verify, commit and abort are the traced base's. vLLM's update opens with the first chunk
+    # (receive_broadcast): its layerwise reload takes the weights apart until finish, so a round that fails before
+    # sending anything leaves the engine as it was.
 
     # --- Broadcast reception: vLLM's own nccl backend ------------------------------------------------
 
@@ -158,20 +97,8 @@ class VllmNcclAdapter(VllmAdapter):
 
     # --- Pieces ------------------------------------------------------------------------------------
 
-    def _reloaded_checksums(self, version: int, timeout: float) -> dict[str, str]:
-        """vLLM's sha256 of every parameter once the reload finished (one finish and one checker call per round)."""
-        with self._round_lock:
-            if self._checked is not None and self._checked[0] == version:
-                return self._checked[1]
-            if self._open_update:
-                self._post("/finish_weight_update", {}, timeout)  # no version: the label moves in commit only
-                self._open_update = False
-            answer = self._post("/weight_checker", {"action": "checksum"}, timeout)
-            sums = answer.get("checksums") if isinstance(answer, dict) else None
-            if not isinstance(sums, dict):
-                raise HttpCallError("/weight_checker", 200, f"no checksums in {str(answer)[:200]}", answer)
-            self._checked = (version, {str(k): str(v) for k, v in sums.items()})
-            return self._checked[1]
+    def _settle(self, timeout: float) -> None:
+        self._close_update(timeout)  # vLLM's reload completes in finish: only then do its checksums say what serves
 
     def _assemble(self, rank: int) -> Manifest:
         trace = self._trace(rank)
@@ -181,29 +108,6 @@ class VllmNcclAdapter(VllmAdapter):
             weights_info[str(entry["name"])] = [offset, numel, itemsize]
             offset += -(-max(numel * itemsize, 1) // VIRTUAL_ALIGN) * VIRTUAL_ALIGN
         return assemble(self.settings.engine, rank, trace, SESSION, weights_info, checksum="tensor-sha256")
-
-    def _trace(self, rank: int) -> dict[str, Any]:
-        with self._lock:  # one trace at a time: readiness and every source ask at start-up
-            if rank not in self._traces:
-                served = self._served_model()
-                self._traces[rank] = run_trace(TRACE_SCRIPT, model=served["model"], tp=int(served["tp"]), rank=rank,
-                                               dtype=served["dtype"], who=self.name)  # fmt: skip
-            return self._traces[rank]
-
-    def _served_model(self) -> dict[str, str]:
-        """Model directory, TP size and dtype of the running server (``/server_info``, dev mode)."""
-        _, answer = self.client.request("GET", "/server_info", query={"config_format": "json"})
-        config = (answer or {}).get("vllm_config") if isinstance(answer, dict) else None
-        if not isinstance(config, dict):
-            raise ManifestError(f"{self.name}: /server_info has no vllm_config")
-        model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
-        if not model.get("model"):
-            raise ManifestError(f"{self.name}: /server_info names no model")
-        return {
-            "model": str(model["model"]),
-            "tp": str(int(parallel.get("tensor_parallel_size") or 1)),
-            "dtype": str(model.get("dtype") or "auto").removeprefix("torch."),
-        }
 
 
 def init_info_payload(

