@@ -10,7 +10,9 @@ and the reason, and the receive buffer (:mod:`weightsync_vllm.receive_buffer`, s
 * a parameter that is empty after loading: vLLM's CPU build repacks every linear weight into a oneDNN handle and
   leaves ``layer.weight`` empty;
 * a parameter that is not contiguous, or a tensor subclass keeping its bytes in inner tensors: one address and a
-  length would not describe it.
+  length would not describe it;
+* a parameter on the meta device: vLLM's layerwise reload (the receive buffer's way in) has taken the weights
+  apart until it finishes (or a failed reload left them so: vLLM 0.32 drops an update whose receive failed).
 
 Published per parameter as stock SGLang publishes its weights: ``{name: [data_ptr, numel, element_size]}``; the
 engine pod's agent joins that with the shard-map trace and cross-checks every size. Standalone: ``torch`` only.
@@ -77,7 +79,12 @@ def live_parameters(named: Iterable[tuple[str, torch.Tensor]], *, quantization: 
     refused: list[str] = []
     for name, parameter in named:
         tensor = parameter.data
-        if is_traceable_wrapper_subclass(tensor):
+        if tensor.is_meta:
+            refused.append(
+                f"{name} is on the meta device (vLLM's layerwise reload took the weights apart: a reload is "
+                "open, or a failed one left them so)"
+            )
+        elif is_traceable_wrapper_subclass(tensor):
             refused.append(f"{name} is a {type(tensor).__name__} (its bytes are in inner tensors)")
         elif tensor.numel() == 0:
             refused.append(f"{name} is empty (repacked after loading: vLLM's CPU build packs linear weights)")

@@ -25,6 +25,11 @@ import torch
 from safetensors.torch import load_file
 from vllm_helpers import API_KEY, apply_round, assert_nonlinear_checksums, complete, ok, safetensors_bytes
 
+from weightsync_agent.targets.adapter import AdapterSettings
+from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
+from weightsync_agent.targets.registry import make_adapter
+from weightsync_agent.targets.vllm.adapter import ENV_RECEIVE_DIR
+from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
@@ -110,6 +115,35 @@ def test_a_round_over_mooncake_replaces_the_served_weights(
     assert served == [e["output_ids"] for e in expected_new]
     assert min(min(e["margins"]) for e in expected_new) > 1e-3
     assert_nonlinear_checksums(server, safetensors_bytes(new))
+
+
+def test_the_live_placement_is_refused_on_the_cpu_build_naming_the_repacked_weights(
+    server: VllmProcess, vllm_py: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stock vLLM's CPU build repacks its linear weights into oneDNN handles (``layer.weight`` empty): the plugin
+    refuses to take writes into the live parameters, names them and says what to use instead, in its answer and in
+    the layout it publishes for the request; the live adapter's readiness reports exactly that. (On CUDA they are
+    plain tensors: tests/agent/transport/test_vllm_live_cuda.py.)"""
+    receive = tmp_path / "receive"
+    receive.mkdir()
+    init = {"directory": str(receive), "placement": "parameters", "request": "cpu-build"}
+    status, answer = server.request("POST", "/init_weight_transfer_engine", {"init_info": init}, timeout=60.0)
+    assert status >= 400, answer
+    published = json.loads((receive / f"{TAG}.json").read_text())
+    assert published["request"] == "cpu-build" and published["placement"] == "parameters", published
+    refused = published["refused"]
+    assert "cannot be written in place" in refused and "qkv_proj.weight is empty" in refused, refused
+    assert "targetStaging: staged" in refused, refused
+
+    monkeypatch.setenv(ENV_RECEIVE_DIR, str(tmp_path / "agent-receive"))
+    monkeypatch.setenv(ENV_ENGINE_PYTHON, str(vllm_py))
+    settings = AdapterSettings(engine=0, url=server.url, ranks=1, bucket_bytes=1 << 20, mode="p2p", staging="live",
+                               engine_side=True, api_key=API_KEY)  # fmt: skip
+    adapter = make_adapter("vllm", settings)
+    assert isinstance(adapter, VllmLiveAdapter)
+    readiness = adapter.readiness()
+    assert not readiness.ready and readiness.reason == "ManifestRefused", readiness
+    assert "qkv_proj.weight is empty" in readiness.message and "targetStaging: staged" in readiness.message
 
 
 def test_an_update_naming_a_tensor_the_buffer_lacks_is_refused_and_the_weights_stay(
