@@ -64,19 +64,33 @@ def live_spec(timeout: int = 60) -> WeightSyncGroupSpec:
     )
 
 
-def served_parameters(full: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
-    """The bytes of every parameter vLLM serves the tiny Llama from at TP 1, fused by hand from the HF tensors."""
+#: Parameters vLLM's Llama splits across TP ranks by columns (row-parallel layers); the others it splits by rows
+#: (column-parallel and vocab-parallel layers), except the norms, which every rank holds whole.
+BY_COLUMNS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def served_parameters(full: Mapping[str, torch.Tensor], *, rank: int = 0, tp: int = 1) -> dict[str, bytes]:
+    """The bytes of every parameter TP rank ``rank`` of ``tp`` serves the tiny Llama from, cut and fused by hand from
+    the HF tensors (an expectation written out here, not weightsync's trace; the tiny Llama's vocabulary needs no
+    padding at TP 1 or 2)."""
+
+    def shard(name: str) -> torch.Tensor:
+        tensor = full[name]
+        if name.endswith("norm.weight"):
+            return tensor
+        return tensor.chunk(tp, dim=1 if name.endswith(BY_COLUMNS) else 0)[rank]
+
     parts = {part for group in FUSED.values() for part in group}
     served: dict[str, bytes] = {}
-    for name, tensor in full.items():
+    for name in full:
         suffix = next((p for p in parts if name.endswith(p)), None)
         if suffix is None:
-            served[name] = tensor.numpy().tobytes()
+            served[name] = shard(name).contiguous().numpy().tobytes()
             continue
         prefix = name[: -len(suffix)]
         for fused, group in FUSED.items():
             if suffix == group[0]:
-                served[prefix + fused] = torch.cat([full[prefix + p] for p in group]).numpy().tobytes()
+                served[prefix + fused] = torch.cat([shard(prefix + p) for p in group]).numpy().tobytes()
     return served
 
 
