@@ -184,6 +184,8 @@ class VllmEngines:
         receive = self.work_dir / f"engine-{engine}-receive"
         receive.mkdir(parents=True, exist_ok=True)
         guard = ["--middleware", "weightsync_vllm.guard.BearerGuard"] if token else []
+        # The plugin's worker extension: live rounds verify through it (docs/engines/vllm.md); staged ones ignore it.
+        extension = ["--worker-extension-cls", "weightsync_vllm.worker_extension.WeightsyncWorkerExtension"]
         parallel: list[str] = []
         env = {**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {})}
         if self.tensor_parallel > 1:
@@ -200,7 +202,7 @@ class VllmEngines:
             weight_transfer_backend="weightsync",
             pythonpath=[self.site, AGENT_DIR, *self.plugin_paths],
             extra_env=env,
-            extra_args=[*guard, *parallel],
+            extra_args=[*guard, *extension, *parallel],
             log_dir=self.work_dir / f"engine-{engine}-log",
         )
         self.servers[engine] = server

@@ -8,7 +8,7 @@ a source: it reads the published ``{name: [ptr, numel, size]}`` and writes each 
 pinned CPU buffer with Mooncake's own call, whose return code says whether the plugin's process took them. Checked:
 outside a round every write is refused and the parameters keep their bytes; between ``start`` and ``finish`` every
 write lands; vLLM's own digest of every parameter (the ``/weight_checker`` code) then equals sha256 of the bytes
-sent; after ``finish`` writes are refused again.
+sent, and so does the plugin's worker extension's (``parallel_digests``); after ``finish`` writes are refused again.
 
 On the device machine (docs/engines/vllm.md, "What ran where"): vLLM's Python and Mooncake's CUDA build carried
 (``hack/device/vllm-nccl-carry.sh``), ``PYTHONPATH=/tmp/site:$PWD:$PWD/agent``.
@@ -108,6 +108,7 @@ def test_the_plugin_takes_writes_into_live_cuda_parameters_only_inside_a_round(t
         sums = member.ask("sums")["sums"]
         expected = {name: hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest() for name, t in new.items()}
         assert sums == expected
+        assert member.ask("fastsums")["sums"] == expected  # the plugin's worker extension: the same digests
         print(f"\n{flat.numel()} B into {len(info)} live CUDA parameters in {took * 1e3:.1f} ms (sync writes)")
 
         assert all(rc < 0 for rc in write_all())  # closed again after finish

@@ -8,6 +8,7 @@ line, each answered with one JSON line on stdout:
 
 * ``start`` / ``finish``: ``start_weight_update`` / ``finish_weight_update`` (the round's window);
 * ``sums``: vLLM's own digest of every parameter (``compute_tensor_digests``, the code behind ``/weight_checker``);
+* ``fastsums``: the same through the plugin's worker extension (``parallel_digests``, pinned chunks on a pool);
 * ``quit``.
 
 What is not vLLM's: the model (bf16 CUDA parameters shaped like a small decoder layer) and the worker's config
@@ -90,6 +91,7 @@ def main() -> None:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from weightsync_vllm.plugin import BACKEND, register
+    from weightsync_vllm.worker_extension import parallel_digests
 
     register()
     weightsync_vllm.engine.rank_tag = lambda: "dp0-pp0-tp0"  # this rank alone: no parallel groups to ask
@@ -114,6 +116,9 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             answer({"sums": compute_tensor_digests(model)})
+            continue
+        elif command == "fastsums":
+            answer({"sums": parallel_digests(model.named_parameters())})
             continue
         elif command == "quit":
             break

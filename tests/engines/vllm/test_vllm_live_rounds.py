@@ -153,6 +153,8 @@ def held(group: LoopbackGroup) -> str | None:
 def test_live_rounds_write_vllms_own_parameters_and_every_one_verifies(
     group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
 ) -> None:
+    """Two versions land straight in vLLM's parameters, verified through the plugin's worker extension (vLLM's own
+    digests, computed in parallel): its answer equals ``/weight_checker``'s, key for key."""
     server = harness_of(group).servers[0]
     published = layout(group)
     assert published["placement"] == "parameters" and "refused" not in published
@@ -164,9 +166,14 @@ def test_live_rounds_write_vllms_own_parameters_and_every_one_verifies(
             outcomes = publish_all(clients, full, version)
             assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
             assert_serves(server, full, str(version), vllm_py, tiny_llama32, tmp_path / f"v{version}")
+            status, rpc = server.request("POST", "/collective_rpc", {"method": "weightsync_checksums"}, timeout=120.0)
+            assert status == 200 and len(rpc["results"]) == 1, rpc
+            assert rpc["results"][0] == {KEY_PREFIX + name: value for name, value in checksums(server).items()}
     finally:
         for client in clients:
             client.close()
+    said = "".join(a.log_text() for a in [*group.agents.values(), *group.engine_agents.values()])
+    assert "no weightsync worker extension" not in said  # verified through the extension, not the fallback
 
 
 class ForeignWriter:
@@ -200,7 +207,8 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
     stop = threading.Event()
     landed: list[int] = []
     try:
-        base = int(held(group) or 0)
+        label = held(group)
+        base = int(label) if label is not None and label.isdigit() else 0
         outcomes = publish_all(clients, trained_state(tiny_llama32, 40), base + 1)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
         writer = ForeignWriter(layout(group))
@@ -218,7 +226,7 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
             time.sleep(0.2)  # some writes land before the held checksum call goes on
 
         outcome, _ = publish_with_fault(clients, trained_state(tiny_llama32, 41), base + 2, gate=gate,
-                                        route="/weight_checker", fault=fault, wait=WAIT)  # fmt: skip
+                                        route="/collective_rpc", fault=fault, wait=WAIT)  # fmt: skip
         stop.set()
         said = str(outcome)
         assert isinstance(outcome, RoundOutcome) and not outcome.ok and "model.norm.weight" in said, said
