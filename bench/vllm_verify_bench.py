@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import time
 from collections.abc import Callable
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from weightsync_testing.vllm_standalone import module_with, vllm_tensor_digests
 
 #: One Llama-3-8B decoder layer as vLLM holds it at TP 1 (fused qkv and gate_up), bf16.
 LAYER = {
@@ -45,39 +46,17 @@ LAYER = {
 TINY_LAYER = {"self_attn.qkv_proj.weight": (96, 64), "mlp.down_proj.weight": (64, 128), "input_layernorm.weight": (64,)}
 
 
-def vllm_digests() -> Callable[[torch.nn.Module], dict[str, str]]:
-    """vLLM's ``compute_tensor_digests``, its file loaded by path (the loader package's ``__init__`` pulls the whole
-    serving stack)."""
-    import vllm
-
-    path = Path(vllm.__file__).parent / "model_executor" / "model_loader" / "weight_checksum.py"
-    spec = importlib.util.spec_from_file_location("vllm_weight_checksum", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    digests: Callable[[torch.nn.Module], dict[str, str]] = module.compute_tensor_digests
-    return digests
-
-
 def model(layer: dict[str, tuple[int, ...]], gib: float, device: torch.device) -> torch.nn.Module:
+    """``layer``'s parameters repeated for ``gib`` GiB of bf16 on ``device``, under vLLM's names."""
     per_layer = sum(torch.Size(shape).numel() * 2 for shape in layer.values())
     layers = max(1, int(gib * 2**30 // per_layer))
-    root = torch.nn.Module()
-    stack = torch.nn.ModuleList()
-    for _ in range(layers):
-        block = torch.nn.Module()
-        for name, shape in layer.items():
-            *path, leaf = name.split(".")
-            holder = block
-            for part in path:
-                if not hasattr(holder, part):
-                    holder.add_module(part, torch.nn.Module())
-                holder = getattr(holder, part)
-            data = torch.empty(shape, dtype=torch.bfloat16, device=device).uniform_(-1, 1)
-            holder.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
-        stack.append(block)
-    root.add_module("layers", stack)
-    return root
+    return module_with(
+        {
+            f"model.layers.{index}.{name}": torch.empty(shape, dtype=torch.bfloat16, device=device).uniform_(-1, 1)
+            for index in range(layers)
+            for name, shape in layer.items()
+        }
+    )
 
 
 def best(reps: int, run: Callable[[], Any], sync: Callable[[], None]) -> float:
@@ -105,7 +84,7 @@ def main() -> None:
     params = [p for _, p in net.named_parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in params)
     host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=not args.dry_run) for p in params]
-    digests = vllm_digests()
+    digests = vllm_tensor_digests()
 
     def d2h() -> None:
         for target, p in zip(host, params, strict=True):

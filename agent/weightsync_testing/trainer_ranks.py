@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -29,3 +30,25 @@ def publish_all(
     for thread in threads:
         thread.join(timeout)
     return outcomes
+
+
+def publish_ok(
+    clients: Sequence[WeightSyncClient], full: Mapping[str, torch.Tensor], version: int, *, timeout: float = 180.0
+) -> list[object]:
+    """:func:`publish_all`, failing (with every rank's outcome) unless every rank's round succeeded."""
+    outcomes = publish_all(clients, full, version, timeout=timeout)
+    if not all(getattr(o, "ok", False) for o in outcomes):
+        raise AssertionError(f"round v{version} did not succeed: {[str(o) for o in outcomes]}")
+    return outcomes
+
+
+@contextlib.contextmanager
+def trainer_clients(make: Callable[[int], WeightSyncClient], ranks: int) -> Iterator[list[WeightSyncClient]]:
+    """``ranks`` trainer clients (``make(rank)``, e.g. ``LoopbackGroup.client``), closed on the way out."""
+    clients: list[WeightSyncClient] = []
+    try:
+        clients.extend(make(rank) for rank in range(ranks))
+        yield clients
+    finally:
+        for client in clients:
+            client.close()

@@ -20,14 +20,13 @@ What is not vLLM's: the model (bf16 CUDA parameters shaped like a small decoder 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
-from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from weightsync_testing.vllm_standalone import module_with, vllm_tensor_digests
 
 SHAPES = {
     "model.embed_tokens.weight": (1024, 256),
@@ -41,36 +40,11 @@ SHAPES = {
 
 
 def cuda_model(device: torch.device) -> torch.nn.Module:
-    """A module tree with vLLM's parameter names, each a bf16 tensor on ``device`` (allocated one by one, as a
-    model's parameters are)."""
-    root = torch.nn.Module()
+    """vLLM's parameter names, each a bf16 tensor on ``device`` (allocated one by one, as a model's parameters are)."""
     generator = torch.Generator(device="cpu").manual_seed(0)
-    for name, shape in SHAPES.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        data = torch.randn(shape, generator=generator).to(torch.bfloat16).to(device)
-        module.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
-    return root
-
-
-def vllm_digests() -> Callable[[torch.nn.Module], dict[str, str]]:
-    """vLLM's ``compute_tensor_digests`` (``/weight_checker``'s code), its file loaded by path: importing it as
-    ``vllm.model_executor.model_loader.weight_checksum`` runs the loader package's ``__init__``, which pulls vLLM's
-    whole serving stack (the GPU machine lacks it); the file itself needs only ``torch`` and vLLM's parameter
-    classes."""
-    import vllm
-
-    path = Path(vllm.__file__).parent / "model_executor" / "model_loader" / "weight_checksum.py"
-    spec = importlib.util.spec_from_file_location("vllm_weight_checksum", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    digests: Callable[[torch.nn.Module], dict[str, str]] = module.compute_tensor_digests
-    return digests
+    return module_with(
+        {name: torch.randn(shape, generator=generator).to(torch.bfloat16).to(device) for name, shape in SHAPES.items()}
+    )
 
 
 def answer(payload: object) -> None:
@@ -85,7 +59,7 @@ def main() -> None:
     device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", int(args.device))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    compute_tensor_digests = vllm_digests()
+    compute_tensor_digests = vllm_tensor_digests()
 
     import weightsync_vllm.engine
     from vllm.config.weight_transfer import WeightTransferConfig

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_vllm_rounds import assert_serves, spec
+from vllm_helpers import GatedVllmEngines
 
 from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
-from weightsync_testing.engine_harness import VllmEngines
-from weightsync_testing.http_gate import GatedEngines, publish_with_fault
+from weightsync_testing.http_gate import publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_all
@@ -43,10 +43,6 @@ WAIT = 60.0
 FRESH = {None, "default"}
 #: The commit's call held at the gate: vLLM is paused, the buffer verified, its reload not begun.
 HELD_ROUTE = "/start_weight_update"
-
-
-class GatedVllmEngines(GatedEngines, VllmEngines):
-    """vLLM engines reached through a :class:`Gate` each (the same gate across restarts)."""
 
 
 @pytest.fixture

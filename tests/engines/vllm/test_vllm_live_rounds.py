@@ -26,15 +26,14 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import KEY_PREFIX, complete
+from vllm_helpers import KEY_PREFIX, GatedVllmEngines, complete
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import RoundOutcome
-from weightsync_testing.engine_harness import VllmEngines
-from weightsync_testing.http_gate import GatedEngines, publish_with_fault
+from weightsync_testing.http_gate import publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
-from weightsync_testing.trainer_ranks import publish_all
+from weightsync_testing.trainer_ranks import publish_ok, trainer_clients
 from weightsync_testing.vllm_server import VllmProcess
 
 pytest.importorskip("safetensors.torch")
@@ -115,10 +114,6 @@ def assert_serves(server: VllmProcess, full: Mapping[str, torch.Tensor], version
     assert served == [e["output_ids"] for e in reference]
 
 
-class GatedVllmEngines(GatedEngines, VllmEngines):
-    """vLLM engines reached through a :class:`Gate` each (the same gate across restarts)."""
-
-
 @pytest.fixture(scope="module")
 def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
     harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp("vllm-live"),
@@ -159,19 +154,14 @@ def test_live_rounds_write_vllms_own_parameters_and_every_one_verifies(
     published = layout(group)
     assert published["placement"] == "parameters" and "refused" not in published
     assert not list((harness_of(group).work_dir / "engine-0-receive").glob("*.buf"))  # no receive buffer
-    clients = [group.client(rank) for rank in range(2)]
-    try:
+    with trainer_clients(group.client, 2) as clients:
         for version in (1, 2):
             full = trained_state(tiny_llama32, version)
-            outcomes = publish_all(clients, full, version)
-            assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+            publish_ok(clients, full, version)
             assert_serves(server, full, str(version), vllm_py, tiny_llama32, tmp_path / f"v{version}")
             status, rpc = server.request("POST", "/collective_rpc", {"method": "weightsync_checksums"}, timeout=120.0)
             assert status == 200 and len(rpc["results"]) == 1, rpc
             assert rpc["results"][0] == {KEY_PREFIX + name: value for name, value in checksums(server).items()}
-    finally:
-        for client in clients:
-            client.close()
     said = "".join(a.log_text() for a in [*group.agents.values(), *group.engine_agents.values()])
     assert "no weightsync worker extension" not in said  # verified through the extension, not the fallback
 
@@ -203,14 +193,12 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
     next round, untampered, lands."""
     harness = harness_of(group)
     server, gate = harness.servers[0], harness.gates[0]
-    clients = [group.client(rank) for rank in range(2)]
     stop = threading.Event()
     landed: list[int] = []
-    try:
+    with trainer_clients(group.client, 2) as clients:
         label = held(group)
         base = int(label) if label is not None and label.isdigit() else 0
-        outcomes = publish_all(clients, trained_state(tiny_llama32, 40), base + 1)
-        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        publish_ok(clients, trained_state(tiny_llama32, 40), base + 1)
         writer = ForeignWriter(layout(group))
         before = checksums(server)
         assert writer.write() < 0  # refused: not registered between rounds
@@ -225,9 +213,11 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
             threading.Thread(target=overwrite, daemon=True).start()
             time.sleep(0.2)  # some writes land before the held checksum call goes on
 
-        outcome, _ = publish_with_fault(clients, trained_state(tiny_llama32, 41), base + 2, gate=gate,
-                                        route="/collective_rpc", fault=fault, wait=WAIT)  # fmt: skip
-        stop.set()
+        try:
+            outcome, _ = publish_with_fault(clients, trained_state(tiny_llama32, 41), base + 2, gate=gate,
+                                            route="/collective_rpc", fault=fault, wait=WAIT)  # fmt: skip
+        finally:
+            stop.set()
         said = str(outcome)
         assert isinstance(outcome, RoundOutcome) and not outcome.ok and "model.norm.weight" in said, said
         assert outcome.round.attempts > 1, said  # written and verified again, failed again
@@ -236,17 +226,12 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
         assert server.request("GET", "/is_paused")[1] == {"is_paused": True}
 
         full = trained_state(tiny_llama32, 42)
-        outcomes = publish_all(clients, full, base + 3)
-        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        publish_ok(clients, full, base + 3)
         assert held(group) == str(base + 3)
         expected = {name: hashlib.sha256(data).hexdigest() for name, data in served_parameters(full).items()}
         assert checksums(server) == expected
         assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
         assert writer.write() < 0  # closed again after the commit
-    finally:
-        stop.set()
-        for client in clients:
-            client.close()
 
 
 def test_a_restarted_vllm_publishes_new_parameters_and_is_caught_up_into_them(
@@ -258,13 +243,8 @@ def test_a_restarted_vllm_publishes_new_parameters_and_is_caught_up_into_them(
     before = held(group)
     committed = str(int(before) + 1 if before is not None and before.isdigit() else 1)
     full = trained_state(tiny_llama32, 30)
-    clients = [group.client(rank) for rank in range(2)]
-    try:
-        outcomes = publish_all(clients, full, int(committed))
-        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-    finally:
-        for client in clients:
-            client.close()
+    with trainer_clients(group.client, 2) as clients:
+        publish_ok(clients, full, int(committed))
     session = layout(group)["session_id"]
     group.restart_engine(0)
     seen: set[str | None] = set()

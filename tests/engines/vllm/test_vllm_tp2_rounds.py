@@ -30,7 +30,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_testing.engine_harness import VllmEngines
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
-from weightsync_testing.trainer_ranks import publish_all
+from weightsync_testing.trainer_ranks import publish_ok, trainer_clients
 
 pytest.importorskip("safetensors.torch")
 
@@ -72,12 +72,10 @@ def test_rounds_into_a_tp2_vllm_land_on_both_ranks(
     published = sorted(p.name for p in (harness.work_dir / "engine-0-receive").glob("*.json"))
     assert published == ["dp0-pp0-tp0.json", "dp0-pp0-tp1.json"]  # one target per TP rank
     assert bool(list((harness.work_dir / "engine-0-receive").glob("*.buf"))) is not live  # a buffer only if staged
-    clients = [group.client(rank) for rank in range(2)]
-    try:
+    with trainer_clients(group.client, 2) as clients:
         for version in (1, 2):
             full = trained_state(tiny_llama32, version)
-            outcomes = publish_all(clients, full, version)
-            assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+            publish_ok(clients, full, version)
             assert ok(server, "GET", "/weight_info") == {"weight_version": str(version)}
             checksums = ok(server, "POST", "/weight_checker", {"action": "checksum"})["checksums"]
             for rank in (0, 1):
@@ -91,6 +89,3 @@ def test_rounds_into_a_tp2_vllm_land_on_both_ranks(
                                   NEW_TOKENS)  # fmt: skip
             served = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
             assert served == [e["output_ids"] for e in reference]
-    finally:
-        for client in clients:
-            client.close()

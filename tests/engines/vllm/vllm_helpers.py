@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from weightsync_testing.engine_harness import VllmEngines
+from weightsync_testing.http_gate import GatedEngines
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
 API_KEY = "weightsync-test-group-token"
@@ -18,6 +20,11 @@ API_KEY = "weightsync-test-group-token"
 KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
 # The tiny models' linear layers, fused as vLLM serves them (qkv_proj = q|k|v, gate_up_proj = gate|up).
 LINEAR = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+
+
+class GatedVllmEngines(GatedEngines, VllmEngines):
+    """vLLM engines reached through a :class:`~weightsync_testing.http_gate.Gate` each (the same gate across
+    restarts): the fault tests hold a route there."""
 
 
 def start(python: Path, model: Path, log_dir: Path) -> VllmProcess:
