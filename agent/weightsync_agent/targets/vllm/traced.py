@@ -44,7 +44,7 @@ DIGEST_METHOD = "weightsync_checksums"
 
 
 class VllmTracedAdapter(VllmAdapter):
-    """A vLLM engine whose rounds land in its live parameters, verified by ``/weight_checker``."""
+    """A vLLM engine whose rounds land in its live parameters, verified by vLLM's own per-parameter checksums."""
 
     def __init__(self, settings: AdapterSettings) -> None:
         super().__init__(settings)
