@@ -28,7 +28,8 @@ bytes land is the ``placement`` the caller asks for (docs/engines/vllm.md):
     ``{name: [data_ptr, numel, element_size]}`` with its session id in ``D/<tag>.json``. Sources write each
     rank's shard, cut by the engine's traced shard map, straight into them while vLLM is paused; nothing is
     copied or re-loaded.
-  * ``/start_weight_update`` registers the parameters (they take writes only from then on) and
+  * ``/start_weight_update`` registers the parameters (they take writes only from then on; refused when they are
+    not the published tensors any more, e.g. replaced by a reload) and
     ``/finish_weight_update`` unregisters them: outside a round Mooncake refuses any write, so what
     ``/weight_checker`` verified after the finish is what serves until the next round. ``/update_weights`` is
     refused (the writes are the update); ``/update_weight_version`` labels.
@@ -127,6 +128,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def start_weight_update(self) -> None:
         if self.live is not None:
+            moved = self.live.moved(self.model.named_parameters())
+            if moved:
+                raise BufferError(f"parameters {moved[:5]} are not where they were published (replaced since): ask "
+                                  "/init_weight_transfer_engine again; nothing was made writable")  # fmt: skip
             self._register(self.live.spans())  # writable from here until finish: the sources' writes are the update
             return
         self._buffer()

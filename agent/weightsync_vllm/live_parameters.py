@@ -53,6 +53,15 @@ class LiveParameters:
         """``{name: [data_ptr, numel, element_size]}``: stock SGLang's format, what the agent's assembly takes."""
         return {name: [t.data_ptr(), t.numel(), t.element_size()] for name, t in self.tensors.items()}
 
+    def moved(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """The parameters of ``named`` (the model's now) that are not the published tensors any more: another name
+        set, or another storage (a reload or an offload replaced them), so the published addresses are stale."""
+        now = {name: parameter.data for name, parameter in named}
+        if set(now) != set(self.tensors):
+            return sorted(set(now) ^ set(self.tensors))
+        return [name for name, tensor in self.tensors.items()
+                if now[name].data_ptr() != tensor.data_ptr() or now[name].shape != tensor.shape]  # fmt: skip
+
     def spans(self) -> list[Span]:
         """The parameters' memory as few runs as possible: adjacent or overlapping ranges merged (a caching
         allocator carves many parameters out of one block), so the transport registers tens of regions, not

@@ -73,3 +73,13 @@ def test_spans_cover_every_parameter_exactly_and_never_touch_each_other(places: 
     assert covered == wanted
     ends = [(s.address, s.address + s.nbytes) for s in spans]
     assert all(a_end < b_start for (_, a_end), (b_start, _) in itertools.pairwise(ends))
+
+
+def test_parameters_replaced_since_they_were_published_are_named() -> None:
+    qkv, norm = torch.zeros(8, 8), torch.zeros(8)
+    model = named(qkv=qkv, norm=norm)
+    live = live_parameters(model, quantization=None)
+    assert live.moved(model) == []
+    model[1][1].data = torch.zeros(8)  # a reload or an offload gave the parameter new storage
+    assert live.moved(model) == ["norm"]
+    assert live.moved(model[:1]) == ["norm"]  # a parameter gone
