@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_vllm_rounds import assert_serves, spec
-from vllm_helpers import GatedVllmEngines
+from vllm_helpers import GatedVllmEngines, gated_group, gated_harness
 
 from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
@@ -48,18 +48,11 @@ HELD_ROUTE = "/start_weight_update"
 @pytest.fixture
 def group(vllm_py: Path, tiny_llama32: Path, tmp_path: Path) -> Iterator[LoopbackGroup]:
     harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path / "vllm")
-    try:
-        with LoopbackGroup(spec(timeout=FAULT_TIMEOUT), group="vl-faults", engines=harness) as running:
-            running.start(timeout=300)
-            yield running
-    finally:
-        harness.close_gates()
+    with gated_group(harness, spec(timeout=FAULT_TIMEOUT), "vl-faults") as running:
+        yield running
 
 
-def harness_of(group: LoopbackGroup) -> GatedVllmEngines:
-    harness = group.harness
-    assert isinstance(harness, GatedVllmEngines)
-    return harness
+harness_of = gated_harness
 
 
 def held(group: LoopbackGroup) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import KEY_PREFIX, GatedVllmEngines, complete
+from vllm_helpers import KEY_PREFIX, GatedVllmEngines, complete, gated_group, gated_harness
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import RoundOutcome
@@ -118,18 +118,11 @@ def assert_serves(server: VllmProcess, full: Mapping[str, torch.Tensor], version
 def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
     harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp("vllm-live"),
                                plugin_paths=[HERE / "plain_linears_plugin"])  # fmt: skip
-    try:
-        with LoopbackGroup(live_spec(), group="vl-live", engines=harness) as running:
-            running.start(timeout=300)
-            yield running
-    finally:
-        harness.close_gates()
+    with gated_group(harness, live_spec(), "vl-live") as running:
+        yield running
 
 
-def harness_of(group: LoopbackGroup) -> GatedVllmEngines:
-    harness = group.harness
-    assert isinstance(harness, GatedVllmEngines)
-    return harness
+harness_of = gated_harness
 
 
 def layout(group: LoopbackGroup) -> dict[str, object]:

@@ -3,16 +3,19 @@ round over the RL routes and the checks of what the server then holds."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_testing.engine_harness import VllmEngines
 from weightsync_testing.http_gate import GatedEngines
+from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
 API_KEY = "weightsync-test-group-token"
@@ -25,6 +28,23 @@ LINEAR = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_p
 class GatedVllmEngines(GatedEngines, VllmEngines):
     """vLLM engines reached through a :class:`~weightsync_testing.http_gate.Gate` each (the same gate across
     restarts): the fault tests hold a route there."""
+
+
+@contextlib.contextmanager
+def gated_group(harness: GatedVllmEngines, spec: WeightSyncGroupSpec, name: str) -> Iterator[LoopbackGroup]:
+    """A started loopback group on ``harness``'s engines; its gates closed on the way out."""
+    try:
+        with LoopbackGroup(spec, group=name, engines=harness) as running:
+            running.start(timeout=300)
+            yield running
+    finally:
+        harness.close_gates()
+
+
+def gated_harness(group: LoopbackGroup) -> GatedVllmEngines:
+    harness = group.harness
+    assert isinstance(harness, GatedVllmEngines)
+    return harness
 
 
 def start(python: Path, model: Path, log_dir: Path) -> VllmProcess:
