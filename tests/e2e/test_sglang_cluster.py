@@ -127,5 +127,13 @@ def test_sglang_engine_pods_sync_through_their_agents(admin: Kube, sglang_group:
     held = answer["ranks"][0]["checksums"]
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"):
         assert held[name] == hashlib.sha256(full[name].numpy().tobytes()).digest()[:8].hex(), name
-    row = admin.kubectl("-n", NS, "get", "wsg", GROUP).stdout.splitlines()[1].split()
-    assert row[:3] == [GROUP, "Ready", "True"] and row[6] == "1"
+    # The operator folds the pod's new annotation into the phase on its next reconcile: Syncing until then.
+    row = wait_for(
+        "kubectl get wsg: Ready, version 1",
+        lambda: (
+            (r := admin.kubectl("-n", NS, "get", "wsg", GROUP).stdout.splitlines()[1].split())[:3]
+            == [GROUP, "Ready", "True"]
+            and r
+        ),
+    )
+    assert row[6] == "1", row

@@ -51,7 +51,7 @@ def assemble(
     tensors: list[TensorEntry] = []
     regions: list[Region] = []
     for name, entry in traced.items():
-        address, numel, element_size = (int(v) for v in weights_info[name])
+        address, numel, element_size = _published(weights_info[name], name, rank)
         dtype = str(entry["dtype"])
         shape = tuple(int(d) for d in entry["shape"])
         if math.prod(shape) != numel or ITEMSIZE.get(dtype) != element_size:
@@ -92,6 +92,18 @@ def assemble(
         )
     except ValidationError as exc:
         raise ManifestError(f"rank {rank}: {exc}") from exc
+
+
+def _published(entry: Any, name: str, rank: int) -> tuple[int, int, int]:
+    """An engine's ``[address, numel, element_size]`` for ``name``, checked to be three non-negative integers."""
+    if (
+        isinstance(entry, Sequence)
+        and not isinstance(entry, str)
+        and len(entry) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
+    ):
+        return int(entry[0]), int(entry[1]), int(entry[2])
+    raise ManifestError(f"rank {rank}: {name}'s published entry {str(entry)[:80]} is not [address, numel, size]")
 
 
 def _part(part: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@
 plugin for the ``parameters`` placement; the plugin registers the model's live parameters with Mooncake and
 publishes their addresses; the agent joins them with the trace of vLLM's ``load_weights``; two trainer ranks write
 each parameter's bytes (fused ``qkv_proj`` and ``gate_up_proj`` assembled from the HF tensors) straight into vLLM
-over Mooncake TCP while it is paused; vLLM's own ``/weight_checker`` verifies every parameter before the label moves
+over Mooncake TCP while it is paused; vLLM's own checksums verify every parameter before the label moves
 (docs/engines/vllm.md, "Live p2p rounds").
 
 vLLM's CPU build repacks linear weights into oneDNN handles (the plugin refuses the placement there: tested in
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import KEY_PREFIX, GatedVllmEngines, complete, gated_group, gated_harness
+from vllm_helpers import KEY_PREFIX, PLAIN_LINEARS_PLUGIN, GatedVllmEngines, complete, gated_group, gated_harness
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import RoundOutcome
@@ -38,7 +38,6 @@ from weightsync_testing.vllm_server import VllmProcess
 
 pytest.importorskip("safetensors.torch")
 
-HERE = Path(__file__).resolve().parent
 TEMPLATE = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
 NEW_TOKENS = 8
@@ -117,7 +116,7 @@ def assert_serves(server: VllmProcess, full: Mapping[str, torch.Tensor], version
 @pytest.fixture(scope="module")
 def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
     harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp("vllm-live"),
-                               plugin_paths=[HERE / "plain_linears_plugin"])  # fmt: skip
+                               plugin_paths=[PLAIN_LINEARS_PLUGIN])  # fmt: skip
     with gated_group(harness, live_spec(), "vl-live") as running:
         yield running
 

@@ -8,8 +8,8 @@ Each TP rank is its own target, published by its own worker's plugin (``dp0-pp0-
   ``load_weights`` cuts its shards. Both ranks' norms must hash as the trainer's bytes (the CPU build repacks the
   linear weights, which ``/weight_checker`` then cannot see);
 * live: its own parameters (the test-only plugin keeps the CPU build's linear weights plain, as on CUDA); the
-  sources write each rank only its own shards, cut by the trace of vLLM's ``load_weights``; vLLM's ``/weight_checker``
-  verifies them. EVERY parameter of both ranks must hash as the trainer's bytes cut and fused by hand here.
+  sources write each rank only its own shards, cut by the trace of vLLM's ``load_weights``; vLLM's own checksums
+  verify them. EVERY parameter of both ranks must hash as the trainer's bytes cut and fused by hand here.
 
 Checked after each of two versions: vLLM reports the version, the checksums above, and greedy generation, which
 runs through both ranks' shards, equals an HF ``transformers`` forward of the trainer's weights.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from test_vllm_live_rounds import served_parameters
 from test_vllm_rounds import NEW_TOKENS, PROMPTS, TEMPLATE
-from vllm_helpers import complete, ok
+from vllm_helpers import PLAIN_LINEARS_PLUGIN, complete, ok
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_testing.engine_harness import VllmEngines
@@ -33,9 +33,6 @@ from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weig
 from weightsync_testing.trainer_ranks import publish_ok, trainer_clients
 
 pytest.importorskip("safetensors.torch")
-
-
-HERE = Path(__file__).resolve().parent
 
 
 def spec(staging: str) -> WeightSyncGroupSpec:
@@ -53,7 +50,7 @@ def group(
     request: pytest.FixtureRequest, vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LoopbackGroup]:
     staging = request.param
-    plugins = [HERE / "plain_linears_plugin"] if staging == "live" else []
+    plugins = [PLAIN_LINEARS_PLUGIN] if staging == "live" else []
     harness = VllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp(f"vllm-tp2-{staging}"),
                           tensor_parallel=2, plugin_paths=plugins)  # fmt: skip
     with LoopbackGroup(spec(staging), group=f"vt-{staging}", engines=harness) as running:

@@ -19,6 +19,8 @@ from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
 API_KEY = "weightsync-test-group-token"
+#: The test-only plugin that keeps the CPU build's linear weights plain tensors (``plain_linears_plugin/``).
+PLAIN_LINEARS_PLUGIN = Path(__file__).resolve().parent / "plain_linears_plugin"
 #: How ``/weight_checker`` names TP rank 0's parameters (``dp{d}:pp{p}:pcp{c}:tp{t}:<name>``).
 KEY_PREFIX = "dp0:pp0:pcp0:tp0:"
 # The tiny models' linear layers, fused as vLLM serves them (qkv_proj = q|k|v, gate_up_proj = gate|up).

@@ -1,8 +1,8 @@
 """Stock vLLM in live p2p mode: the sources write each rank's shard straight into vLLM's live parameters.
 
 The server runs with weightsync's backend plugin as in staged mode (``--weight-transfer-config '{"backend":
-"weightsync"}'``); the engine pod's agent asks it for the ``parameters`` placement: the plugin registers the
-model's own parameters with Mooncake and publishes ``{name: [data_ptr, numel, element_size]}`` under its session
+"weightsync"}'``); the engine pod's agent asks it for the ``parameters`` placement: the plugin takes the model's
+own parameters as its target and publishes ``{name: [data_ptr, numel, element_size]}`` under its Mooncake session
 (refused, with the parameters and why, where they are not plain tensors: vLLM's CPU build, quantized models). The
 agent joins that with the trace of vLLM's ``load_weights`` (:mod:`.traced`), so each source knows which slice of
 which HF tensor goes to which address. No copy, no ``load_weights`` pass: the SGLang/Miles P2P design, in stock
@@ -14,8 +14,8 @@ vLLM. A round (docs/engines/vllm.md):
 | begin | the version must be newer than ``/weight_info``'s; ``/start_weight_update``: the plugin registers the |
 |       | parameters with its Mooncake engine (they take writes only from here on) |
 | write | one-sided Mooncake writes into the live parameters (the manifests' addresses) |
-| verify | ``/weight_checker {"action": "checksum"}``: vLLM's sha256 of every parameter against the sources' (a |
-|        | retry, after writing again, asks again) |
+| verify | vLLM's sha256 of every parameter against the sources' (the plugin's worker extension through |
+|        | ``/collective_rpc``, else ``/weight_checker``; a retry, after writing again, asks again) |
 | commit | ``/finish_weight_update`` without a version (the plugin unregisters them), then |
 |        | ``/update_weight_version``, only for the version verified here |
 | resume | ``/resume`` |
@@ -29,7 +29,7 @@ leaves vLLM paused until a round rewrites and verifies every parameter.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.layout.traced_manifest import assemble
@@ -51,25 +51,12 @@ class VllmLiveAdapter(VllmTracedAdapter):
 
     def begin(self, version: int, timeout: float, *, round_id: str) -> None:
         super().begin(version, timeout, round_id=round_id)
-        with self._round_lock:
-            if not self._open_update:
-                self._start_update(lambda _route: timeout)
-                self._open_update = True
+        self._open_once(timeout)  # the plugin registers the parameters: writable until the commit's finish
 
     def _assemble(self, rank: int) -> Manifest:
         layout = self._current_layout(rank)
         weights_info = layout.get("weights_info")
         if not isinstance(weights_info, dict) or not layout.get("session_id"):
             raise ManifestError(f"{self.name}: rank {rank}'s published parameters name no session or weights")
-        return assemble(self.settings.engine, rank, self._trace(rank), str(layout["session_id"]),
-                        _weights_info(weights_info, rank), checksum="tensor-sha256")  # fmt: skip
-
-
-def _weights_info(published: dict[str, Any], rank: int) -> dict[str, list[int]]:
-    """The plugin's ``{name: [data_ptr, numel, element_size]}``, checked to be that shape."""
-    checked: dict[str, list[int]] = {}
-    for name, entry in published.items():
-        if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) and v >= 0 for v in entry)):
-            raise ManifestError(f"rank {rank}: {name}'s published entry {str(entry)[:80]} is not [ptr, numel, size]")
-        checked[str(name)] = list(entry)
-    return checked
+        return assemble(self.settings.engine, rank, self._trace(rank), str(layout["session_id"]), weights_info,
+                        checksum="tensor-sha256")  # fmt: skip

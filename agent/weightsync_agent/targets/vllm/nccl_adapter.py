@@ -84,10 +84,7 @@ class VllmNcclAdapter(VllmTracedAdapter):
 
     def receive_broadcast(self, version: int, tensors: Sequence[FullTensor], group_name: str, timeout: float) -> None:
         update_info = update_info_payload(tensors)
-        with self._round_lock:
-            if not self._open_update:
-                self._start_update(lambda _route: timeout)
-                self._open_update = True
+        self._open_once(timeout)  # vLLM's layerwise reload begins with the first chunk
         self._post("/update_weights", {"update_info": update_info}, timeout)
 
     def leave_broadcast(self, group_name: str, timeout: float) -> None:

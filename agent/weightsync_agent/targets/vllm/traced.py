@@ -101,17 +101,23 @@ class VllmTracedAdapter(VllmAdapter):
         # Close an update left open (no label): the weights may be a mix, so the engine stays paused, reporting the
         # version it held, until a round lands.
         with self._round_lock:
-            if not self._open_update:
-                return
-            self._open_update = False
             try:
-                self._post("/finish_weight_update", {}, timeout)
+                self._close_update(timeout)
             except HttpCallError as exc:
                 # vLLM's worker drops an update whose receive failed ("finish_weight_update called without a
                 # matching start_weight_update"); one still open is finished by the next start.
+                self._open_update = False
                 log.info("%s: no update left to finish after the failed round (%s)", self.name, exc)
 
     # --- Pieces ------------------------------------------------------------------------------------
+
+    def _open_once(self, timeout: float) -> None:
+        """``/start_weight_update`` unless this adapter's update is open already (a start left open by a hung
+        round is finished first: ``VllmAdapter._start_update``)."""
+        with self._round_lock:
+            if not self._open_update:
+                self._start_update(lambda _route: timeout)
+                self._open_update = True
 
     def _close_update(self, timeout: float) -> None:
         """Finish this adapter's open update, without a label (called under the round lock)."""
