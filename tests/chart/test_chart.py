@@ -574,6 +574,9 @@ def test_agent_pod_policy_names_what_agents_write(render: Renderer) -> None:
     assert policy["spec"]["failurePolicy"] == "Fail"
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
     assert rule["operations"] == ["UPDATE"] and rule["resources"] == ["pods", "pods/status"]
+    # Only the groups' pods: never the cluster's other pod updates (tests/e2e/test_least_privilege.py).
+    selector = policy["spec"]["matchConstraints"]["objectSelector"]
+    assert selector == {"matchExpressions": [{"key": names.LABEL_GROUP, "operator": "Exists"}]}
     text = json.dumps(policy)
     # The names the agents use (weightsync.api.names), spelled the same in the policy's CEL.
     assert f"'{names.CONDITION_AGENT_READY}'" in text

@@ -170,6 +170,8 @@ def test_its_own_readiness_condition_and_weightsync_annotation_pass(admin: Kube,
 def test_its_own_labels_spec_status_and_foreign_annotations_are_refused(engine_agent: Kube) -> None:
     _refused(_patch(engine_agent, OWN, {"metadata": {"labels": {names.LABEL_ROLE: "trainer"}}}), "labels")
     _refused(_patch(engine_agent, OWN, {"metadata": {"labels": {"extra": "1"}}}), "labels")
+    # The policy matches pods by this label (old or new object): dropping it is checked like any label change.
+    _refused(_patch(engine_agent, OWN, {"metadata": {"labels": {names.LABEL_GROUP: None}}}), "labels")
     image = {"spec": {"containers": [{"name": "engine", "image": "attacker/engine:1"}]}}
     _refused(_patch(engine_agent, OWN, image), "may not change a pod spec")
     _refused(_patch(engine_agent, OWN, {"status": {"phase": "Failed"}}, status=True), "agent-ready condition")
@@ -209,3 +211,58 @@ def test_other_service_accounts_are_not_the_policys_business(
     other = Kube(path, admin.binaries)
     result = _patch(other, OTHER, {"metadata": {"annotations": {"example.com/built": "yes"}}})
     assert result.returncode == 0, result.stderr
+
+
+UNSYNCED_NS = "e2e-unsynced-params"
+
+
+def test_pods_of_no_group_are_not_matched_even_while_params_are_unsynced(admin: Kube, chart: str) -> None:
+    """Right after the CRD is installed (or an API server restart) the API server has not synced the
+    WeightSyncGroups the policy takes as params, and refuses every request the policy matches (failurePolicy Fail)
+    before any condition runs. The installed policy, copied with a param kind that never syncs and bound to one
+    namespace, holds that state for good: a pod of no group is updated as usual, a group's pod is refused."""
+    installed = wait_for(
+        "the installed policy", lambda: admin.json("get", "validatingadmissionpolicy", f"{chart}-agent-pod-writes")
+    )
+    name = "e2e-unsynced-agent-pod-writes"
+    spec = dict(installed["spec"], paramKind={"apiVersion": "weightsync.io/v1alpha1", "kind": "NeverSynced"})
+    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+              "metadata": {"name": name}, "spec": spec}  # fmt: skip
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"},
+            "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": UNSYNCED_NS}}},
+        },
+    }
+    admin.kubectl("create", "namespace", UNSYNCED_NS)
+    try:
+        for pod, labels in (("plain", {}), ("grouped", {names.LABEL_GROUP: "g"})):
+            body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
+                    "spec": {"containers": [{"name": "c", "image": "busybox:1"}]}}  # fmt: skip
+            admin.kubectl("-n", UNSYNCED_NS, "create", "-f", "-", input=json.dumps(body))
+        admin.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
+
+        def patch(pod: str, value: str) -> Any:
+            body = json.dumps({"metadata": {"annotations": {"example.com/touched": value}}})
+            return admin.kubectl("-n", UNSYNCED_NS, "patch", "pod", pod, "-p", body, check=False)
+
+        # The binding takes effect asynchronously: wait until the group's pod is refused (fail closed) ...
+        refused = wait_for(
+            "the copied policy to refuse the group's pod", lambda: (r := patch("grouped", "x")).returncode != 0 and r
+        )
+        assert name in refused.stderr, refused.stderr
+        # ... while a pod of no group is not the policy's business, params or not.
+        result = patch("plain", "yes")
+        assert result.returncode == 0, result.stderr
+        assert (
+            admin.json("-n", UNSYNCED_NS, "get", "pod", "plain")["metadata"]["annotations"]["example.com/touched"]
+            == "yes"
+        )
+    finally:
+        admin.kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", name, check=False)
+        admin.kubectl("delete", "namespace", UNSYNCED_NS, "--wait=false", check=False)
