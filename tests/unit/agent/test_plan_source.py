@@ -69,11 +69,16 @@ class FakeApi:
 
     def read_namespaced_config_map(self, name: str, namespace: str) -> Any:
         self.reads += 1
+        # An unchanged ConfigMap keeps its old resourceVersion: watching from it again would be gone again.
         return SimpleNamespace(data={names.PLAN_KEY: self.stored.to_json()},
-                               metadata=SimpleNamespace(resource_version=str(10 + self.reads)))  # fmt: skip
+                               metadata=SimpleNamespace(resource_version="5"))  # fmt: skip
 
     def list_namespaced_config_map(self, namespace: str, **kwargs: Any) -> Any:
-        assert kwargs["field_selector"] == "metadata.name=g-plan" and kwargs["watch"]
+        assert kwargs["field_selector"] == "metadata.name=g-plan"
+        if not kwargs.get("watch"):  # a list: the API server's current resourceVersion
+            self.reads += 1
+            item = SimpleNamespace(data={names.PLAN_KEY: self.stored.to_json()})
+            return SimpleNamespace(items=[item], metadata=SimpleNamespace(resource_version=str(10 + self.reads)))
         self.watch_versions.append(kwargs["resource_version"])
         step = self.watches.pop(0) if self.watches else Response([], hold=True)
         if isinstance(step, BaseException):
@@ -102,7 +107,8 @@ def test_a_gone_version_is_read_afresh_and_the_watch_goes_on_from_there() -> Non
         until(lambda: watch.delivered >= 3)  # read, read again after each 410, and the watched change
         assert watch().hash == SECOND.hash
         assert api.reads == 3
-        # Each watch from the version just read: never from one the server called gone.
+        # Each watch from the list's version just read (not the ConfigMap's own "5"): never from one the server
+        # called gone.
         assert api.watch_versions == ["11", "12", "13"]
         assert reconnected == [], "a 410 is not an outage"
     finally:
