@@ -66,34 +66,21 @@ def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
 
 
 def read_config_map_plan(api: Any, namespace: str, name: str) -> tuple[Plan, str]:
-    """The plan in ConfigMap ``name`` and the ConfigMap's resourceVersion (where a watch goes on from)."""
-    from kubernetes.client.exceptions import ApiException
+    """The plan in ConfigMap ``name`` and the **list's** resourceVersion, where a watch goes on from.
 
-    try:
-        cm = api.read_namespaced_config_map(name, namespace)
-    except ApiException as exc:
-        raise PlanError(f"cannot read ConfigMap {name}: {exc.status} {exc.reason}") from exc
-    except transport_errors() as exc:
-        raise PlanError(f"cannot read ConfigMap {name}: no answer from the API server ({exc})") from exc
-    return plan_of(cm.data, name), str(cm.metadata.resource_version)
-
-
-def list_config_map_plan(api: Any, namespace: str, name: str) -> tuple[Plan, str]:
-    """The plan in ConfigMap ``name`` and the **list's** resourceVersion, where a watch goes on from after a 410.
-
-    Not the ConfigMap's own: an unchanged ConfigMap keeps an old one, which after an API server restart lies before
-    its watch cache; a watch from it is gone again at once, and read-then-watch spun (every agent of a group, until
-    the plan changed)."""
+    Listed by name (the agents' Role allows it with the field selector), not read: an unchanged ConfigMap keeps its
+    own old resourceVersion, which after an API server restart lies before the watch cache; a watch from it is gone
+    again at once, and read-then-watch spun (every agent of a group, until the plan changed)."""
     from kubernetes.client.exceptions import ApiException
 
     try:
         found = api.list_namespaced_config_map(namespace, field_selector=f"metadata.name={name}")
     except ApiException as exc:
-        raise PlanError(f"cannot list ConfigMap {name}: {exc.status} {exc.reason}") from exc
+        raise PlanError(f"cannot read ConfigMap {name}: {exc.status} {exc.reason}") from exc
     except transport_errors() as exc:
-        raise PlanError(f"cannot list ConfigMap {name}: no answer from the API server ({exc})") from exc
+        raise PlanError(f"cannot read ConfigMap {name}: no answer from the API server ({exc})") from exc
     if not found.items:
-        raise PlanError(f"ConfigMap {name} does not exist")
+        raise PlanError(f"cannot read ConfigMap {name}: it does not exist")
     return plan_of(found.items[0].data, name), str(found.metadata.resource_version)
 
 
@@ -237,7 +224,7 @@ class ConfigMapPlanWatch:
 
     def _relist(self) -> None:
         self.requests += 1
-        plan, version = list_config_map_plan(self.api, self.namespace, self.name)
+        plan, version = read_config_map_plan(self.api, self.namespace, self.name)
         self._take(plan)
         self._version = version
 

@@ -67,17 +67,12 @@ class FakeApi:
         self.watch_versions: list[str | None] = []
         self.stored = FIRST
 
-    def read_namespaced_config_map(self, name: str, namespace: str) -> Any:
-        self.reads += 1
-        # An unchanged ConfigMap keeps its old resourceVersion: watching from it again would be gone again.
-        return SimpleNamespace(data={names.PLAN_KEY: self.stored.to_json()},
-                               metadata=SimpleNamespace(resource_version="5"))  # fmt: skip
-
     def list_namespaced_config_map(self, namespace: str, **kwargs: Any) -> Any:
         assert kwargs["field_selector"] == "metadata.name=g-plan"
-        if not kwargs.get("watch"):  # a list: the API server's current resourceVersion
+        if not kwargs.get("watch"):  # a list: the API server's current resourceVersion, newer than the item's own
             self.reads += 1
-            item = SimpleNamespace(data={names.PLAN_KEY: self.stored.to_json()})
+            item = SimpleNamespace(data={names.PLAN_KEY: self.stored.to_json()},
+                                   metadata=SimpleNamespace(resource_version="5"))  # fmt: skip
             return SimpleNamespace(items=[item], metadata=SimpleNamespace(resource_version=str(10 + self.reads)))
         self.watch_versions.append(kwargs["resource_version"])
         step = self.watches.pop(0) if self.watches else Response([], hold=True)
