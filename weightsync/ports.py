@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import socket
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 #: Ports this process handed out already. Nothing listens on a port between its pick and its server's start, so
 #: without this two picks in a row (a server's HTTP and bootstrap ports) can get the same port from the OS: SGLang
@@ -12,16 +17,39 @@ _handed_out: set[int] = set()
 _lock = threading.Lock()
 ATTEMPTS = 64
 
+#: A file shared by processes that pick ports side by side (the test suite's parallel workers and what they
+#: spawn): a port any of them handed out is never handed out again by another, which the per-process set above
+#: cannot see. Unset, picks are only unique within a process.
+ENV_LEDGER = "WEIGHTSYNC_PORTS_LEDGER"
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now on ``host`` (the OS picks it; it may be taken again later), and never
-    one this process handed out before."""
-    with _lock:
+    one this process (or, with ``$WEIGHTSYNC_PORTS_LEDGER``, any process sharing that ledger) handed out before."""
+    with _lock, _ledger(os.environ.get(ENV_LEDGER)) as shared:
         for _ in range(ATTEMPTS):
             with socket.socket() as sock:
                 sock.bind((host, 0))
                 port = int(sock.getsockname()[1])
-            if port not in _handed_out:
+            if port not in _handed_out and port not in shared:
                 _handed_out.add(port)
+                shared.add(port)
                 return port
     raise OSError(f"no free port on {host} in {ATTEMPTS} tries that this process had not handed out already")
+
+
+@contextlib.contextmanager
+def _ledger(path: str | None) -> Iterator[set[int]]:
+    """The ports recorded in the ledger at ``path``, held under an exclusive lock; ports added to the set are
+    appended when the block ends. No path: an empty set that goes nowhere."""
+    if not path:
+        yield set()
+        return
+    with Path(path).open("a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        before = {int(line) for line in file.read().split() if line.isdigit()}
+        ports = set(before)
+        yield ports
+        file.write("".join(f"{port}\n" for port in sorted(ports - before)))
+        file.flush()

@@ -1,8 +1,13 @@
-"""``free_port`` never hands out the same port twice in one process, even when the OS offers it again."""
+"""``free_port`` never hands out the same port twice in one process, even when the OS offers it again, nor one that
+another process sharing its ledger (``$WEIGHTSYNC_PORTS_LEDGER``: the suite's parallel workers) handed out."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +37,11 @@ class _Offered:
         return ("127.0.0.1", self.port)
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ports.ENV_LEDGER, raising=False)
+
+
 def test_a_port_offered_again_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "_handed_out", set())
     monkeypatch.setattr(ports.socket, "socket", _Offered([40001, 40001, 40001, 40002]))
@@ -50,3 +60,29 @@ def test_real_picks_are_distinct_and_bindable() -> None:
     assert len(set(picked)) == len(picked)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", picked[-1]))
+
+
+def test_a_port_another_process_recorded_in_the_ledger_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ports"
+    ledger.write_text("40001\n")
+    monkeypatch.setenv(ports.ENV_LEDGER, str(ledger))
+    monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.setattr(ports.socket, "socket", _Offered([40001, 40002, 40003]))
+    assert ports.free_port() == 40002
+    assert ledger.read_text().split() == ["40001", "40002"]
+
+
+def test_processes_sharing_a_ledger_never_pick_the_same_port(tmp_path: Path) -> None:
+    ledger = tmp_path / "ports"
+    pick = "from weightsync.ports import free_port; print(*(free_port() for _ in range(200)))"
+    env = {ports.ENV_LEDGER: str(ledger)}
+    runs = [
+        subprocess.Popen([sys.executable, "-c", pick], stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+        for _ in range(3)
+    ]
+    picked = [int(port) for run in runs for port in run.communicate(timeout=60)[0].split()]
+    assert len(picked) == 600
+    assert len(set(picked)) == 600
+    assert sorted(map(int, ledger.read_text().split())) == sorted(picked)
