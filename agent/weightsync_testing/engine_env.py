@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,18 +55,74 @@ class EngineEnvUnavailable(EngineEnvError):  # noqa: N818 (a kind of EngineEnvEr
 
 @dataclass(frozen=True)
 class EngineEnv:
-    """What differs between engines; the build itself is the same."""
+    """What differs between engines; the build itself is the same. By convention, the engine's name also names its
+    requirements file, stamp, interpreter variable and error classes."""
 
     name: str  # "sglang": the CLI prefix ("sglang-env") and progress lines
     dir_name: str  # the venv's directory under <cache>/engines/, with the engine's version
-    requirements: Path
-    stamp: str  # the stamp file's name inside the venv
     smoke: str  # python -c source run in the new venv; its last stdout line is recorded in the stamp
-    env_python: str  # the environment variable naming an already built interpreter (tests, hack/test.sh)
     what: str  # the progress line's summary of what is installed, with its rough cost
-    error: type[EngineEnvError]
-    unavailable: type[EngineEnvError]  # a subclass of ``error`` and of EngineEnvUnavailable
     builder_version: int = 1  # bump to rebuild every cached venv of this engine after a builder change
+    #: ``<Name>EnvError``: this engine's :class:`EngineEnvError`, so that a caller can tell one engine's failure
+    #: from another's. Bound in ``weightsync_testing.<name>_env`` under its name.
+    error: type[EngineEnvError] = field(init=False, repr=False, compare=False)
+    #: ``<Name>EnvUnavailable``: a subclass of :attr:`error` and of :class:`EngineEnvUnavailable`.
+    unavailable: type[EngineEnvUnavailable] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        title, module = self.name.capitalize(), f"weightsync_testing.{self.name}_env"
+        error = type(
+            f"{title}EnvError",
+            (EngineEnvError,),
+            {
+                "__doc__": f"Building the {self.name} venv failed; ``str()`` is the one-line message, ``log`` the log.",
+                "__module__": module,
+                "prefix": f"{self.name}-env",
+            },
+        )
+        unavailable = type(
+            f"{title}EnvUnavailable",
+            (error, EngineEnvUnavailable),
+            {"__doc__": EngineEnvUnavailable.__doc__, "__module__": module},
+        )
+        object.__setattr__(self, "error", error)
+        object.__setattr__(self, "unavailable", unavailable)
+
+    @property
+    def requirements(self) -> Path:
+        return REPO / "hack" / "engines" / f"{self.name}-requirements.txt"
+
+    @property
+    def stamp(self) -> str:
+        """The stamp file's name inside the venv."""
+        return f".weightsync-{self.name}-env.json"
+
+    @property
+    def env_python(self) -> str:
+        """The environment variable naming an already built interpreter (tests, hack/test.sh)."""
+        return f"WEIGHTSYNC_{self.name.upper()}_PYTHON"
+
+    def env_dir(self, cache: Path | None = None) -> Path:
+        return env_dir(self, cache)
+
+    def ensure(
+        self,
+        cache: Path | None = None,
+        *,
+        python: str | None = None,
+        requirements: Path | None = None,
+        quiet: bool = False,
+    ) -> Path:
+        """:func:`ensure_env` of this engine."""
+        return ensure_env(self, cache, python=python, requirements=requirements, quiet=quiet)
+
+    def python(self, cache: Path | None = None) -> Path:
+        """:func:`engine_python` of this engine."""
+        return engine_python(self, cache)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """:func:`cli` of this engine."""
+        return cli(self, argv)
 
 
 def cache_root() -> Path:

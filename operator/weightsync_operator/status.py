@@ -286,152 +286,85 @@ def plan_status(plan: Plan, group: str) -> dict[str, Any]:
     }
 
 
+#: ``(type, status, reason, message)``: one condition as :func:`set_conditions` takes it.
+ConditionUpdate = tuple[str, ConditionStatus, str, str]
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The pods the group should have, and which of them are there and ready."""
+
+    trainers: tuple[str, ...]
+    engines: tuple[str, ...]
+    trainers_desired: int
+    engines_desired: int
+    ready_trainers: int
+    ready_engines: int
+    #: The expected pods that exist, trainers first.
+    present: tuple[Mapping[str, Any], ...]
+    #: The expected pods that are missing or not ready, trainers first.
+    not_ready: tuple[str, ...]
+    #: The spec is usable and every pod it asks for is ready.
+    all_ready: bool
+
+    @property
+    def counts(self) -> str:
+        return (
+            f"{self.ready_trainers}/{self.trainers_desired} trainer pods and "
+            f"{self.ready_engines}/{self.engines_desired} engine pods ready"
+        )
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The weight versions the pods report."""
+
+    #: Per engine, what its first pod reports (``None``: initial weights, or the pod is not there).
+    engines: dict[int, int | None]
+    #: ``status.weightVersion``: see :func:`lowest_version`.
+    weight_version: int | None
+    #: The newest version any trainer pod published.
+    newest_published: int | None
+    #: What the coordinator (trainer pod 0) reports committed.
+    committed: int | None
+    #: The engines (whose first pod is there) that hold less than ``committed``, with what they hold.
+    behind: dict[int, int | None]
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """The coordinator's rounds as the status reports them."""
+
+    #: ``status.lastSync``: the coordinator's last round, else the previous status's (while it fits the schema).
+    last_sync: dict[str, Any] | None
+    last_round: SyncStatus | None
+    #: ``status.recentSyncs``.
+    recent: list[dict[str, Any]]
+    warnings: tuple[tuple[str, str], ...]
+
+
 def fold_status(obs: Observation) -> Folded:
     previous: Mapping[str, Any] = obs.previous or {}
-    warnings: list[tuple[str, str]] = []
     by_name = {pod_name(p): p for p in obs.pods if pod_name(p)}
-
-    # --- who should exist, who is ready ----------------------------------------------------------
-    if obs.spec is not None:
-        trainer_names, engine_names = expected_pods(obs.spec, obs.name)
-    else:  # an unusable spec: report what is there, keep the last known desired counts
-        trainer_names = sorted(n for n, p in by_name.items() if _role(p) == "trainer")
-        engine_names = sorted(n for n, p in by_name.items() if _role(p) == "engine")
-    trainers_desired = len(trainer_names) if obs.spec else _previous_count(previous, "trainers")
-    engines_desired = len(engine_names) if obs.spec else _previous_count(previous, "engines")
-    ready_trainers = [n for n in trainer_names if n in by_name and is_pod_ready(by_name[n])]
-    ready_engines = [n for n in engine_names if n in by_name and is_pod_ready(by_name[n])]
-    expected = [*trainer_names, *engine_names]
-    present = [by_name[n] for n in expected if n in by_name]
-    not_ready = [n for n in expected if n not in by_name or not is_pod_ready(by_name[n])]
-    all_ready = obs.spec is not None and not not_ready
-
-    failures = tuple(f for f in (pod_failure(p) for p in present) if f is not None)
-
-    # --- versions --------------------------------------------------------------------------------
-    heads = _engine_heads(obs, engine_names, by_name)
-    engine_versions = {e: parse_version(by_name[n]) if n in by_name else None for e, n in heads.items()}
-    weight_version: int | None = None
-    if engine_versions and all(v is not None for v in engine_versions.values()):
-        weight_version = min(v for v in engine_versions.values() if v is not None)
-    published = [v for v in (parse_version(by_name[n]) for n in trainer_names if n in by_name) if v is not None]
-    coordinator_pod = by_name.get(names.trainer_pod(obs.name, 0))
-    committed = parse_version(coordinator_pod) if coordinator_pod is not None else None
-    behind = (
-        {}
-        if committed is None
-        else {e: v for e, v in engine_versions.items() if heads[e] in by_name and (v is None or v < committed)}
+    roster = pod_roster(obs, by_name, previous)
+    failures = tuple(f for f in (pod_failure(p) for p in roster.present) if f is not None)
+    versions = fold_versions(obs, roster, by_name)
+    rounds = fold_rounds(obs, previous, by_name)
+    paused = paused_round(rounds.last_round)
+    phase = fold_phase(
+        obs.problem,
+        failures,
+        all_ready=roster.all_ready,
+        paused=paused is not None,
+        syncing=roster.all_ready and is_syncing(versions, rounds.last_round),
+        scheduled=any(is_scheduled(p) for p in roster.present),
     )
-
-    last_sync: dict[str, Any] | None = previous.get("lastSync") if isinstance(previous.get("lastSync"), dict) else None
-    last_round: SyncStatus | None = None
-    coordinator = by_name.get(names.trainer_pod(obs.name, 0))
-    if coordinator is not None:
-        text = (_meta(coordinator).get("annotations") or {}).get(names.ANNOTATION_LAST_ROUND)
-        if text:
-            try:
-                last_round = parse_last_round(str(text))
-            except ValueError as exc:
-                warnings.append(
-                    (
-                        "BadLastRound",
-                        _clip(
-                            f"ignored annotation {names.ANNOTATION_LAST_ROUND} on pod {pod_name(coordinator)}: {exc}"
-                        ),
-                    )
-                )
-            else:
-                last_sync = last_round.model_dump(mode="json", by_alias=True, exclude_none=True)
-    recent, new_round = recent_syncs(previous.get("recentSyncs"), last_round)
-    if new_round is not None:
-        warnings.extend(round_warnings(new_round, obs.spec))
-    if last_round is None and last_sync is not None:
-        try:
-            last_round = SyncStatus.model_validate(last_sync)
-        except ValidationError:
-            last_sync, last_round = None, None
-
-    newest = max(published) if published else None
-    syncing = (
-        all_ready
-        and newest is not None
-        and (weight_version is None or newest > weight_version)
-        and not (last_round is not None and last_round.version >= newest and last_round.result != "Succeeded")
-    ) or (all_ready and bool(behind))
-    paused = last_round is not None and last_round.result != "Succeeded" and bool(last_round.engines_paused)
-
-    # --- phase and conditions ----------------------------------------------------------------------
-    problem = obs.problem
-    scheduled = any(is_scheduled(p) for p in present)
-    phase: Phase
-    if problem is not None and problem.fatal:
-        phase = "Failed"
-    elif problem is not None or failures or (all_ready and paused):
-        phase = "Degraded"
-    elif all_ready:
-        phase = "Syncing" if syncing else "Ready"
-    elif scheduled:
-        phase = "Provisioning"
-    else:
-        phase = "Pending"
-
-    counts = (
-        f"{len(ready_trainers)}/{trainers_desired} trainer pods and "
-        f"{len(ready_engines)}/{engines_desired} engine pods ready"
-    )
-    updates: list[tuple[str, ConditionStatus, str, str]] = []
-    if problem is not None and problem.fatal:
-        updates.append((READY, "False", problem.reason, problem.message))
-        updates.append((PROGRESSING, "False", problem.reason, "waiting for the spec to be fixed"))
-    elif all_ready:
-        if paused and last_round is not None:
-            message = (
-                f"round of version {last_round.version} {last_round.result.lower()} and left the engines paused "
-                f"(they serve again after the next successful round): {last_round.reason or 'no reason given'}"
-            )
-            updates.append((READY, "False", "EnginesPaused", message))
-        elif behind:
-            held = ", ".join(f"engine {e} holds {'its initial weights' if v is None else v}" for e, v in behind.items())
-            message = (
-                f"engines {sorted(behind)} do not hold committed version {committed} ({held}); a catch-up or the "
-                "next round brings them up"
-            )
-            updates.append((READY, "False", "EnginesBehind", message))
-        else:
-            updates.append((READY, "True", "AllPodsReady", counts))
-        if obs.outdated:
-            updates.append(
-                (
-                    PROGRESSING,
-                    "True",
-                    "PodsOutdated",
-                    f"{len(obs.outdated)} pods run an older pod spec; delete them to apply the current one: "
-                    + _names(list(obs.outdated)),
-                )
-            )
-        else:
-            updates.append((PROGRESSING, "False", "Stable", counts))
-    else:
-        updates.append((READY, "False", "PodsNotReady", counts))
-        updates.append((PROGRESSING, "True", "PodsStarting", _waiting_message(not_ready, by_name, counts)))
-
-    if problem is not None:
-        updates.append((DEGRADED, "True", problem.reason, problem.message))
-    elif failures:
-        more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
-        updates.append((DEGRADED, "True", "PodFailures", "; ".join(f.message for f in failures[:3]) + more))
-    elif all_ready and paused and last_round is not None:
-        updates.append((DEGRADED, "True", "EnginesPaused", f"engines paused since round {last_round.version}"))
-    else:
-        updates.append((DEGRADED, "False", "AsExpected", ""))
-
-    if obs.plan is not None:
-        updates.append((PLAN_READY, "True", "PlanPublished", _plan_message(obs.plan)))
-    elif problem is not None and problem.fatal:
-        updates.append((PLAN_READY, "False", problem.reason, problem.message))
-    else:
-        updates.append((PLAN_READY, "Unknown", "NotPlanned", "no plan computed yet"))
-
+    updates = [
+        ready_condition(obs.problem, roster, versions, paused),
+        progressing_condition(obs.problem, roster, obs.outdated, by_name),
+        degraded_condition(obs.problem, failures, paused if roster.all_ready else None),
+        plan_ready_condition(obs.plan, obs.problem),
+    ]
     conditions = set_conditions(previous.get("conditions") or [], updates, now=obs.now, generation=obs.generation)
 
     # What the previous status held is kept only if it still fits the schema (an older operator, or
@@ -442,19 +375,209 @@ def fold_status(obs: Observation) -> Folded:
             "observedGeneration": obs.generation,
             "phase": phase,
             "conditions": conditions,
-            "trainers": {"desired": trainers_desired, "ready": len(ready_trainers)},
-            "engines": {"desired": engines_desired, "ready": len(ready_engines)},
+            "trainers": {"desired": roster.trainers_desired, "ready": roster.ready_trainers},
+            "engines": {"desired": roster.engines_desired, "ready": roster.ready_engines},
             "plan": plan,
-            "weightVersion": weight_version,
-            "lastSync": last_sync,
-            "recentSyncs": recent,
+            "weightVersion": versions.weight_version,
+            "lastSync": rounds.last_sync,
+            "recentSyncs": rounds.recent,
         }
     )
-    return Folded(
-        status=status.model_dump(mode="json", by_alias=True),
-        failures=failures,
-        warnings=tuple(warnings),
+    return Folded(status=status.model_dump(mode="json", by_alias=True), failures=failures, warnings=rounds.warnings)
+
+
+# --- The fold's steps ----------------------------------------------------------------------------
+
+
+def pod_roster(obs: Observation, by_name: Mapping[str, Mapping[str, Any]], previous: Mapping[str, Any]) -> Roster:
+    if obs.spec is not None:
+        trainers, engines = expected_pods(obs.spec, obs.name)
+        trainers_desired, engines_desired = len(trainers), len(engines)
+    else:  # an unusable spec: report what is there, keep the last known desired counts
+        trainers = sorted(n for n, p in by_name.items() if _role(p) == "trainer")
+        engines = sorted(n for n, p in by_name.items() if _role(p) == "engine")
+        trainers_desired = _previous_count(previous, "trainers")
+        engines_desired = _previous_count(previous, "engines")
+    expected = [*trainers, *engines]
+    not_ready = tuple(n for n in expected if n not in by_name or not is_pod_ready(by_name[n]))
+    return Roster(
+        trainers=tuple(trainers),
+        engines=tuple(engines),
+        trainers_desired=trainers_desired,
+        engines_desired=engines_desired,
+        ready_trainers=sum(1 for n in trainers if n in by_name and is_pod_ready(by_name[n])),
+        ready_engines=sum(1 for n in engines if n in by_name and is_pod_ready(by_name[n])),
+        present=tuple(by_name[n] for n in expected if n in by_name),
+        not_ready=not_ready,
+        all_ready=obs.spec is not None and not not_ready,
     )
+
+
+def fold_versions(obs: Observation, roster: Roster, by_name: Mapping[str, Mapping[str, Any]]) -> Versions:
+    heads = _engine_heads(obs, roster.engines, by_name)
+    engines = {e: parse_version(by_name[n]) if n in by_name else None for e, n in heads.items()}
+    published = [v for v in (parse_version(by_name[n]) for n in roster.trainers if n in by_name) if v is not None]
+    coordinator = by_name.get(names.trainer_pod(obs.name, 0))
+    committed = parse_version(coordinator) if coordinator is not None else None
+    reporting = {e: v for e, v in engines.items() if heads[e] in by_name}
+    return Versions(
+        engines=engines,
+        weight_version=lowest_version(engines),
+        newest_published=max(published) if published else None,
+        committed=committed,
+        behind=engines_behind(reporting, committed),
+    )
+
+
+def lowest_version(engines: Mapping[int, int | None]) -> int | None:
+    """``status.weightVersion``: the lowest version over engines; none while any engine reports none (it serves its
+    initial weights), nor without engines."""
+    if engines and all(v is not None for v in engines.values()):
+        return min(v for v in engines.values() if v is not None)
+    return None
+
+
+def engines_behind(engines: Mapping[int, int | None], committed: int | None) -> dict[int, int | None]:
+    """The engines holding less than ``committed`` (``None``, initial weights, is less than any); none while nothing
+    is committed."""
+    if committed is None:
+        return {}
+    return {e: v for e, v in engines.items() if v is None or v < committed}
+
+
+def fold_rounds(obs: Observation, previous: Mapping[str, Any], by_name: Mapping[str, Mapping[str, Any]]) -> Rounds:
+    last_round, warnings = coordinator_round(by_name.get(names.trainer_pod(obs.name, 0)))
+    recent, new_round = recent_syncs(previous.get("recentSyncs"), last_round)
+    if new_round is not None:
+        warnings.extend(round_warnings(new_round, obs.spec))
+    if last_round is not None:
+        last_sync = last_round.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return Rounds(last_sync=last_sync, last_round=last_round, recent=recent, warnings=tuple(warnings))
+    # No round on the coordinator's pod (none yet, or the pod was replaced): the previous status's, while it fits
+    # the schema, so a new coordinator pod does not make the status forget the last round (engines left paused).
+    kept = previous.get("lastSync")
+    if isinstance(kept, dict):
+        try:
+            last_round = SyncStatus.model_validate(kept)
+            return Rounds(last_sync=kept, last_round=last_round, recent=recent, warnings=tuple(warnings))
+        except ValidationError:
+            pass
+    return Rounds(last_sync=None, last_round=None, recent=recent, warnings=tuple(warnings))
+
+
+def coordinator_round(coordinator: Mapping[str, Any] | None) -> tuple[SyncStatus | None, list[tuple[str, str]]]:
+    """The round in the coordinator's last-round annotation, if any; one that does not parse is ignored, with a
+    ``BadLastRound`` warning."""
+    if coordinator is None:
+        return None, []
+    text = (_meta(coordinator).get("annotations") or {}).get(names.ANNOTATION_LAST_ROUND)
+    if not text:
+        return None, []
+    try:
+        return parse_last_round(str(text)), []
+    except ValueError as exc:
+        where = f"annotation {names.ANNOTATION_LAST_ROUND} on pod {pod_name(coordinator)}"
+        return None, [("BadLastRound", _clip(f"ignored {where}: {exc}"))]
+
+
+def paused_round(last_round: SyncStatus | None) -> SyncStatus | None:
+    """The last round, if it did not succeed and left the engines paused (they serve again after a successful one)."""
+    if last_round is not None and last_round.result != "Succeeded" and last_round.engines_paused:
+        return last_round
+    return None
+
+
+def is_syncing(versions: Versions, last_round: SyncStatus | None) -> bool:
+    """Whether a round is due (the group's pods all being ready): an engine is behind the committed version, or a
+    trainer published a version newer than the engines hold, unless the last round already tried that version (or a
+    newer one) and did not succeed (nothing is on its way until the trainers publish again)."""
+    if versions.behind:
+        return True
+    newest = versions.newest_published
+    if newest is None or (versions.weight_version is not None and newest <= versions.weight_version):
+        return False
+    return not (last_round is not None and last_round.version >= newest and last_round.result != "Succeeded")
+
+
+def fold_phase(
+    problem: Problem | None,
+    failures: Sequence[PodFailure],
+    *,
+    all_ready: bool,
+    paused: bool,
+    syncing: bool,
+    scheduled: bool,
+) -> Phase:
+    """The phase, first match wins (see the module's docstring)."""
+    if problem is not None and problem.fatal:
+        return "Failed"
+    if problem is not None or failures or (all_ready and paused):
+        return "Degraded"
+    if all_ready:
+        return "Syncing" if syncing else "Ready"
+    return "Provisioning" if scheduled else "Pending"
+
+
+def ready_condition(
+    problem: Problem | None, roster: Roster, versions: Versions, paused: SyncStatus | None
+) -> ConditionUpdate:
+    if problem is not None and problem.fatal:
+        return (READY, "False", problem.reason, problem.message)
+    if not roster.all_ready:
+        return (READY, "False", "PodsNotReady", roster.counts)
+    if paused is not None:
+        message = (
+            f"round of version {paused.version} {paused.result.lower()} and left the engines paused "
+            f"(they serve again after the next successful round): {paused.reason or 'no reason given'}"
+        )
+        return (READY, "False", "EnginesPaused", message)
+    if versions.behind:
+        behind = versions.behind
+        held = ", ".join(f"engine {e} holds {'its initial weights' if v is None else v}" for e, v in behind.items())
+        message = (
+            f"engines {sorted(behind)} do not hold committed version {versions.committed} ({held}); a catch-up or the "
+            "next round brings them up"
+        )
+        return (READY, "False", "EnginesBehind", message)
+    return (READY, "True", "AllPodsReady", roster.counts)
+
+
+def progressing_condition(
+    problem: Problem | None,
+    roster: Roster,
+    outdated: Sequence[str],
+    by_name: Mapping[str, Mapping[str, Any]],
+) -> ConditionUpdate:
+    if problem is not None and problem.fatal:
+        return (PROGRESSING, "False", problem.reason, "waiting for the spec to be fixed")
+    if not roster.all_ready:
+        return (PROGRESSING, "True", "PodsStarting", _waiting_message(roster.not_ready, by_name, roster.counts))
+    if outdated:
+        message = f"{len(outdated)} pods run an older pod spec; delete them to apply the current one: "
+        return (PROGRESSING, "True", "PodsOutdated", message + _names(list(outdated)))
+    return (PROGRESSING, "False", "Stable", roster.counts)
+
+
+def degraded_condition(
+    problem: Problem | None, failures: Sequence[PodFailure], paused: SyncStatus | None
+) -> ConditionUpdate:
+    """``paused``: the round that left the engines paused, once every pod is ready (before, the pods are the news)."""
+    if problem is not None:
+        return (DEGRADED, "True", problem.reason, problem.message)
+    if failures:
+        more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
+        return (DEGRADED, "True", "PodFailures", "; ".join(f.message for f in failures[:3]) + more)
+    if paused is not None:
+        return (DEGRADED, "True", "EnginesPaused", f"engines paused since round {paused.version}")
+    return (DEGRADED, "False", "AsExpected", "")
+
+
+def plan_ready_condition(plan: Plan | None, problem: Problem | None) -> ConditionUpdate:
+    if plan is not None:
+        return (PLAN_READY, "True", "PlanPublished", _plan_message(plan))
+    if problem is not None and problem.fatal:
+        return (PLAN_READY, "False", problem.reason, problem.message)
+    return (PLAN_READY, "Unknown", "NotPlanned", "no plan computed yet")
 
 
 def recent_syncs(previous: Any, latest: SyncStatus | None) -> tuple[list[dict[str, Any]], SyncStatus | None]:

@@ -17,7 +17,7 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -62,13 +62,61 @@ def work_threads(ranks: int) -> int:
 
 
 def build_app(runtime: AgentRuntime) -> web.Application:
-    token = runtime.token
+    app = bounded_app([_auth(runtime), error_middleware])
+    waiters = Waiters(MAX_WAITERS)
+    _add_work_threads(app, runtime, waiters)
+    app.add_routes(_probe_routes())
+    app.add_routes(_trainer_routes(runtime))
+    app.add_routes(_round_routes(runtime, waiters))
+    app.add_routes(_source_routes(runtime))
+    app.add_routes(_engine_routes(runtime))
+    return app
+
+
+def _auth(runtime: AgentRuntime) -> Any:
+    """The group's credential on every route but :data:`OPEN_ROUTES`; :data:`TRAINER_ROUTES` also take the
+    pod-local trainer token."""
+    trainer_token = runtime.trainer_token
+    return auth_middleware(
+        runtime.token, open_routes=OPEN_ROUTES, extra={route: (lambda: trainer_token) for route in TRAINER_ROUTES}
+    )
+
+
+def _add_work_threads(app: web.Application, runtime: AgentRuntime, waiters: Waiters) -> None:
+    """:data:`WORK` for the app's lifetime; a finished round wakes the long polls of ``waiters``."""
+
+    async def start_work(app: web.Application) -> None:
+        app[WORK] = ThreadPoolExecutor(work_threads(len(runtime.config.ranks)), thread_name_prefix="agent-work")
+        if runtime.coordinator is not None:
+            runtime.coordinator.on_finish.append(waiters.pulse_threadsafe)
+
+    async def stop_work(app: web.Application) -> None:
+        app[WORK].shutdown(wait=False, cancel_futures=True)
+
+    app.on_startup.append(start_work)
+    app.on_cleanup.append(stop_work)
+
+
+async def _blocking(request: web.Request, work: Callable[..., T], *args: object) -> T:
+    """``work(*args)`` on the agent's own threads (:data:`WORK`)."""
+    call = functools.partial(work, *args)
+    return await asyncio.get_running_loop().run_in_executor(request.app[WORK], call)
+
+
+def _probe_routes() -> list[web.RouteDef]:
+    """:data:`OPEN_ROUTES`: liveness and Prometheus."""
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return [web.get("/healthz", healthz), web.get("/metrics", metrics)]
+
+
+def _trainer_routes(runtime: AgentRuntime) -> list[web.RouteDef]:
+    """:data:`TRAINER_ROUTES`: the agent's state, and a trainer rank's publish (which runs rank 0's round)."""
 
     async def state(request: web.Request) -> web.Response:
         engine = request.query.get("engine", "")
@@ -78,26 +126,17 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             runtime.coordinator.heard(int(engine), held or None)
         return web.json_response(runtime.state())
 
-    async def blocking(request: web.Request, work: Callable[..., T], *args: object) -> T:
-        """``work(*args)`` on the agent's own threads (:data:`WORK`)."""
-        call = functools.partial(work, *args)
-        return await asyncio.get_running_loop().run_in_executor(request.app[WORK], call)
-
     async def publish(request: web.Request) -> web.Response:
         asked = parse_body(PublishRequest, await json_object(request))
         timeout = runtime.round_timeout if asked.timeout_seconds is None else asked.timeout_seconds
-        result = await blocking(request, runtime.publish, asked.rank, asked.version, timeout)
+        result = await _blocking(request, runtime.publish, asked.rank, asked.version, timeout)
         return web.json_response(round_result_to_json(result))
 
-    waiters = Waiters(MAX_WAITERS)
+    return [web.get("/v1/state", state), web.post("/v1/publish", publish)]
 
-    async def start_work(app: web.Application) -> None:
-        app[WORK] = ThreadPoolExecutor(work_threads(len(runtime.config.ranks)), thread_name_prefix="agent-work")
-        if runtime.coordinator is not None:
-            runtime.coordinator.on_finish.append(waiters.pulse_threadsafe)
 
-    async def stop_work(app: web.Application) -> None:
-        app[WORK].shutdown(wait=False, cancel_futures=True)
+def _round_routes(runtime: AgentRuntime, waiters: Waiters) -> list[web.RouteDef]:
+    """The coordinator's answer about a round: a long poll, capped by ``waiters``."""
 
     async def round_result(request: web.Request) -> web.Response:
         asked = parse_body(RoundQuery, {**request.query, "version": request.match_info["version"]})
@@ -110,16 +149,22 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             return error_response(429, str(exc))
         return web.json_response({"pending": True} if result is None else round_result_to_json(result))
 
+    return [web.get("/v1/rounds/{version}", round_result)]
+
+
+def _source_routes(runtime: AgentRuntime) -> list[web.RouteDef]:
+    """A coordinator's calls to this agent's sources: prepare, publish, and the committed version."""
+
     async def source_prepare(request: web.Request) -> web.Response:
         rank, version, timeout, scope = await source_call(request)
         sources = runtime.sources_or_fail()
-        report = await blocking(request, sources.prepare, rank, version, time.monotonic() + timeout, scope)
+        report = await _blocking(request, sources.prepare, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))
 
     async def source_publish(request: web.Request) -> web.Response:
         rank, version, timeout, scope = await source_call(request)
         sources = runtime.sources_or_fail()
-        report = await blocking(request, sources.publish, rank, version, time.monotonic() + timeout, scope)
+        report = await _blocking(request, sources.publish, rank, version, time.monotonic() + timeout, scope)
         return web.json_response(source_report_to_json(report))
 
     async def source_call(request: web.Request) -> tuple[int, int, float, RoundScope]:
@@ -143,13 +188,23 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         runtime.sources_or_fail().committed(rank, asked.version)
         return web.json_response({"ok": True})
 
+    return [
+        web.post(r"/v1/sources/{rank:\d+}/prepare", source_prepare),
+        web.post(r"/v1/sources/{rank:\d+}/publish", source_publish),
+        web.post(r"/v1/sources/{rank:\d+}/committed", source_committed),
+    ]
+
+
+def _engine_routes(runtime: AgentRuntime) -> list[web.RouteDef]:
+    """On an engine pod's agent: the engine's manifest and a round's verification, for the coordinator."""
+
     async def engine_manifest(request: web.Request) -> web.Response:
         rank = parse_body(RankQuery, {"rank": request.query.get("rank")}).rank
         engine = runtime.engine
         if engine is None:
             raise LookupError("this agent runs no engine")
         try:
-            manifest = await blocking(request, engine.manifest, rank)
+            manifest = await _blocking(request, engine.manifest, rank)
         except HttpCallError as exc:
             return error_response(503, f"the engine did not answer: {exc}")
         except ManifestError as exc:
@@ -162,8 +217,8 @@ def build_app(runtime: AgentRuntime) -> web.Application:
         if engine is None:
             raise LookupError("this agent runs no engine")
         try:
-            verdict = await blocking(request, engine.verify, asked.rank, asked.version, asked.checksums,
-                                     runtime.round_timeout, asked.round_id)  # fmt: skip
+            verdict = await _blocking(request, engine.verify, asked.rank, asked.version, asked.checksums,
+                                      runtime.round_timeout, asked.round_id)  # fmt: skip
         except ManifestError as exc:
             return error_response(409, str(exc))
         except HttpCallError as exc:
@@ -172,25 +227,4 @@ def build_app(runtime: AgentRuntime) -> web.Application:
             {"ok": verdict.ok, "mismatched": list(verdict.mismatched)[:MAX_MISMATCHED], "error": verdict.error}
         )
 
-    trainer_token = runtime.trainer_token
-    auth = auth_middleware(
-        token, open_routes=OPEN_ROUTES, extra={route: (lambda: trainer_token) for route in TRAINER_ROUTES}
-    )
-    app = bounded_app([auth, error_middleware])
-    app.on_startup.append(start_work)
-    app.on_cleanup.append(stop_work)
-    app.add_routes(
-        [
-            web.get("/healthz", healthz),
-            web.get("/metrics", metrics),
-            web.get("/v1/state", state),
-            web.post("/v1/publish", publish),
-            web.get("/v1/rounds/{version}", round_result),
-            web.post(r"/v1/sources/{rank:\d+}/prepare", source_prepare),
-            web.post(r"/v1/sources/{rank:\d+}/publish", source_publish),
-            web.post(r"/v1/sources/{rank:\d+}/committed", source_committed),
-            web.get(MANIFEST_ROUTE, engine_manifest),
-            web.post(VERIFY_ROUTE, engine_verify),
-        ]
-    )
-    return app
+    return [web.get(MANIFEST_ROUTE, engine_manifest), web.post(VERIFY_ROUTE, engine_verify)]
