@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,19 +47,6 @@ def expected_numels(model: Path, tp: int) -> dict[str, int]:
             numels[p + "self_attn.q_norm.weight"] = head_dim
             numels[p + "self_attn.k_norm.weight"] = head_dim
     return numels
-
-
-def safetensors_bytes(model: Path) -> dict[str, bytes]:
-    """Raw bytes of every tensor in ``model.safetensors`` (the format: u64 header size, JSON header, data)."""
-    data = (model / "model.safetensors").read_bytes()
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
-    base = 8 + size
-    return {
-        name: data[base + meta["data_offsets"][0] : base + meta["data_offsets"][1]]
-        for name, meta in header.items()
-        if name != "__metadata__"
-    }
 
 
 def cpu_tensor_hash(raw: bytes) -> str:

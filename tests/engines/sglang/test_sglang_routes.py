@@ -12,15 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sglang_helpers import (
-    GREEDY,
-    cpu_tensor_hash,
-    expected_numels,
-    generate,
-    per_gpu_checksum,
-    safetensors_bytes,
-    transfer_info,
-)
+from checkpoints import safetensors_bytes
+from sglang_helpers import GREEDY, cpu_tensor_hash, expected_numels, generate, per_gpu_checksum, transfer_info
 
 from weightsync_testing.sglang_server import SglangProcess
 

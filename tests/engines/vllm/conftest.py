@@ -11,40 +11,23 @@ One server on the tiny Llama (head_dim 32: vLLM's CPU attention needs >= 32) ser
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_tier import engine_python, session_server
 from vllm_helpers import start
 
 from weightsync_testing.sglang_models import ensure_tiny_model
-from weightsync_testing.vllm_env import VllmEnvError, VllmEnvUnavailable, vllm_python
+from weightsync_testing.vllm_env import VLLM
 from weightsync_testing.vllm_server import VllmProcess
 
-REQUIRE = os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1"
 HERE = Path(__file__).resolve().parent
-_session_servers: list[VllmProcess] = []
-
-
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the session's server (~1 GB RSS) as soon as the run leaves this directory, rather than at the very
-    end of the whole test session."""
-    if _session_servers and (nextitem is None or HERE not in Path(nextitem.path).resolve().parents):
-        while _session_servers:
-            _session_servers.pop().stop()
 
 
 @pytest.fixture(scope="session")
 def vllm_py() -> Path:
-    try:
-        return vllm_python()
-    except VllmEnvUnavailable as error:
-        if REQUIRE:
-            pytest.fail(f"WEIGHTSYNC_REQUIRE_VLLM=1 and the vLLM venv cannot be built: {error}")
-        pytest.skip(f"stock vLLM venv cannot be built here ({error}); WEIGHTSYNC_REQUIRE_VLLM=1 fails instead")
-    except VllmEnvError as error:
-        pytest.fail(str(error))
+    return engine_python(VLLM)
 
 
 @pytest.fixture(scope="session")
@@ -55,9 +38,4 @@ def tiny_llama32(vllm_py: Path) -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """A stock vLLM server (CPU, float32, dev mode) on the tiny Llama, with an API key."""
-    proc = start(vllm_py, tiny_llama32, tmp_path_factory.mktemp("vllm"))
-    _session_servers.append(proc)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from session_server(HERE, start(vllm_py, tiny_llama32, tmp_path_factory.mktemp("vllm")))

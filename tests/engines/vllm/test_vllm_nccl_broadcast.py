@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_helpers import API_KEY, KEY_PREFIX, LINEAR, complete, ok, safetensors_bytes
+from checkpoints import safetensors_bytes
+from vllm_helpers import API_KEY, KEY_PREFIX, LINEAR, complete, ok
 
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.modes.broadcast.checksums import tensor_checksums

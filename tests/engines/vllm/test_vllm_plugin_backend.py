@@ -20,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import (
-    API_KEY,
-    LINEAR,
-    apply_round,
-    assert_nonlinear_checksums,
-    complete,
-    ok,
-    safetensors_bytes,
-)
+from checkpoints import safetensors_bytes
+from vllm_helpers import API_KEY, LINEAR, apply_round, assert_nonlinear_checksums, complete, ok
 
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm

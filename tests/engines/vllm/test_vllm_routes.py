@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_helpers import KEY_PREFIX, LINEAR, complete, safetensors_bytes
+from checkpoints import safetensors_bytes
+from vllm_helpers import KEY_PREFIX, LINEAR, complete
 
 from weightsync_testing.sglang_models import hf_greedy
 from weightsync_testing.vllm_server import VllmProcess

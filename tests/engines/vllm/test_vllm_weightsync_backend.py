@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import safetensors_bytes
 from safetensors.torch import load_file
-from vllm_helpers import API_KEY, apply_round, assert_nonlinear_checksums, complete, ok, safetensors_bytes
+from vllm_helpers import API_KEY, apply_round, assert_nonlinear_checksums, complete, ok
 
 from weightsync_agent.targets.adapter import AdapterSettings
 from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import struct
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -68,19 +66,6 @@ def complete(server: VllmProcess, prompt: Sequence[int], max_tokens: int, *, tim
     status, answer = server.request("POST", "/v1/completions", body, timeout=timeout)
     assert status == 200, (status, answer)
     return answer
-
-
-def safetensors_bytes(model: Path) -> dict[str, bytes]:
-    """Raw bytes of every tensor in ``model.safetensors`` (the format: u64 header size, JSON header, data)."""
-    data = (model / "model.safetensors").read_bytes()
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
-    base = 8 + size
-    return {
-        name: data[base + meta["data_offsets"][0] : base + meta["data_offsets"][1]]
-        for name, meta in header.items()
-        if name != "__metadata__"
-    }
 
 
 def ok(server: VllmProcess, method: str, path: str, body: Any = None) -> Any:
