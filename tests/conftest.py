@@ -45,6 +45,10 @@ _own_ledger: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", default="no") == "loadgroup" and not hasattr(pytest.Item, "_nodeid"):
+        # xdist groups by rewriting each item's ``_nodeid``; where pytest no longer reads it, every tier would be
+        # spread over the workers, each starting its own cluster and engine servers.
+        raise pytest.UsageError("pytest-xdist cannot group tests under this pytest (pyproject.toml pins pytest<9.2)")
     # Made by the first process (the controller under xdist), inherited by the workers and what they spawn.
     if ENV_LEDGER not in os.environ:
         handle, path = tempfile.mkstemp(prefix="weightsync-ports-")
