@@ -1,6 +1,6 @@
 """How much of a testbed link's inbound rate is left while the node also sends at full rate (needs root).
 
-One emulated node (``weightsync_testing.testbed``: a namespace, a veth pair to the bridge, tc tbf both ways), the
+One emulated node (``weightsync_tools.testbed``: a namespace, a veth pair to the bridge, tc tbf both ways), the
 trainer's gather into it (``gather.py``: a source process in the root namespace, a sink process in the node,
 two requests ahead) of ``--mib`` MiB, first alone, then while a plain TCP stream from the node saturates its
 outbound direction. No Mooncake and no agents: what this shows is the emulated link's, not the round's.
@@ -21,10 +21,10 @@ import sys
 import threading
 import time
 
-from weightsync_testing.testbed.gather import GatherLink
-from weightsync_testing.testbed.netns import DEFAULT_MTU, burst_bytes
-from weightsync_testing.testbed.runner import build_testbed
-from weightsync_testing.testbed.scenario import Layout, parse_rate
+from weightsync_tools.testbed.gather import GatherLink
+from weightsync_tools.testbed.netns import DEFAULT_MTU, burst_bytes
+from weightsync_tools.testbed.runner import build_testbed
+from weightsync_tools.testbed.scenario import Layout, parse_rate
 
 MiB = 1 << 20
 PIECE = 4 * MiB
@@ -73,7 +73,7 @@ def main() -> None:
                 tbf = ["tbf", "rate", f"{rate}bit", "burst", burst, "latency", args.latency]
                 subprocess.run(["tc", *where, "qdisc", "change", "dev", dev, "root", *tbf], check=True)
         gateway, address = testbed.gateway, link_of.address
-        module = [sys.executable, "-m", "weightsync_testing.testbed.gather"]
+        module = [sys.executable, "-m", "weightsync_tools.testbed.gather"]
         for command in ([*module, "source", "--host", gateway, "--port", "29480"],
                         [*testbed.wrap(node), *module, "sink", "--host", address, "--port", "9480",
                          "--source", f"{gateway}:29480"]):  # fmt: skip

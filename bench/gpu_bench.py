@@ -510,7 +510,7 @@ class BcastRank:
                 self.fulls[name] = view.view(torch.bfloat16).view(shape)
                 offset += nbytes
         else:
-            from weightsync_agent.transport.assemble import ShardAssembler
+            from weightsync_testing.reference_engine.assemble import ShardAssembler
 
             self.specs = tp_layout(self.model, 2, 0)
             nbytes = sum(s.nbytes for s in self.specs)

@@ -28,10 +28,10 @@ from typing import Any
 import yaml
 
 from weightsync.api import names
-from weightsync.localcluster import binaries as binaries_mod
-from weightsync.localcluster.cluster import LocalCluster
-from weightsync.localcluster.session import Kube, OperatorProcess, install_chart, token_kubeconfig
 from weightsync_operator.kube import KINDS, KubeApi, login
+from weightsync_tools.localcluster import binaries as binaries_mod
+from weightsync_tools.localcluster.cluster import LocalCluster
+from weightsync_tools.localcluster.session import Kube, OperatorProcess, install_chart, token_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "scale"

@@ -12,9 +12,9 @@ them on one device, as one TP rank holds them), with two baselines of the same b
 * ``d2h``: a device-to-host copy of every parameter into pinned memory (the copy the digest cannot avoid);
 * ``sha256``: ``hashlib.sha256`` over the same bytes already in host memory (the hash alone, one core);
 
-and ``parallel_digests``: weightsync's worker extension (``weightsync_vllm/worker_extension.py``, what the live adapter
-calls through ``/collective_rpc`` where the server has it): the same digests, parameters hashed on a thread pool;
-checked equal to vLLM's, key for key.
+and ``parallel_digests``: weightsync's worker extension (``weightsync_engine/vllm/worker_extension.py``, what the live
+adapter calls through ``/collective_rpc`` where the server has it): the same digests, parameters hashed on a thread
+pool; checked equal to vLLM's, key for key.
 
 Prints seconds and GB/s (10^9 B/s) for each, and the digest's time as a ratio to each baseline: where the pause
 goes in a live round's verification. Best of ``--reps``. A benchmark, not a test.
@@ -94,7 +94,7 @@ def main() -> None:
         for target in host:
             hashlib.sha256(target.view(torch.uint8).numpy()).hexdigest()
 
-    from weightsync_vllm.worker_extension import parallel_digests
+    from weightsync_engine.vllm.worker_extension import parallel_digests
 
     seconds = {
         "d2h": best(args.reps, d2h, sync),

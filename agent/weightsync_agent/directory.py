@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from weightsync.api import names
 from weightsync.plan import Layout
-from weightsync_agent.kube import transport_errors
+from weightsync_agent.kube import api_exception, transport_errors
 
 log = logging.getLogger("weightsync.agent")
 
@@ -145,14 +145,14 @@ class PodDirectory:
         self._unavailable_until = 0.0
 
     def _advertised(self, pod: str, annotation: str) -> str | None:
-        from kubernetes.client.exceptions import ApiException
+        api_error = api_exception()
 
         key = (pod, annotation)
         if key in self._known and time.monotonic() < self._unavailable_until:
             return self._known[key]
         try:
             found = self.api.read_namespaced_pod(pod, self.namespace)
-        except ApiException as exc:
+        except api_error as exc:
             if exc.status == 404:
                 raise DirectoryError(f"pod {pod} does not exist (yet)") from exc
             if exc.status is not None and exc.status < 500 and exc.status not in (408, 429):

@@ -41,6 +41,13 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     return (urllib3.exceptions.HTTPError, OSError)
 
 
+def api_exception() -> Any:
+    """The client's ``ApiException`` class, to catch: the ``kubernetes`` package is imported in this module only."""
+    from kubernetes.client.exceptions import ApiException
+
+    return ApiException
+
+
 def kube_core_api() -> Any:
     """In-cluster credentials, or the kubeconfig (local runs bound to a pod); every call bounded."""
     from kubernetes import client

@@ -32,7 +32,7 @@ from typing import Any, Final, Protocol
 from weightsync.api import names
 from weightsync.plan import Plan, PlanError
 from weightsync_agent.config import AgentConfig
-from weightsync_agent.kube import CONNECT_SECONDS, kube_core_api, throttled_wait, transport_errors
+from weightsync_agent.kube import CONNECT_SECONDS, api_exception, kube_core_api, throttled_wait, transport_errors
 
 log = logging.getLogger("weightsync.agent.plan")
 
@@ -71,11 +71,11 @@ def read_config_map_plan(api: Any, namespace: str, name: str) -> tuple[Plan, str
     Listed by name (the agents' Role allows it with the field selector), not read: an unchanged ConfigMap keeps its
     own old resourceVersion, which after an API server restart lies before the watch cache; a watch from it is gone
     again at once, and read-then-watch spun (every agent of a group, until the plan changed)."""
-    from kubernetes.client.exceptions import ApiException
+    api_error = api_exception()
 
     try:
         found = api.list_namespaced_config_map(namespace, field_selector=f"metadata.name={name}")
-    except ApiException as exc:
+    except api_error as exc:
         raise PlanError(f"cannot read ConfigMap {name}: {exc.status} {exc.reason}") from exc
     except transport_errors() as exc:
         raise PlanError(f"cannot read ConfigMap {name}: no answer from the API server ({exc})") from exc
@@ -229,7 +229,7 @@ class ConfigMapPlanWatch:
         self._version = version
 
     def _watch_once(self) -> None:
-        from kubernetes.client.exceptions import ApiException
+        api_error = api_exception()
 
         seconds = int(self.watch_seconds * (1 + random.random() / 4))
         self.requests += 1
@@ -244,7 +244,7 @@ class ConfigMapPlanWatch:
                 _preload_content=False,
                 _request_timeout=(CONNECT_SECONDS, seconds + WATCH_READ_SLACK_SECONDS),
             )
-        except ApiException as exc:
+        except api_error as exc:
             if exc.status == 410:
                 raise WatchGoneError from exc
             raise

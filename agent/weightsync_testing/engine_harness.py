@@ -9,6 +9,7 @@ which the engine then requires as the operator's engine container does (the refe
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -138,17 +139,23 @@ class SglangEngines:
                           token=token or old.admin_api_key)  # fmt: skip
 
 
-#: The directory holding ``weightsync_vllm`` (the plugin), put on the vLLM server's ``PYTHONPATH``.
-AGENT_DIR = Path(__file__).resolve().parents[1]
+def engine_root_dir() -> Path:
+    """The directory holding ``weightsync_engine`` (the plugin's root), put on the vLLM server's ``PYTHONPATH``:
+    where it is installed, found without importing it, and nothing of weightsync's other roots beside it."""
+    spec = importlib.util.find_spec("weightsync_engine")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("weightsync_engine is not installed (pip install -e .)")
+    return Path(next(iter(spec.submodule_search_locations))).resolve().parent
 
 
 def vllm_plugin_site(directory: Path) -> Path:
     """A site directory declaring the plugin's ``vllm.general_plugins`` entry point, as installing weightsync into
-    the vLLM image does (``pyproject.toml``); with :data:`AGENT_DIR` on the path, vLLM finds and loads it."""
+    the vLLM image does (``pyproject.toml``); with :func:`engine_root_dir` on the path, vLLM finds and loads it."""
     info = directory / "weightsync_vllm_plugin-0.0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-vllm-plugin\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nweightsync = weightsync_vllm.plugin:register\n")
+    entry_points = "[vllm.general_plugins]\nweightsync = weightsync_engine.vllm.plugin:register\n"
+    (info / "entry_points.txt").write_text(entry_points)
     return directory
 
 
@@ -183,9 +190,9 @@ class VllmEngines:
 
         receive = self.work_dir / f"engine-{engine}-receive"
         receive.mkdir(parents=True, exist_ok=True)
-        guard = ["--middleware", "weightsync_vllm.guard.BearerGuard"] if token else []
+        guard = ["--middleware", "weightsync_engine.vllm.guard.BearerGuard"] if token else []
         # The plugin's worker extension: live rounds verify through it (docs/engines/vllm.md); staged ones ignore it.
-        extension = ["--worker-extension-cls", "weightsync_vllm.worker_extension.WeightsyncWorkerExtension"]
+        extension = ["--worker-extension-cls", "weightsync_engine.vllm.worker_extension.WeightsyncWorkerExtension"]
         parallel: list[str] = []
         env = {**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {})}
         if self.tensor_parallel > 1:
@@ -200,7 +207,7 @@ class VllmEngines:
             api_key=token,
             dtype=self.dtype,
             weight_transfer_backend="weightsync",
-            pythonpath=[self.site, AGENT_DIR, *self.plugin_paths],
+            pythonpath=[self.site, engine_root_dir(), *self.plugin_paths],
             extra_env=env,
             extra_args=[*guard, *extension, *parallel],
             log_dir=self.work_dir / f"engine-{engine}-log",

@@ -32,7 +32,7 @@ from weightsync.ports import free_port
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.directory import StaticDirectory
 from weightsync_agent.rounds.remote import AgentClient, AgentError
-from weightsync_agent.targets.registry import ADAPTERS
+from weightsync_agent.targets.registry import adapter_class
 from weightsync_testing.engine_harness import EngineHarness, ReferenceEngines, StartedEngine
 from weightsync_testing.reference_engine.launch import stop_process
 
@@ -163,7 +163,8 @@ class LoopbackGroup:
         started = self.harness.start(engine, self.spec, seed + engine, token=self.token)
         self.engines[engine] = started
         self.directory.engines[engine] = started.url
-        if ADAPTERS[self.spec.inference.adapter].manifests_from_engine_agent:
+        adapter = adapter_class(self.spec.inference.adapter)
+        if adapter is not None and adapter.manifests_from_engine_agent:
             port = free_port()
             self.directory.engine_agents[engine] = f"http://127.0.0.1:{port}"
             self._publish_files()
@@ -211,7 +212,7 @@ class LoopbackGroup:
     def _spawn(self, name: str, env: dict[str, str], pod: int = 0) -> AgentProcess:
         log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.cli.main", "agent"],
+            [sys.executable, "-m", "weightsync_tools.cli.main", "agent"],
             env={**os.environ, **env},
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -6,8 +6,8 @@ For every architecture in SGLang's model registry that ``transformers`` can buil
 default config shrunk to a tiny one (:data:`TINY`), the engine-venv side of this file:
 
 1. builds the model with ``transformers`` (seeded random weights) and saves a safetensors checkpoint;
-2. traces SGLang's own model class at a few (TP, rank) cases (:data:`CASES`) with ``trace_model.py``'s
-   functions, in one process;
+2. traces SGLang's own model class at a few (TP, rank) cases (:data:`CASES`) with ``weightsync_engine.sglang.
+   trace_model``'s functions (loaded through ``weightsync_engine/trace.py``), in one process;
 3. where nothing is refused, loads seeded random HF tensors through SGLang's own loader
    (``DefaultModelLoader.load_weights_and_postprocess``) into a replica of each traced rank and checks every
    parameter against assembly from the traced parts (cut, placed at ``at``, zero padding), bit for bit.
@@ -115,7 +115,9 @@ def survey(
 ) -> list[dict[str, Any]]:
     """One row per architecture (``arch``, ``status``, ``reason``, ``cases``, ``seconds``), streamed from the engine
     side; a progress bar on stderr while it runs."""
-    trace_script = Path(__file__).resolve().parents[1] / "weightsync_agent" / "targets" / "sglang" / "trace_model.py"
+    found = importlib.util.find_spec("weightsync_engine.trace")  # its path only: this side never imports it
+    assert found is not None and found.origin is not None, "weightsync_engine is installed with weightsync"
+    trace_script = Path(found.origin)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     command = [str(python), "-I", __file__, "engine", "--trace-script", str(trace_script), *archs]
@@ -235,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _engine(trace_script: Path, only: Sequence[str]) -> Iterator[dict[str, Any]]:
-    spec = importlib.util.spec_from_file_location("weightsync_trace_model", trace_script)
+    # The entry script registers the engine root from its own directory (SGLang's Python does not have it).
+    spec = importlib.util.spec_from_file_location("weightsync_engine_trace", trace_script)
     assert spec is not None and spec.loader is not None
-    tm: Any = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tm)
+    entry: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    tm: Any = entry.engine_module("sglang")
     sg = tm.import_sglang()
     torch = sg.torch
     transformers: Any = importlib.import_module("transformers")

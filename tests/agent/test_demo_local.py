@@ -8,7 +8,7 @@ import sys
 
 def test_demo_local_trains_syncs_and_checks_outputs() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "demo", "--local", "--steps", "2", "--join", "1"],
+        [sys.executable, "-m", "weightsync_tools.cli.main", "demo", "--local", "--steps", "2", "--join", "1"],
         capture_output=True,
         text=True,
         timeout=240,

@@ -14,9 +14,9 @@ import subprocess
 
 import pytest
 
-from weightsync_testing.testbed import netns, three_ways
-from weightsync_testing.testbed.runner import Options, build_testbed, report_header, run
-from weightsync_testing.testbed.scenario import Layout, parse_rate
+from weightsync_tools.testbed import netns, three_ways
+from weightsync_tools.testbed.runner import Options, build_testbed, report_header, run
+from weightsync_tools.testbed.scenario import Layout, parse_rate
 
 
 def _skip_reason() -> str | None:

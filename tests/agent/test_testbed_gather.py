@@ -1,4 +1,4 @@
-"""The emulated gather's sink and link (``weightsync_testing.testbed.gather``) between real processes."""
+"""The emulated gather's sink and link (``weightsync_tools.testbed.gather``) between real processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from weightsync_testing.testbed.gather import HEADER, MAX_PULL_BYTES, GatherLink, gathered_bytes
+from weightsync_tools.testbed.gather import HEADER, MAX_PULL_BYTES, GatherLink, gathered_bytes
 
 
 def _free_port() -> int:
@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen([sys.executable, "-m", "weightsync_testing.testbed.gather", *args],
+    process = subprocess.Popen([sys.executable, "-m", "weightsync_tools.testbed.gather", *args],
                                stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert process.stdout is not None
     assert "gather" in process.stdout.readline()  # listening
@@ -80,7 +80,7 @@ def test_gathered_bytes_needs_a_shard() -> None:
 
 
 def test_a_sink_needs_its_source() -> None:
-    done = subprocess.run([sys.executable, "-m", "weightsync_testing.testbed.gather", "sink", "--host", "127.0.0.1",
+    done = subprocess.run([sys.executable, "-m", "weightsync_tools.testbed.gather", "sink", "--host", "127.0.0.1",
                            "--port", "1"], capture_output=True, text=True, check=False)  # fmt: skip
     assert done.returncode == 2 and "--source HOST:PORT" in done.stderr
 

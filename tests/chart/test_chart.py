@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from weightsync.api import names
 from weightsync.api.crd import render_crd
-from weightsync.cli.main import app
 from weightsync_operator.config import OperatorConfig
+from weightsync_tools.cli.main import app
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "weightsync"

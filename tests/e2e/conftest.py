@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from weightsync.localcluster import binaries as binaries_mod
-from weightsync.localcluster.cluster import ClusterState, LocalCluster
-from weightsync.localcluster.session import (
+from weightsync_tools.localcluster import binaries as binaries_mod
+from weightsync_tools.localcluster.cluster import ClusterState, LocalCluster
+from weightsync_tools.localcluster.session import (
     Agents,
     Kube,
     OperatorProcess,

@@ -22,11 +22,11 @@ from conftest import ROOT, SYSTEM_NS, Agents, Kube, OperatorProcess, load_exampl
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync.plan import Plan, plan_for
 from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_operator.builders import build_network_policy
 from weightsync_testing.reference_engine.model import full_state, shard
+from weightsync_tools.localcluster.session import PodCredentials, group_pods, secret_reader
 
 INVALID = sorted((ROOT / "tests" / "fixtures" / "invalid").glob("*.yaml"))
 NS = "e2e"
@@ -605,7 +605,7 @@ def rotate_token(admin: Kube, *args: str) -> subprocess.CompletedProcess[str]:
 def weightsync_cli(admin: Kube, *args: str) -> subprocess.CompletedProcess[str]:
     """The ``weightsync`` CLI as a user runs it: with their kubeconfig (here the admin's)."""
     return subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", *args],
+        [sys.executable, "-m", "weightsync_tools.cli.main", *args],
         env={**os.environ, "KUBECONFIG": str(admin.kubeconfig)},
         capture_output=True,
         text=True,

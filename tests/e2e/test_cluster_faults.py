@@ -20,9 +20,9 @@ import yaml
 from conftest import Agents, Kube, OperatorProcess, load_example, wait_for
 
 from weightsync.api import names
-from weightsync.localcluster.cluster import ClusterState, LocalCluster
-from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync_testing.reference_engine.model import full_state
+from weightsync_tools.localcluster.cluster import ClusterState, LocalCluster
+from weightsync_tools.localcluster.session import PodCredentials, group_pods, secret_reader
 
 NS = "faults"
 GROUP = "chaos"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 def test_demo_runs_the_main_job(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "demo", "--dir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "weightsync_tools.cli.main", "demo", "--dir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         timeout=400,

@@ -19,9 +19,9 @@ from conftest import Kube, OperatorProcess, load_example, wait_for
 from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.api.v1alpha1 import AGENT_CONTAINER
-from weightsync.localcluster.pki import Pki, kubeconfig
-from weightsync.localcluster.session import PodCredentials, group_pods
 from weightsync_operator.builders import BuildOptions, build_engine_pod
+from weightsync_tools.localcluster.pki import Pki, kubeconfig
+from weightsync_tools.localcluster.session import PodCredentials, group_pods
 
 NS = "e2e-baseline"
 GROUP = "demo"

@@ -17,11 +17,11 @@ from conftest import Kube, wait_for
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroup
-from weightsync.localcluster.cluster import ClusterState
-from weightsync.localcluster.standin_agents import api_client
 from weightsync.plan import Plan, plan_for, replan
 from weightsync_agent.plan_loader import ConfigMapPlanWatch
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
+from weightsync_tools.localcluster.cluster import ClusterState
+from weightsync_tools.localcluster.standin_agents import api_client
 
 NS = "e2e-plan-watch"
 GROUP = "watched"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weightsync.localcluster.scale_bench import Bench, count_requests, user_class
+from weightsync_tools.localcluster.scale_bench import Bench, count_requests, user_class
 
 
 def test_the_scale_bench_measures_a_small_group(tmp_path: Path) -> None:

@@ -23,12 +23,12 @@ from conftest import Agents, Kube, OperatorProcess, load_example, wait_for
 
 from weightsync.api import names
 from weightsync.api.load import parse_group
-from weightsync.localcluster.session import PodCredentials, group_pods, secret_reader
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.sglang_env import SglangEnvError, SglangEnvUnavailable, sglang_python
 from weightsync_testing.sglang_models import ensure_tiny_model, trained_state
 from weightsync_testing.trainer_ranks import publish_all
+from weightsync_tools.localcluster.session import PodCredentials, group_pods, secret_reader
 
 pytest.importorskip("safetensors.torch")
 

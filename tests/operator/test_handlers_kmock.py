@@ -34,7 +34,6 @@ from kopf.testing import KopfRunner
 from prometheus_client import REGISTRY
 
 from weightsync.api import names
-from weightsync.cli.rotation import ROTATED_AT
 from weightsync.plan import Plan, PlanError
 from weightsync.ports import free_port
 from weightsync_operator import apply
@@ -42,6 +41,7 @@ from weightsync_operator.apply import Reconciler
 from weightsync_operator.builders import secret_token
 from weightsync_operator.kube import UNAVAILABLE, ApiError, KubeApi, wait_until_served
 from weightsync_operator.podindex import PodIndex
+from weightsync_tools.cli.rotation import ROTATED_AT
 
 NS = "ml"
 GROUPS = "weightsync.io/v1alpha1/weightsyncgroups"

@@ -1,8 +1,8 @@
 """A weightsync manifest for one TP rank of a stock engine: the traced shard map plus the engine's own addresses. Pure.
 
 A stock engine (SGLang, vLLM) publishes, per TP rank, where its parameters live, but no shard map. The engine
-trace (``targets/<engine>/trace_model.py`` on :mod:`.trace_core`, run with the engine's own code) says how each
-parameter is cut from the trainer's full HF tensors, in one schema for every engine. This module joins the two and
+trace (``weightsync_engine/<engine>/trace_model.py`` on its ``trace_core``, run with the engine's own code) says how
+each parameter is cut from the trainer's full HF tensors, in one schema for every engine. This module joins the two and
 cross-checks them, parameter by parameter: the same names on both sides, and ``numel * element_size`` equal to
 the traced shape in the engine's dtype. Anything that does not match, or that the trace refused, refuses the whole
 manifest with a reason that names the parameter: a guess here would write the wrong bytes into a serving engine.

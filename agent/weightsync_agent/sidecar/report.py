@@ -20,7 +20,7 @@ import time
 from typing import Any, Final
 
 from weightsync.api import names
-from weightsync_agent.kube import throttled_wait, transport_errors
+from weightsync_agent.kube import api_exception, throttled_wait, transport_errors
 
 log = logging.getLogger("weightsync.agent")
 
@@ -166,7 +166,7 @@ class PodReporter:
         return self._sending or bool(self._annotations) or self._condition is not None
 
     def _run(self) -> None:
-        from kubernetes.client.exceptions import ApiException
+        api_error = api_exception()
 
         delay = self.retry_first
         while True:
@@ -187,7 +187,7 @@ class PodReporter:
                 self._sending = True
             try:
                 self._send(annotations, condition)
-            except ApiException as exc:
+            except api_error as exc:
                 if exc.status == 404:
                     # The pod is gone (this agent is about to be stopped): nothing to report on.
                     log.error("pod %s is gone; report dropped: %s", self.pod,

@@ -1,12 +1,14 @@
-"""Running a stock engine's shard-map trace (``targets/<engine>/trace_model.py``) with the ENGINE's Python.
+"""Running a stock engine's shard-map trace (``weightsync_engine/trace.py``) with the ENGINE's Python.
 
 The trace imports the engine's own model code, which only the engine's image has: the engine pod's agent runs it as
 a subprocess of ``$WEIGHTSYNC_ENGINE_PYTHON`` (the engine image's interpreter; the pinned engine virtualenv in tests),
-one TP rank at a time, and reads its one JSON object. Shared by the SGLang and vLLM adapters.
+one TP rank at a time, and reads its one JSON object. Shared by the SGLang and vLLM adapters. The script belongs to
+the engine root, which the agent never imports: it only asks where the file is (:func:`trace_script`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,11 +23,20 @@ ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
 TRACE_TIMEOUT_SECONDS = 300.0
 
 
-def run_trace(script: Path, *, model: str, tp: int, rank: int, dtype: str, who: str) -> dict[str, Any]:
-    """The trace of TP rank ``rank`` of ``model`` at TP size ``tp`` in ``dtype``; ManifestError naming ``who`` and
-    the trace's last lines when it fails or does not print JSON."""
+def trace_script() -> Path:
+    """The path of ``weightsync_engine/trace.py``, installed beside the agent; found, not imported."""
+    spec = importlib.util.find_spec("weightsync_engine.trace")
+    if spec is None or spec.origin is None:
+        raise ManifestError("weightsync_engine.trace is not installed beside the agent: no shard-map trace to run")
+    return Path(spec.origin)
+
+
+def run_trace(engine: str, *, model: str, tp: int, rank: int, dtype: str, who: str) -> dict[str, Any]:
+    """The ``engine`` (``sglang``, ``vllm``) trace of TP rank ``rank`` of ``model`` at TP size ``tp`` in ``dtype``;
+    ManifestError naming ``who`` and the trace's last lines when it fails or does not print JSON."""
     python = os.environ.get(ENV_ENGINE_PYTHON) or sys.executable
-    command = [python, str(script), "--model", model, "--tp", str(tp), "--rank", str(rank), "--dtype", dtype]
+    script = str(trace_script())
+    command = [python, script, engine, "--model", model, "--tp", str(tp), "--rank", str(rank), "--dtype", dtype]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TRACE_TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired as exc:

@@ -113,9 +113,8 @@ from weightsync_agent.http.server import (
     refuse_oversized,
 )
 from weightsync_agent.modes.broadcast.layout import Member
-from weightsync_agent.modes.broadcast.receiver import BroadcastReceiver, Destination, Reception
-from weightsync_agent.targets.rank_memory import RankMemory, VerifyResult
 from weightsync_agent.transport.base import Transport, TransportError
+from weightsync_testing.reference_engine.broadcast_receiver import BroadcastReceiver, Destination, Reception
 from weightsync_testing.reference_engine.model import (
     DEFAULT_CONFIG,
     ModelConfig,
@@ -125,6 +124,7 @@ from weightsync_testing.reference_engine.model import (
     greedy,
     shard,
 )
+from weightsync_testing.reference_engine.rank_memory import RankMemory, VerifyResult
 
 MODEL_PATH = "weightsync/reference-transformer"
 PAUSE_MODES = ("abort", "retract", "in_place")

@@ -20,9 +20,9 @@ import time
 import torch
 
 from weightsync_agent.layout.manifest import ITEMSIZE, ShardPart, TensorEntry
-from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
 from weightsync_agent.transport.collective import BroadcastGroup, plan_buckets
+from weightsync_testing.reference_engine.assemble import ShardAssembler
 
 FULLS = {  # name: (shape, dtype)
     "embed": ((64, 32), "bfloat16"),

@@ -26,10 +26,10 @@ from weightsync_agent.layout.checksums import target_checksum
 from weightsync_agent.layout.manifest import ShardPart, TensorEntry
 from weightsync_agent.modes.broadcast.checksums import layout_checksums, local_bytes
 from weightsync_agent.modes.broadcast.layout import BroadcastLayout, Member, broadcast_round_plan
-from weightsync_agent.transport.assemble import ShardAssembler
 from weightsync_agent.transport.base import TransportError
 from weightsync_agent.transport.collective import ALIGN, BroadcastGroup, _decode, _digest, _encode, cut
 from weightsync_agent.transport.collective import plan_buckets as plan_broadcast_buckets
+from weightsync_testing.reference_engine.assemble import ShardAssembler
 from weightsync_testing.reference_engine.model import RankWeights, full_state, shard
 
 PEER = Path(__file__).with_name("bcast_peer.py")

@@ -1,6 +1,6 @@
 """One TP rank of a vLLM engine whose weights live on a GPU, with weightsync's backend plugin (a GPU test's peer).
 
-The plugin is registered as vLLM loads it (``weightsync_vllm.plugin.register``) and its ``WeightsyncEngine`` made
+The plugin is registered as vLLM loads it (``weightsync_engine.vllm.plugin.register``) and its ``WeightsyncEngine`` made
 by vLLM's own factory (``WeightTransferEngineFactory.create_engine``, what vLLM's worker calls for
 ``--weight-transfer-config '{"backend": "weightsync"}'``), then driven as vLLM's routes drive it: ``parse_init_info``
 + ``init_transfer_engine`` with ``placement: parameters`` (the live adapter's request), then one command per stdin
@@ -61,14 +61,15 @@ def main() -> None:
         torch.cuda.set_device(device)
     compute_tensor_digests = vllm_tensor_digests()
 
-    import weightsync_vllm.engine
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from weightsync_vllm.plugin import BACKEND, register
-    from weightsync_vllm.worker_extension import parallel_digests
+
+    import weightsync_engine.vllm.engine
+    from weightsync_engine.vllm.plugin import BACKEND, register
+    from weightsync_engine.vllm.worker_extension import parallel_digests
 
     register()
-    weightsync_vllm.engine.rank_tag = lambda: "dp0-pp0-tp0"  # this rank alone: no parallel groups to ask
+    weightsync_engine.vllm.engine.rank_tag = lambda: "dp0-pp0-tp0"  # this rank alone: no parallel groups to ask
     model = cuda_model(device)
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),

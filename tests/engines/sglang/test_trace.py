@@ -1,4 +1,4 @@
-"""The shard-map trace of stock SGLang (targets/sglang/trace_model.py; docs/engines/sglang-trace.md).
+"""The shard-map trace of stock SGLang (weightsync_engine/sglang/trace_model.py; docs/engines/sglang-trace.md).
 
 Runs the trace the way the adapter does (the script, with the SGLang venv's python) on the tiny Llama and Qwen3 at
 TP 1, 2 and 4, and checks it three ways: every parameter of the rank is traced and none refused; the parts equal a
@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 
-from weightsync_agent.targets.sglang import manifest as sglang_manifest
+import weightsync_engine.trace
 from weightsync_agent.targets.sglang.manifest import assemble
 from weightsync_testing.sglang_models import ensure_tiny_model
 
-TRACE_SCRIPT = Path(sglang_manifest.__file__).with_name("trace_model.py")
+TRACE_SCRIPT = Path(weightsync_engine.trace.__file__)
 # The tiny models (weightsync_testing.sglang_models.SHAPE): vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads,
 # head_dim 16, MLP 256.
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 512, 128, 2, 8, 4, 16, 256
@@ -95,7 +95,7 @@ def clean_env() -> dict[str, str]:
 
 
 def run_trace(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [str(python), str(TRACE_SCRIPT), *args]
+    command = [str(python), str(TRACE_SCRIPT), "sglang", *args]
     return subprocess.run(command, capture_output=True, text=True, env=env or clean_env(), timeout=300, check=False)
 
 
@@ -384,11 +384,7 @@ def test_timings_are_reported(traces: Traces) -> None:
 
 
 def load_trace_module() -> Any:
-    spec = importlib.util.spec_from_file_location("weightsync_sglang_trace_model", TRACE_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("weightsync_engine.sglang.trace_model")
 
 
 def synthetic_trace() -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
@@ -491,13 +487,15 @@ def test_synthetic_replica_refusals_name_the_reason(name: str, reason: str) -> N
 # ---------------------------------------------------------------- the engine-venv side (run with SGLang's python)
 
 ENGINE_SIDE = r'''
-"""Engine-venv helper for test_trace.py: argv[1] is trace_model.py (imported for its build recipe)."""
+"""Engine-venv helper for test_trace.py: argv[1] is weightsync_engine/trace.py (SGLang's trace_model through it, for
+its build recipe)."""
 import importlib.util, json, sys, time
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("trace_model", sys.argv[1])
-tm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tm)
+spec = importlib.util.spec_from_file_location("weightsync_engine_trace", sys.argv[1])
+entry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(entry)
+tm = entry.engine_module("sglang")
 
 
 def derive(src, out, vocab=None, drop=None):

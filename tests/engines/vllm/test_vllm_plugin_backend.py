@@ -7,8 +7,8 @@ tiny Llama with another seed's: greedy tokens then equal HF on the new checkpoin
 repacks on CPU, took the new weights through vLLM's layerwise reload), the non-linear parameters' checksums equal
 the new checkpoint's bytes, and the version is the one finish carried.
 
-The same server runs the plugin's ``--middleware`` (``weightsync_vllm.guard.BearerGuard``) that requires the group's
-token on every path but ``/health``: vLLM's stock hook closes what its ``--api-key`` leaves open.
+The same server runs the plugin's ``--middleware`` (``weightsync_engine.vllm.guard.BearerGuard``) that requires the
+group's token on every path but ``/health``: vLLM's stock hook closes what its ``--api-key`` leaves open.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import pytest
 from checkpoints import safetensors_bytes
 from vllm_helpers import API_KEY, LINEAR, apply_round, assert_nonlinear_checksums, complete, ok
 
+from weightsync_testing.engine_harness import engine_root_dir
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "probe_plugin"
-AGENT_DIR = Path(__file__).resolve().parents[3] / "agent"  # weightsync_vllm.guard, as the plugin ships it
+ENGINE_DIR = engine_root_dir()  # weightsync_engine.vllm.guard, as the plugin ships it
 BACKEND = "weightsync-probe"
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
 NEW_TOKENS = 10
@@ -47,9 +48,9 @@ def probe_server(
         python=vllm_py,
         api_key=API_KEY,
         weight_transfer_backend=BACKEND,
-        pythonpath=[PLUGIN_DIR, AGENT_DIR],
+        pythonpath=[PLUGIN_DIR, ENGINE_DIR],
         extra_env={"WEIGHTSYNC_VLLM_PROBE_LOG": str(probe_log), "WEIGHTSYNC_GROUP_TOKEN": API_KEY},
-        extra_args=["--middleware", "weightsync_vllm.guard.BearerGuard"],
+        extra_args=["--middleware", "weightsync_engine.vllm.guard.BearerGuard"],
         log_dir=tmp_path_factory.mktemp("vllm-plugin"),
     )
     print(f"\nvLLM with {BACKEND} ready in {server.started_s:.1f} s ({server.log_path})", file=sys.stderr)

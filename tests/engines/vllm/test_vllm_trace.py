@@ -1,4 +1,4 @@
-"""The shard-map trace of stock vLLM (targets/vllm/trace_model.py; docs/engines/vllm-trace.md).
+"""The shard-map trace of stock vLLM (weightsync_engine/vllm/trace_model.py; docs/engines/vllm-trace.md).
 
 Traces vLLM's own model classes for the tiny Llama, Qwen2, Qwen3 and Qwen3-MoE at TP 1, 2 and 4, every rank, and
 checks them three ways, as the SGLang trace's tests do: every parameter of the rank is traced and none refused; the
@@ -31,11 +31,11 @@ from typing import Any
 
 import pytest
 
-import weightsync_agent.targets.vllm as vllm_target
+import weightsync_engine.trace
 from weightsync_agent.layout.traced_manifest import assemble
 from weightsync_testing.sglang_models import MOE_SHAPE, SHAPE, ensure_tiny_model
 
-TRACE_SCRIPT = Path(vllm_target.__file__).with_name("trace_model.py")
+TRACE_SCRIPT = Path(weightsync_engine.trace.__file__)
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 CASES = [(tp, rank) for tp in (1, 2, 4) for rank in range(tp)]
 # The vLLM tier's tiny models (weightsync_testing.sglang_models, head_dim 32: vLLM's CPU attention needs >= 32):
@@ -105,7 +105,7 @@ def clean_env() -> dict[str, str]:
 
 
 def run_trace(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [str(python), str(TRACE_SCRIPT), *args]
+    command = [str(python), str(TRACE_SCRIPT), "vllm", *args]
     return subprocess.run(command, capture_output=True, text=True, env=env or clean_env(), timeout=300, check=False)
 
 
@@ -123,12 +123,8 @@ def engine(python: Path, helper: Path, *args: str) -> Any:
 
 
 def load_trace_module() -> Any:
-    """The script as a module in this venv (no vLLM import happens at load): for its gate."""
-    spec = importlib.util.spec_from_file_location("weightsync_vllm_trace_model", TRACE_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The trace's vLLM module in this venv (no vLLM import happens at load): for its gate."""
+    return importlib.import_module("weightsync_engine.vllm.trace_model")
 
 
 # ---------------------------------------------------------------- the hand-written layout
@@ -422,13 +418,15 @@ def test_timings_are_reported(traces: Traces) -> None:
 # ---------------------------------------------------------------- the engine-venv side (run with vLLM's python)
 
 ENGINE_SIDE = r'''
-"""Engine-venv helper for test_vllm_trace.py: argv[1] is trace_model.py (imported for its run and build recipe)."""
+"""Engine-venv helper for test_vllm_trace.py: argv[1] is weightsync_engine/trace.py (vLLM's trace_model through it,
+for its run and build recipe)."""
 import importlib.util, json, sys, time
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("weightsync_vllm_trace_model", sys.argv[1])
-tm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tm)
+spec = importlib.util.spec_from_file_location("weightsync_engine_trace", sys.argv[1])
+entry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(entry)
+tm = entry.engine_module("vllm")
 
 
 def trace(model_dir, jobs_file):

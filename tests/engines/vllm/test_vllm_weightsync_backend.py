@@ -1,8 +1,8 @@
-"""weightsync's own vLLM backend (``agent/weightsync_vllm``) inside the stock vLLM server: a round's bytes arrive over
-Mooncake TCP from another process, straight into the worker's receive buffer, and vLLM applies them.
+"""weightsync's own vLLM backend (``engine/weightsync_engine/vllm``) inside the stock vLLM server: a round's bytes
+arrive over Mooncake TCP from another process, straight into the worker's receive buffer, and vLLM applies them.
 
 The plugin is found the way an installed distribution's would be: a ``vllm.general_plugins`` entry point (a
-dist-info on the server's ``PYTHONPATH`` declaring ``weightsync_vllm.plugin:register``, what this project's
+dist-info on the server's ``PYTHONPATH`` declaring ``weightsync_engine.vllm.plugin:register``, what this project's
 ``pyproject.toml`` declares). The test plays the sources and the engine pod's agent: it writes a second
 checkpoint's tensors over Mooncake into the addresses the plugin published, checks the landed bytes through the
 buffer's file (as the agent verifies before applying), then drives pause -> start -> update -> finish(version) ->
@@ -33,10 +33,11 @@ from weightsync_agent.targets.vllm.adapter import ENV_RECEIVE_DIR
 from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.engine_harness import engine_root_dir
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
-AGENT_DIR = Path(__file__).resolve().parents[3] / "agent"
+ENGINE_DIR = engine_root_dir()
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
 NEW_TOKENS = 10
 TAG = "dp0-pp0-tp0"
@@ -49,7 +50,8 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     info = site / "weightsync_vllm_plugin-0.0.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-vllm-plugin\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nweightsync = weightsync_vllm.plugin:register\n")
+    entry_points = "[vllm.general_plugins]\nweightsync = weightsync_engine.vllm.plugin:register\n"
+    (info / "entry_points.txt").write_text(entry_points)
     return site
 
 
@@ -62,7 +64,7 @@ def server(
         python=vllm_py,
         api_key=API_KEY,
         weight_transfer_backend="weightsync",
-        pythonpath=[plugin_path, AGENT_DIR],
+        pythonpath=[plugin_path, ENGINE_DIR],
         log_dir=tmp_path_factory.mktemp("vllm-weightsync"),
     )
     print(f"\nvLLM with the weightsync backend ready in {process.started_s:.1f} s ({process.log_path})",

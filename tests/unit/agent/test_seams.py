@@ -36,7 +36,7 @@ from weightsync_agent.targets.adapter import (
     Readiness,
 )
 from weightsync_agent.targets.agent import EngineAgent
-from weightsync_agent.targets.registry import ADAPTERS, MODE_ADAPTERS, make_adapter, settings_for
+from weightsync_agent.targets.registry import ADAPTERS, MODE_ADAPTERS, SEAM, make_adapter, resolve, settings_for
 from weightsync_agent.targets.vllm.adapter import VllmAdapter
 from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
@@ -48,9 +48,24 @@ SETTINGS = AdapterSettings(engine=0, url="http://127.0.0.1:9", ranks=2, bucket_b
 # --- Engine adapters ---------------------------------------------------------------------------------
 
 
+def test_every_registered_path_resolves_to_an_adapter_of_its_kind() -> None:
+    """The registry names classes by ``"module:Class"`` (imported on use): each must be there, an EngineAdapter, and
+    of the kind it is registered under."""
+    registered = {path: kind for kind, path in ADAPTERS.items()}
+    registered |= {path: kind for (kind, _, _), path in MODE_ADAPTERS.items()}
+    for path, kind in registered.items():
+        factory = resolve(path)
+        assert isinstance(factory, type), path
+        assert {"manifest", "pause", "begin", "verify", "commit", "abort"} <= SEAM
+        assert all(callable(getattr(factory, name)) for name in SEAM), path
+        assert factory.kind == kind, path
+    with pytest.raises(TypeError, match="AdapterSettings is not an EngineAdapter"):
+        resolve("weightsync_agent.targets.adapter:AdapterSettings")
+
+
 def test_every_registered_adapter_declares_its_contract_capabilities() -> None:
-    for kind, factory in ADAPTERS.items():
-        adapter = factory(SETTINGS)
+    for kind, path in ADAPTERS.items():
+        adapter = resolve(path)(SETTINGS)
         assert adapter.kind == kind
         assert adapter.capabilities == ENGINE_KINDS[kind].capabilities  # type: ignore[index]
 
@@ -69,8 +84,8 @@ def test_an_adapter_has_every_method_of_the_seam() -> None:
         if callable(value) and not name.startswith("_")
     ]
     assert {"manifest", "held_version", "readiness", "pause", "begin", "verify", "commit", "abort"} <= set(members)
-    for factory in ADAPTERS.values():
-        adapter = factory(SETTINGS)
+    for path in ADAPTERS.values():
+        adapter = resolve(path)(SETTINGS)
         missing = [name for name in members if not callable(getattr(adapter, name, None))]
         assert not missing, f"{type(adapter).__name__} lacks {missing}"
 
@@ -276,7 +291,7 @@ def test_only_kinds_whose_agent_assembles_manifests_look_that_agent_up(adapter: 
 def test_every_broadcast_capable_adapter_says_how_it_takes_rounds() -> None:
     capable = {kind for kind in ADAPTERS if "broadcast" in (ENGINE_KINDS[kind].capabilities.modes)}  # type: ignore[index,union-attr]
     assert capable == {"reference", "sglang", "vllm"}
-    broadcasting = {kind: MODE_ADAPTERS.get((kind, "broadcast", "live"), ADAPTERS[kind]) for kind in capable}
+    broadcasting = {kind: resolve(MODE_ADAPTERS.get((kind, "broadcast", "live"), ADAPTERS[kind])) for kind in capable}
     for adapter in broadcasting.values():
         assert adapter.broadcast.receivers in ("engine", "rank")
     assert broadcasting["reference"].broadcast == BroadcastReception("engine", "weightsync-buckets")

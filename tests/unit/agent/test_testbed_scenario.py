@@ -9,8 +9,8 @@ import pytest
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
-from weightsync_testing.testbed import netns
-from weightsync_testing.testbed.scenario import (
+from weightsync_tools.testbed import netns
+from weightsync_tools.testbed.scenario import (
     Layout,
     MiB,
     Stats,
@@ -159,7 +159,7 @@ def test_netns_names() -> None:
 def test_cli_refuses_bad_arguments_before_touching_the_network() -> None:
     from typer.testing import CliRunner
 
-    from weightsync.cli.main import app
+    from weightsync_tools.cli.main import app
 
     runner = CliRunner()
     for args in (["bench", "--sweep", "0"], ["bench", "--scenario", "Z", "--sweep", ""], ["bench", "--rate", "x"]):
@@ -171,7 +171,7 @@ def test_cli_refuses_bad_arguments_before_touching_the_network() -> None:
 def test_without_root_the_bench_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from weightsync.cli.main import app
+    from weightsync_tools.cli.main import app
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # netns reads os.geteuid at call time
     with pytest.raises(netns.NetnsUnavailableError, match="needs root"):
@@ -182,7 +182,7 @@ def test_without_root_the_bench_is_skipped_with_the_reason(monkeypatch: pytest.M
 
 
 def test_three_ways_ratios_follow_the_medians() -> None:
-    from weightsync_testing.testbed.three_ways import _ratios
+    from weightsync_tools.testbed.three_ways import _ratios
 
     def way(median: float, stage: float, write: float, bound: float | None = 1.0) -> dict[str, float | None]:
         return {"median": median, "stage_s": stage, "round_s": write, "bound_s": bound}

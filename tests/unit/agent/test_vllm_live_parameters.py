@@ -1,5 +1,5 @@
 """The plugin's live placement, pure: which parameters can take one-sided writes in place, what is published for
-them and what is registered (weightsync_vllm/live_parameters.py; docs/engines/vllm.md, "Live p2p rounds")."""
+them and what is registered (weightsync_engine/vllm/live_parameters.py; docs/engines/vllm.md, "Live p2p rounds")."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from weightsync_vllm.live_parameters import PlacementRefusedError, Span, live_parameters
+
+from weightsync_engine.vllm.live_parameters import PlacementRefusedError, Span, live_parameters
 
 
 def named(**tensors: torch.Tensor) -> list[tuple[str, torch.nn.Parameter]]:

@@ -1,5 +1,5 @@
-"""The vLLM plugin's receive buffer (agent/weightsync_vllm/receive_buffer.py), outside vLLM: the layout packs every
-tensor aligned and without overlap, the region is a shared file mapping whose bytes another process reads, the
+"""The vLLM plugin's receive buffer (engine/weightsync_engine/vllm/receive_buffer.py), outside vLLM: the layout packs
+every tensor aligned and without overlap, the region is a shared file mapping whose bytes another process reads, the
 published layout is what the engine pod's agent needs, and a checkpoint's headers give the tensors."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
-from weightsync_vllm.receive_buffer import ALIGN, BufferError, ReceiveBuffer, checkpoint_tensors, layout
+
+from weightsync_engine.vllm.receive_buffer import ALIGN, BufferError, ReceiveBuffer, checkpoint_tensors, layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8]
 

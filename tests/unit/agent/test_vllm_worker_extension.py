@@ -1,4 +1,4 @@
-"""The plugin's worker extension hashes exactly what vLLM's ``/weight_checker`` hashes (weightsync_vllm/
+"""The plugin's worker extension hashes exactly what vLLM's ``/weight_checker`` hashes (weightsync_engine/vllm/
 worker_extension.py): vLLM's own expression, per tensor, in parallel; the names and order kept."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import hashlib
 
 import pytest
 import torch
-from weightsync_vllm.worker_extension import parallel_digests
+
+from weightsync_engine.vllm.worker_extension import parallel_digests
 
 
 def vllm_digest(tensor: torch.Tensor) -> str:

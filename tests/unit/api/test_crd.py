@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from weightsync.api import crd
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync.cli.main import app
+from weightsync_tools.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = [

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from weightsync.api import cel, crd
 from weightsync.api.load import SpecError, defaulted_object, load_groups, parse_group
 from weightsync.api.v1alpha1 import WeightSyncGroup
-from weightsync.cli.main import app
+from weightsync_tools.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[3]
 INVALID = sorted((ROOT / "tests" / "fixtures" / "invalid").glob("*.yaml"))

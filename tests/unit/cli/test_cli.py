@@ -12,8 +12,8 @@ import yaml
 from typer.testing import CliRunner
 
 from weightsync.api.load import load_groups
-from weightsync.cli.main import app
 from weightsync.plan import Plan, plan_for
+from weightsync_tools.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[3]
 TCP = ROOT / "examples" / "tcp-group.yaml"
@@ -153,7 +153,7 @@ def test_a_yaml_bomb_is_refused_by_a_real_process_within_2_s(tmp_path: Path) -> 
     path.write_text(_bomb(12))  # 9^11 strings if expanded
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "validate", "-f", str(path)],
+        [sys.executable, "-m", "weightsync_tools.cli.main", "validate", "-f", str(path)],
         capture_output=True,
         text=True,
         timeout=30,

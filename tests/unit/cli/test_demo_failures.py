@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from weightsync.cli import demo_steps
-from weightsync.cli.main import app
-from weightsync.localcluster.session import CommandError
+from weightsync_tools.cli import demo_steps
+from weightsync_tools.cli.main import app
+from weightsync_tools.localcluster.session import CommandError
 
 runner = CliRunner()
 LINE = re.compile(r'^(weightsync demo(?: --local)?): step "(.+?)" failed: (.+) \(full log: (\S+)\)$')
@@ -80,7 +80,7 @@ def test_a_missing_example_is_one_line_from_a_real_process(tmp_path: Path) -> No
             [
                 sys.executable,
                 "-m",
-                "weightsync.cli.main",
+                "weightsync_tools.cli.main",
                 "demo",
                 *local,
                 "-f",

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from weightsync.api.v1alpha1 import WeightSyncGroupStatus
-from weightsync.cli.group_view import rounds_view, size, status_view
+from weightsync_tools.cli.group_view import rounds_view, size, status_view
 
 SLOW = {"peer": "engine 1 rank 0", "bytes": 2_500_000, "seconds": 0.5, "gbps": 0.04}
 
@@ -100,7 +100,7 @@ def test_sizes_read_like_sizes() -> None:
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KUBECONFIG": os.devnull}
-    return subprocess.run([sys.executable, "-m", "weightsync.cli.main", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "weightsync_tools.cli.main", *args], env=env, capture_output=True,
                           text=True, timeout=120, check=False)  # fmt: skip
 
 

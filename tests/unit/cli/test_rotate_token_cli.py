@@ -1,4 +1,4 @@
-"""Rotating a group's token as pure steps (weightsync/cli/rotation.py) and the command's bad input
+"""Rotating a group's token as pure steps (tools/weightsync_tools/cli/rotation.py) and the command's bad input
 (``weightsync rotate-token``: one line, exit 2). The steps against the real API server: tests/e2e/test_rotation.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from weightsync.api import names
-from weightsync.cli.rotation import (
+from weightsync_tools.cli.rotation import (
     ROTATED_AT,
     RotationError,
     decoded,
@@ -107,7 +107,7 @@ def test_engines_started_before_the_rotation_are_named() -> None:
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "rotate-token", *args],
+        [sys.executable, "-m", "weightsync_tools.cli.main", "rotate-token", *args],
         check=False,
         capture_output=True,
         text=True,

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from weightsync.localcluster.binaries import Binaries
-from weightsync.localcluster.cluster import ClusterState, LocalCluster
+from weightsync_tools.localcluster.binaries import Binaries
+from weightsync_tools.localcluster.cluster import ClusterState, LocalCluster
 
 SLEEP = Path(shutil.which("sleep") or "/bin/sleep")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from weightsync.cli.main import app
+from weightsync_tools.cli.main import app
 
 runner = CliRunner()
 
@@ -56,7 +56,7 @@ def test_plot_writes_a_small_png(tmp_path: Path) -> None:
 
 
 def test_testbed_json_is_the_prediction_next_to_the_measurement() -> None:
-    from weightsync.simulate.testbed import TESTBED_RUNS
+    from weightsync_tools.simulate.testbed import TESTBED_RUNS
 
     result = runner.invoke(app, ["simulate", "--testbed", "A", "--json"])
     assert result.exit_code == 0, result.output

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.simulate import H100_IB, SCENARIOS, Scenario, simulate
-from weightsync.simulate.model import binomial_children, binomial_critical_path
-from weightsync_testing.testbed.scenario import binomial_sends
+from weightsync_tools.simulate import H100_IB, SCENARIOS, Scenario, simulate
+from weightsync_tools.simulate.model import binomial_children, binomial_critical_path
+from weightsync_tools.testbed.scenario import binomial_sends
 
 FAST = settings(max_examples=int(os.environ.get("SIMULATE_EXAMPLES", "40")), deadline=None)
 BINOMIAL = H100_IB.with_overrides(collective="binomial", engine_rpc_s_per_rank=0.0)

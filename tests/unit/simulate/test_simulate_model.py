@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.simulate import H100_IB, PRESETS, SCENARIOS, Hardware, Scenario, geometry, simulate
+from weightsync_tools.simulate import H100_IB, PRESETS, SCENARIOS, Hardware, Scenario, geometry, simulate
 
 MODES = ("broadcast", "p2p", "ours")
 FAST = settings(max_examples=int(os.environ.get("SIMULATE_EXAMPLES", "40")), deadline=None)

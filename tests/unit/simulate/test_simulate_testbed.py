@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.simulate.models import ModelSpec
-from weightsync.simulate.testbed import (
+from weightsync_tools.simulate.models import ModelSpec
+from weightsync_tools.simulate.testbed import (
     SWEEP_MEASURED,
     TESTBED,
     TESTBED_RUNS,
@@ -24,7 +24,7 @@ from weightsync.simulate.testbed import (
     replicated_from_shard,
     sweep_run,
 )
-from weightsync_testing.testbed.scenario import bound_seconds, broadcast_link_loads, engine_node
+from weightsync_tools.testbed.scenario import bound_seconds, broadcast_link_loads, engine_node
 
 FAST = settings(max_examples=int(os.environ.get("SIMULATE_EXAMPLES", "40")), deadline=None)
 TIMED = ("broadcast_s", "p2p_s", "miles_style_s", "ours_s")

@@ -20,7 +20,7 @@ cuts its shards); the rest of the round is the same, verified against hashes the
 tensors. ``/destroy_weights_update_group`` leaves a group after a failure.
 
 There is no staging area in stock SGLang: live mode only. Manifests: the engine's own pod traces the
-model with the engine's SGLang code (:mod:`.trace_model`) and joins the trace with the published
+model with the engine's SGLang code (``weightsync_engine/sglang/trace_model.py``) and joins the trace with the published
 addresses (:mod:`.manifest`); everyone else fetches them from that pod's agent.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
@@ -50,7 +49,6 @@ from weightsync_agent.targets.engine_trace import run_trace
 from weightsync_agent.targets.pass_checksums import PassChecksums
 from weightsync_agent.targets.sglang.manifest import assemble
 
-TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
 FLUSH_RETRY_SECONDS = 0.2
 INIT_GROUP_ROUTE = "/init_weights_update_group"
 UPDATE_ROUTE = "/update_weights_from_distributed"
@@ -315,5 +313,5 @@ class SglangAdapter:
             return self._traces[rank]
 
     def _run_trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
-        return run_trace(TRACE_SCRIPT, model=str(server_info["model_path"]), tp=int(server_info.get("tp_size") or 1),
+        return run_trace("sglang", model=str(server_info["model_path"]), tp=int(server_info.get("tp_size") or 1),
                          rank=rank, dtype=str(server_info.get("dtype") or "auto"), who=self.name)  # fmt: skip

@@ -2,8 +2,8 @@
 
 Stock SGLang publishes, per TP rank, only ``{name: [data_ptr, numel, element_size]}`` and a Mooncake
 session id (``/remote_instance_transfer_engine_info``): no dtype, shape or shard map. The trace
-(:mod:`.trace_model`, run with the engine's own SGLang code) says how each parameter is cut from the
-trainer's full HF tensors; :func:`weightsync_agent.layout.traced_manifest.assemble` joins the two and
+(``weightsync_engine/sglang/trace_model.py``, run with the engine's own SGLang code) says how each parameter is cut
+from the trainer's full HF tensors; :func:`weightsync_agent.layout.traced_manifest.assemble` joins the two and
 cross-checks them. What is SGLang's own here: the hash its ``/weights_checker`` computes, by device.
 """
 

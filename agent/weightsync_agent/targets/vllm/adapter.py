@@ -1,4 +1,4 @@
-"""The stock-vLLM adapter: vLLM as it ships, with weightsync's backend plugin (``weightsync_vllm``) selected by
+"""The stock-vLLM adapter: vLLM as it ships, with weightsync's backend plugin (``weightsync_engine.vllm``) selected by
 ``--weight-transfer-config '{"backend": "weightsync"}'``; driven through vLLM's own RL routes
 (``VLLM_SERVER_DEV_MODE=1``).
 
@@ -67,7 +67,7 @@ ENV_RECEIVE_DIR = "WEIGHTSYNC_VLLM_RECEIVE_DIR"
 DEFAULT_RECEIVE_DIR = "/dev/shm/weightsync-vllm"
 #: The address the plugin's Mooncake engine listens on (default: the engine URL's host, the pod's IP).
 ENV_MOONCAKE_HOST = "WEIGHTSYNC_VLLM_MOONCAKE_HOST"
-#: The backend name the server must be started with (``weightsync_vllm.plugin.BACKEND``).
+#: The backend name the server must be started with (``weightsync_engine.vllm.plugin.BACKEND``).
 BACKEND = "weightsync"
 NOT_SERVING_ROUTES = (
     "vLLM does not serve its RL routes: start it with VLLM_SERVER_DEV_MODE=1 and "
@@ -76,7 +76,7 @@ NOT_SERVING_ROUTES = (
 
 
 def rank_tag(rank: int) -> str:
-    """The plugin's name for TP rank ``rank``'s buffer (``weightsync_vllm.engine.rank_tag``)."""
+    """The plugin's name for TP rank ``rank``'s buffer (``weightsync_engine.vllm.engine.rank_tag``)."""
     return f"dp0-pp0-tp{rank}"
 
 
@@ -87,7 +87,7 @@ class VllmAdapter:
     broadcast: ClassVar[BroadcastReception] = BroadcastReception("engine", "announced-tensors")  # not supported
     #: How to start vLLM when its RL routes answer 404 (readiness' ``EngineNotPublishing``).
     not_serving: ClassVar[str] = NOT_SERVING_ROUTES
-    #: Where the plugin lands this adapter's bytes (``weightsync_vllm.engine.PLACEMENTS``): its receive buffer.
+    #: Where the plugin lands this adapter's bytes (``weightsync_engine.vllm.engine.PLACEMENTS``): its receive buffer.
     placement: ClassVar[str] = "buffer"
 
     def __init__(self, settings: AdapterSettings) -> None:

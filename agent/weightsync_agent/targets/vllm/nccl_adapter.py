@@ -13,7 +13,7 @@ trainer side is weightsync's broadcast sender over a raw NCCL group (``transport
 |       | {"update_info": {names, dtype_names, shapes}}`` while the sender broadcasts each tensor; every TP rank |
 |       | receives the full tensors and its own ``load_weights`` cuts them |
 | verify | ``/finish_weight_update`` without a version (the reload completes), then ``/weight_checker`` ``checksum``: |
-|        | vLLM's sha256 of each parameter against the sender's, cut by the trace (``trace_model.py``) |
+|        | vLLM's sha256 of each parameter against the sender's, cut by the engine root's vLLM trace |
 | commit | ``/update_weight_version``: the label moves only after every rank verified |
 | resume | ``/resume`` |
 | abort | an update left open is finished (no label); the engine stays paused, reporting the version it held |

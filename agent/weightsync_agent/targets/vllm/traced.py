@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from weightsync_agent.http.client import HttpCallError
@@ -37,9 +36,8 @@ from weightsync_agent.targets.vllm.adapter import VllmAdapter
 
 log = logging.getLogger("weightsync.agent.vllm")
 
-TRACE_SCRIPT = Path(__file__).with_name("trace_model.py")
 #: The plugin's worker-extension method that returns ``/weight_checker``'s checksums, computed in parallel
-#: (``weightsync_vllm.worker_extension.DIGEST_METHOD``; the agent does not import the plugin).
+#: (``weightsync_engine.vllm.worker_extension.DIGEST_METHOD``; the agent does not import the plugin).
 DIGEST_METHOD = "weightsync_checksums"
 
 
@@ -149,7 +147,8 @@ class VllmTracedAdapter(VllmAdapter):
         return {str(k): str(v) for k, v in sums.items()}
 
     def _rpc_checksums(self, timeout: float) -> dict[str, str]:
-        """Every worker's ``weightsync_checksums`` (``weightsync_vllm.worker_extension``), by ``/collective_rpc``."""
+        """Every worker's ``weightsync_checksums`` (``weightsync_engine.vllm.worker_extension``), by
+        ``/collective_rpc``."""
         answer = self._post("/collective_rpc", {"method": DIGEST_METHOD, "timeout": timeout}, timeout)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
@@ -161,7 +160,7 @@ class VllmTracedAdapter(VllmAdapter):
         with self._lock:  # one trace at a time: readiness and every source ask at start-up
             if rank not in self._traces:
                 served = self._served_model()
-                self._traces[rank] = run_trace(TRACE_SCRIPT, model=served["model"], tp=int(served["tp"]), rank=rank,
+                self._traces[rank] = run_trace("vllm", model=served["model"], tp=int(served["tp"]), rank=rank,
                                                dtype=served["dtype"], who=self.name)  # fmt: skip
             return self._traces[rank]
 

@@ -1,0 +1,270 @@
+"""Trace how stock SGLang cuts one TP rank's parameters from the full Hugging Face tensors. Standalone.
+
+Run with the ENGINE's Python (the one SGLang is installed in), through the engine root's one entry point; it imports
+only the standard library, ``torch``, ``sglang`` (which brings ``transformers``) and the engine-independent trace core
+(``weightsync_engine/trace_core.py``: stdlib and torch only), never another weightsync root::
+
+    python weightsync_engine/trace.py sglang --model DIR --tp T --rank R --dtype DTYPE
+
+prints one JSON object on stdout (``tensors``: per SGLang parameter, in ``named_parameters()`` order,
+the parts it concatenates along ``cat_dim``, each a slice of one HF tensor; ``refused``: every
+parameter or buffer that is not such a block copy, with the reason). The consumer is
+``weightsync_agent.targets.sglang.manifest.assemble``. On a real error (bad model directory, SGLang not
+importable, a checkpoint tensor SGLang cannot load) it exits 1 with one line on stderr.
+
+Method (docs/engines/sglang-trace.md; the trace itself is the core's, shared with the vLLM trace): build
+SGLang's own model class for (T, R) on CPU in float32, so small integer codes are exact; then for each HF
+tensor of the checkpoint (names and shapes from the safetensors headers; no values are read) and each of its
+dims, fill every parameter with NaN, feed a tensor whose value is ``index along that dim + 1`` through the
+model's own ``load_weights``, and record for every element written which source coordinate it came from.
+A (parameter, HF tensor) pair is accepted only as a pure rectangular translation; a parameter is emitted only
+when such blocks tile it completely along one dim. A last pass per HF tensor loads seeded random values and
+checks that the accepted blocks reproduce them bit for bit (so no load-time transform — scaling, ``+1``, a
+cast — hides behind a translation). Anything else is refused, never guessed.
+
+Engine dtype and per-parameter dtypes come from a second build of the model class in the engine's dtype
+(``--dtype auto`` resolves as SGLang's ``ModelConfig`` does: a float32 checkpoint becomes float16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from weightsync_engine import trace_core as core
+
+#: The engine's name in the trace's help and messages.
+ENGINE = "SGLang"
+#: The SGLang release this trace (and its workarounds) was written and checked against.
+VALIDATED_SGLANG = "0.5.23"
+
+# The core's names this module, its tests' engine-side helpers and the coverage survey
+# (weightsync_testing/sglang_coverage.py, which imports this module in SGLang's Python through trace.py) use.
+TraceError = core.TraceError
+Workarounds = core.Workarounds
+read_checkpoint = core.read_checkpoint
+trace_replica = core.trace_replica
+param_layout = core.param_layout
+dtype_name = core.dtype_name
+
+
+# ---------------------------------------------------------------- importing SGLang
+
+
+def import_sglang() -> types.SimpleNamespace:
+    """The SGLang (and torch) names the trace uses; a missing package is a one-line TraceError."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never reach for the Hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        torch = importlib.import_module("torch")
+        sglang = importlib.import_module("sglang")
+        runtime_context = importlib.import_module("sglang.srt.runtime_context")
+        server_args = importlib.import_module("sglang.srt.server_args")
+        dp_attention = importlib.import_module("sglang.srt.layers.dp_attention")
+        model_config = importlib.import_module("sglang.srt.configs.model_config")
+        load_config = importlib.import_module("sglang.srt.configs.load_config")
+        loader = importlib.import_module("sglang.srt.model_loader.loader")
+        loader_utils = importlib.import_module("sglang.srt.model_loader.utils")
+        arg_utils = importlib.import_module("sglang.srt.arg_groups.arg_utils")
+        parallel_fields = importlib.import_module("sglang.srt.arg_groups.fields.parallel")
+    except ImportError as exc:
+        package = (exc.name or "sglang").split(".")[0]
+        raise TraceError(
+            f"cannot import {package} ({exc}): run this script with the Python that SGLang is installed in"
+        ) from exc
+    version = getattr(sglang, "__version__", None)
+    if version is None:
+        version = importlib.import_module("importlib.metadata").version("sglang")
+    return types.SimpleNamespace(
+        torch=torch,
+        version=str(version),
+        reset_context=runtime_context.reset_context,
+        publish=runtime_context.publish,
+        get_parallel=runtime_context.get_parallel,
+        SpawnRanks=runtime_context.SpawnRanks,
+        ServerArgs=server_args.ServerArgs,
+        initialize_dp_attention_flags=dp_attention.initialize_dp_attention_flags,
+        ModelConfig=model_config.ModelConfig,
+        LoadConfig=load_config.LoadConfig,
+        initialize_model=loader._initialize_model,
+        set_default_torch_dtype=loader_utils.set_default_torch_dtype,
+        Derived=arg_utils.Derived,
+        Parallel=parallel_fields.Parallel,
+    )
+
+
+# ---------------------------------------------------------------- workarounds (gated, each recorded)
+
+
+FAKE_GROUPS_WHY = (
+    "SGLang's model constructors read process-group handles from get_parallel() (pp_group, moe_tp_group, "
+    "tp_group.cpu_group, ...) that only torch.distributed initialisation writes; the trace builds one rank "
+    "alone, so each unwritten *_group gets a placeholder carrying only rank_in_group/world_size (from the "
+    "published topology) and cpu_group=device_group=None. No collective runs: load_weights of these "
+    "layers only slices."
+)
+VLLM_WHY = (
+    "RotaryEmbedding.__init__ imports vllm._custom_ops.rotary_embedding as its fallback kernel when the "
+    "platform is neither CUDA/HIP nor SGLang's CPU engine (a CPU-only host); vLLM is absent, so a "
+    "placeholder module is in sys.modules only while the model is constructed. Its rotary_embedding "
+    "raises if called; the trace never runs forward."
+)
+
+
+def fake_parallel_groups(sg: types.SimpleNamespace, tp: int, rank: int, workarounds: Workarounds) -> None:
+    """Workaround 1: placeholder handles for every process group that has not been written."""
+    parallel = sg.get_parallel()
+    names = [n for n, d in vars(sg.Parallel).items() if isinstance(d, sg.Derived) and n.endswith("_group")]
+    faked: dict[str, Any] = {}
+    placement: dict[str, list[int]] = {}
+    for name in names:
+        try:
+            handle = getattr(parallel, name)
+        except RuntimeError:  # "parallel name ... has not been written in this process"
+            handle = None
+        if handle is not None:
+            for attr in ("cpu_group", "device_group"):
+                if not hasattr(handle, attr):
+                    setattr(handle, attr, None)
+            continue
+        group = name.removesuffix("_group")
+        size, index = _readable(parallel, f"{group}_size"), _readable(parallel, f"{group}_rank")
+        if group == "world":
+            size, index = tp, rank
+        if not isinstance(size, int) or not isinstance(index, int):
+            size, index = 1, 0
+        faked[name] = core.PlaceholderGroup(name, index, size)
+        placement[name] = [index, size]
+    entry = workarounds.note("fake_parallel_groups", FAKE_GROUPS_WHY, applied=bool(faked))
+    entry["groups"] = placement
+    if faked:
+        parallel.override_permanently(**faked)
+    # Assert the topology the layers will read is the one asked for.
+    got = (parallel.tp_rank, parallel.tp_size)
+    if got != (rank, tp):
+        raise TraceError(f"SGLang's published topology says TP rank {got[0]} of {got[1]}, asked for {rank} of {tp}")
+
+
+def _finish_groups_note(workarounds: Workarounds) -> None:
+    entry = workarounds.entries.get("fake_parallel_groups")
+    if entry is not None:
+        entry["read"] = sorted(set(entry.get("read", [])) | core.PlaceholderGroup.read)
+        entry["used"] = bool(entry["read"])
+
+
+def _readable(parallel: Any, name: str) -> Any:
+    try:
+        return getattr(parallel, name)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def vllm_placeholder(workarounds: Workarounds) -> Iterator[None]:
+    """Workaround 2: a placeholder ``vllm._custom_ops`` during construction, only where SGLang would import it."""
+    entry = workarounds.note("vllm_custom_ops_placeholder", VLLM_WHY)
+    rotary = importlib.import_module("sglang.srt.layers.rotary_embedding.base")
+    takes_vllm_path = not any(
+        getattr(rotary, flag, False) for flag in ("_is_cuda", "_is_hip", "_is_cpu", "_is_xpu", "_is_npu", "_is_musa")
+    )
+    if not takes_vllm_path or "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+        yield
+        return
+
+    def rotary_embedding(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("weightsync trace placeholder vllm._custom_ops.rotary_embedding was called")
+
+    package = types.ModuleType("vllm")
+    package.__path__ = []
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = rotary_embedding  # type: ignore[attr-defined]
+    package._custom_ops = ops  # type: ignore[attr-defined]
+    sys.modules["vllm"], sys.modules["vllm._custom_ops"] = package, ops
+    entry["applied"] = True
+    try:
+        yield
+    finally:
+        sys.modules.pop("vllm._custom_ops", None)
+        sys.modules.pop("vllm", None)
+    entry["placeholder"] = rotary_embedding
+
+
+def _finish_vllm_note(model: Any, workarounds: Workarounds) -> None:
+    entry = workarounds.entries.get("vllm_custom_ops_placeholder")
+    placeholder = entry.pop("placeholder", None) if entry else None
+    if entry is None or placeholder is None:
+        return
+    layers = [m for m in model.modules() if getattr(m, "fallback_rotary_embedding", None) is placeholder]
+    entry["used"] = bool(layers)
+    entry["layers"] = len(layers)
+
+
+# ---------------------------------------------------------------- building the model
+
+
+def build_model(
+    sg: types.SimpleNamespace,
+    model_dir: Path,
+    tp: int,
+    rank: int,
+    dtype: str,
+    workarounds: Workarounds,
+    *,
+    layers: int | None = None,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig).
+
+    ``layers`` overrides ``num_hidden_layers`` (SGLang's own ``json_model_override_args``); ``device="meta"``
+    builds names, shapes and dtypes without memory."""
+    torch = sg.torch
+    sg.reset_context()
+    override = json.dumps({"num_hidden_layers": layers}) if layers is not None else "{}"
+    args = sg.ServerArgs(
+        model_path=str(model_dir),
+        device="cpu",
+        tp_size=tp,
+        load_format="dummy",
+        dtype=dtype,
+        json_model_override_args=override,
+    )
+    sg.publish(args, role="scheduler", ranks=sg.SpawnRanks(world_rank=rank))
+    sg.initialize_dp_attention_flags(args)
+    fake_parallel_groups(sg, tp, rank, workarounds)
+    config = sg.ModelConfig.from_server_args(args)
+    if config.quantization:
+        raise TraceError(f"quantized checkpoints ({config.quantization}) are not traced yet")
+    load_config = sg.LoadConfig(load_format="dummy")
+    with vllm_placeholder(workarounds), sg.set_default_torch_dtype(config.dtype), torch.device(device):
+        model = sg.initialize_model(config, load_config, None)
+    _finish_vllm_note(model, workarounds)
+    _finish_groups_note(workarounds)
+    if getattr(model, "secondary_weights", ()):
+        raise TraceError("the model loads weights from secondary sources, which the trace does not follow")
+    return model.eval(), config
+
+
+def run(model_dir: Path, tp: int, rank: int, dtype: str, reduce_layers: bool = True) -> dict[str, Any]:
+    started = time.monotonic()
+    sources = read_checkpoint(model_dir)
+    sg = import_sglang()
+    imported = time.monotonic()
+    workarounds = Workarounds()
+
+    def build(build_dtype: str, layers: int | None, device: str) -> tuple[Any, str]:
+        model, config = build_model(sg, model_dir, tp, rank, build_dtype, workarounds, layers=layers, device=device)
+        return model, dtype_name(config.dtype)
+
+    traced = core.trace_layers(sg.torch, build, sources, dtype, ENGINE, reduce_layers)
+    return core.run_output(
+        "sglang_version", sg.version, tp, rank, traced, workarounds, started=started, imported=imported
+    )
