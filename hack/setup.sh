@@ -81,7 +81,7 @@ finish() {
 with_engines=0
 [[ ${1:-} == --engines ]] && with_engines=1
 control_plane="building the control plane (first time ~12 min on 2 cores)"
-[[ ${WEIGHTSYNC_E2E:-1} == 0 ]] || background "$control_plane" bash weightsync/localcluster/build-binaries.sh
+[[ ${WEIGHTSYNC_E2E:-1} == 0 ]] || background "$control_plane" bash tools/weightsync_tools/localcluster/build-binaries.sh
 if ((with_engines)); then
   # Only their caches matter here: hack/test.sh runs them again (instant once built), and those runs report
   # their own failures and tell an unreachable package index (the tier skips) from a broken build (it fails).
