@@ -15,6 +15,7 @@ Method and refusals: docs/engines/sglang-trace.md, docs/engines/vllm-trace.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import math
@@ -46,6 +47,20 @@ class TraceError(Exception):
 
 
 # ---------------------------------------------------------------- the checkpoint (stdlib only)
+
+
+def import_engine(engine: str, package: str, modules: dict[str, str]) -> dict[str, Any]:
+    """``modules`` (a short name -> a module path) imported from the engine's own install, offline (a local model
+    directory only: never reach for the Hub); a missing package is a one-line TraceError naming it."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        return {name: importlib.import_module(path) for name, path in modules.items()}
+    except ImportError as exc:
+        missing = (exc.name or package).split(".")[0]
+        raise TraceError(
+            f"cannot import {missing} ({exc}): run this script with the Python that {engine} is installed in"
+        ) from exc
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -32,7 +32,6 @@ import contextlib
 import importlib
 import importlib.util
 import json
-import os
 import sys
 import time
 import types
@@ -62,25 +61,24 @@ dtype_name = core.dtype_name
 
 def import_sglang() -> types.SimpleNamespace:
     """The SGLang (and torch) names the trace uses; a missing package is a one-line TraceError."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never reach for the Hub
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        torch = importlib.import_module("torch")
-        sglang = importlib.import_module("sglang")
-        runtime_context = importlib.import_module("sglang.srt.runtime_context")
-        server_args = importlib.import_module("sglang.srt.server_args")
-        dp_attention = importlib.import_module("sglang.srt.layers.dp_attention")
-        model_config = importlib.import_module("sglang.srt.configs.model_config")
-        load_config = importlib.import_module("sglang.srt.configs.load_config")
-        loader = importlib.import_module("sglang.srt.model_loader.loader")
-        loader_utils = importlib.import_module("sglang.srt.model_loader.utils")
-        arg_utils = importlib.import_module("sglang.srt.arg_groups.arg_utils")
-        parallel_fields = importlib.import_module("sglang.srt.arg_groups.fields.parallel")
-    except ImportError as exc:
-        package = (exc.name or "sglang").split(".")[0]
-        raise TraceError(
-            f"cannot import {package} ({exc}): run this script with the Python that SGLang is installed in"
-        ) from exc
+    m = core.import_engine(
+        "SGLang",
+        "sglang",
+        {
+            "torch": "torch",
+            "sglang": "sglang",
+            "runtime_context": "sglang.srt.runtime_context",
+            "server_args": "sglang.srt.server_args",
+            "dp_attention": "sglang.srt.layers.dp_attention",
+            "model_config": "sglang.srt.configs.model_config",
+            "load_config": "sglang.srt.configs.load_config",
+            "loader": "sglang.srt.model_loader.loader",
+            "loader_utils": "sglang.srt.model_loader.utils",
+            "arg_utils": "sglang.srt.arg_groups.arg_utils",
+            "parallel_fields": "sglang.srt.arg_groups.fields.parallel",
+        },
+    )
+    torch, sglang, runtime_context = m["torch"], m["sglang"], m["runtime_context"]
     version = getattr(sglang, "__version__", None)
     if version is None:
         version = importlib.import_module("importlib.metadata").version("sglang")
@@ -91,14 +89,14 @@ def import_sglang() -> types.SimpleNamespace:
         publish=runtime_context.publish,
         get_parallel=runtime_context.get_parallel,
         SpawnRanks=runtime_context.SpawnRanks,
-        ServerArgs=server_args.ServerArgs,
-        initialize_dp_attention_flags=dp_attention.initialize_dp_attention_flags,
-        ModelConfig=model_config.ModelConfig,
-        LoadConfig=load_config.LoadConfig,
-        initialize_model=loader._initialize_model,
-        set_default_torch_dtype=loader_utils.set_default_torch_dtype,
-        Derived=arg_utils.Derived,
-        Parallel=parallel_fields.Parallel,
+        ServerArgs=m["server_args"].ServerArgs,
+        initialize_dp_attention_flags=m["dp_attention"].initialize_dp_attention_flags,
+        ModelConfig=m["model_config"].ModelConfig,
+        LoadConfig=m["load_config"].LoadConfig,
+        initialize_model=m["loader"]._initialize_model,
+        set_default_torch_dtype=m["loader_utils"].set_default_torch_dtype,
+        Derived=m["arg_utils"].Derived,
+        Parallel=m["parallel_fields"].Parallel,
     )
 
 

@@ -46,8 +46,6 @@ These are vLLM internals, not API: :data:`VALIDATED_VLLM` is the release they we
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import time
 import types
@@ -72,30 +70,29 @@ TraceError = core.TraceError
 
 def import_vllm() -> types.SimpleNamespace:
     """The vLLM (and torch) names the trace uses; a missing package is a one-line TraceError."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory only: never reach for the Hub
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # build on CPU whatever the host has (module docstring)
-    try:
-        torch = importlib.import_module("torch")
-        vllm = importlib.import_module("vllm")
-        arg_utils = importlib.import_module("vllm.engine.arg_utils")
-        parallel_state = importlib.import_module("vllm.distributed.parallel_state")
-        loader_utils = importlib.import_module("vllm.model_executor.model_loader.utils")
-        torch_utils = importlib.import_module("vllm.utils.torch_utils")
-        rotary = importlib.import_module("vllm.model_executor.layers.rotary_embedding")
-    except ImportError as exc:
-        package = (exc.name or "vllm").split(".")[0]
-        raise TraceError(
-            f"cannot import {package} ({exc}): run this script with the Python that vLLM is installed in"
-        ) from exc
+    m = core.import_engine(
+        "vLLM",
+        "vllm",
+        {
+            "torch": "torch",
+            "vllm": "vllm",
+            "arg_utils": "vllm.engine.arg_utils",
+            "parallel_state": "vllm.distributed.parallel_state",
+            "loader_utils": "vllm.model_executor.model_loader.utils",
+            "torch_utils": "vllm.utils.torch_utils",
+            "rotary": "vllm.model_executor.layers.rotary_embedding",
+        },
+    )
+    torch, vllm, parallel_state = m["torch"], m["vllm"], m["parallel_state"]
     vl = types.SimpleNamespace(
         torch=torch,
         version=str(getattr(vllm, "__version__", "unknown")),
-        EngineArgs=getattr(arg_utils, "EngineArgs", None),
+        EngineArgs=getattr(m["arg_utils"], "EngineArgs", None),
         parallel_state=parallel_state,
-        initialize_model=getattr(loader_utils, "initialize_model", None),
-        set_default_torch_dtype=getattr(torch_utils, "set_default_torch_dtype", None),
-        rope_cache=getattr(rotary, "_ROPE_DICT", None),
+        initialize_model=getattr(m["loader_utils"], "initialize_model", None),
+        set_default_torch_dtype=getattr(m["torch_utils"], "set_default_torch_dtype", None),
+        rope_cache=getattr(m["rotary"], "_ROPE_DICT", None),
     )
     check_internals(vl)
     return vl
