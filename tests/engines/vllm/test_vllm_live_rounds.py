@@ -196,14 +196,19 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
         assert writer.write() < 0  # refused: not registered between rounds
         assert checksums(server) == before
 
+        first_landed = threading.Event()
+
         def overwrite() -> None:
             while not stop.is_set():
                 landed.append(writer.write())
+                if landed[-1] == 0:
+                    first_landed.set()
                 time.sleep(0.005)
 
         def fault() -> None:
             threading.Thread(target=overwrite, daemon=True).start()
-            time.sleep(0.2)  # some writes land before the held checksum call goes on
+            # A write lands before the held checksum call goes on (however slow a loaded machine makes the first).
+            assert first_landed.wait(30), f"no foreign write landed inside the round: {landed[-5:]}"
 
         try:
             outcome, _ = publish_with_fault(clients, trained_state(tiny_llama32, 41), base + 2, gate=gate,
