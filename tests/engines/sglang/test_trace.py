@@ -10,6 +10,9 @@ loader zero-fills) and Qwen3-MoE's fused 3-D experts (parts placed at a leading 
 no HF tensor writes, and on a synthetic replica every kind of load that is not a block copy. The trace's output
 also goes through ``manifest.assemble``, its consumer.
 
+The tests vLLM's trace passes too are ``TestSglangTrace``'s, from ``tests/engines/trace_shared.py``; this module
+holds SGLang's side of them (:data:`SGLANG`, the fixtures, the hand-written layout) and the tests of SGLang alone.
+
 The SGLang venv is built once (cached); these tests skip only when it cannot be built because the package index is
 unreachable, and ``WEIGHTSYNC_REQUIRE_SGLANG=1`` turns that skip into a failure.
 """
@@ -18,141 +21,98 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from trace_shared import CASES, HIDDEN, SharedTraceTests, TraceEngine, Traces, columns, layer_norms, part, rows, whole
 
-import weightsync_engine.trace
 from weightsync_agent.targets.sglang.manifest import assemble
 from weightsync_testing.sglang_models import ensure_tiny_model
 
-TRACE_SCRIPT = Path(weightsync_engine.trace.__file__)
 # The tiny models (weightsync_testing.sglang_models.SHAPE): vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads,
 # head_dim 16, MLP 256.
-VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 512, 128, 2, 8, 4, 16, 256
-CASES = [(tp, rank) for tp in (1, 2, 4) for rank in range(tp)]
-TIMINGS: dict[str, dict[str, float]] = {}
-Traces = dict[tuple[str, int, int], dict[str, Any]]
+VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 512, 2, 8, 4, 16, 256
 
 
 # ---------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="session")
-def engine_python(sglang_py: Path) -> Path:
-    """The SGLang venv's python (conftest's ``sglang_py``: skips or fails as the tier does)."""
-    return sglang_py
+def tiny(sglang_py: Path) -> dict[str, Path]:
+    return {arch: ensure_tiny_model(sglang_py, arch, seed=0, dtype="float32") for arch in ("llama", "qwen3")}
 
 
 @pytest.fixture(scope="session")
-def tiny(engine_python: Path) -> dict[str, Path]:
-    return {arch: ensure_tiny_model(engine_python, arch, seed=0, dtype="float32") for arch in ("llama", "qwen3")}
-
-
-@pytest.fixture(scope="session")
-def engine_side(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def engine_side(sglang_py: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The engine-venv helper script (models for the refusal cases, the differential check)."""
-    path = tmp_path_factory.mktemp("trace-helper") / "trace_helper.py"
-    path.write_text(ENGINE_SIDE)
-    return path
+    return SGLANG.write_engine_side(tmp_path_factory, ENGINE_SIDE)
 
 
 @pytest.fixture(scope="session")
-def traces(engine_python: Path, tiny: dict[str, Path]) -> Traces:
+def traces(sglang_py: Path, tiny: dict[str, Path]) -> Traces:
     """Every (arch, tp, rank) of CASES traced with the CLI, bfloat16 (cached for the session)."""
     out: Traces = {}
     for arch, model in tiny.items():
         for tp, rank in CASES:
-            out[arch, tp, rank] = trace(engine_python, model, tp, rank, "bfloat16")
+            out[arch, tp, rank] = trace(sglang_py, model, tp, rank, "bfloat16")
     return out
 
 
 @pytest.fixture(scope="session")
 def derived(
-    engine_python: Path, engine_side: Path, tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    sglang_py: Path, engine_side: Path, tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     """Models for the refusal cases: vocab 500 (padding at TP 2), a checkpoint missing one norm, a tiny Qwen3-MoE."""
     root = tmp_path_factory.mktemp("trace-models")
     out = {"vocab500": root / "vocab500", "missing": root / "missing", "moe": root / "moe", "moe4": root / "moe4"}
-    engine(engine_python, engine_side, "derive", str(tiny["llama"]), str(out["vocab500"]), "--vocab", "500")
+    SGLANG.run_helper(sglang_py, engine_side, "derive", str(tiny["llama"]), str(out["vocab500"]), "--vocab", "500")
     drop = "model.layers.1.post_attention_layernorm.weight"
-    engine(engine_python, engine_side, "derive", str(tiny["llama"]), str(out["missing"]), "--drop", drop)
-    engine(engine_python, engine_side, "moe", str(out["moe"]))
-    engine(engine_python, engine_side, "glm4moe", str(out["moe4"]))
+    SGLANG.run_helper(sglang_py, engine_side, "derive", str(tiny["llama"]), str(out["missing"]), "--drop", drop)
+    SGLANG.run_helper(sglang_py, engine_side, "moe", str(out["moe"]))
+    SGLANG.run_helper(sglang_py, engine_side, "glm4moe", str(out["moe4"]))
     return out
+
+
+@pytest.fixture
+def vocab500(sglang_py: Path, derived: dict[str, Path]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The vocab-500 model and its TP 2 traces of rank 0 and rank 1, with the CLI."""
+    model = derived["vocab500"]
+    return model, trace(sglang_py, model, 2, 0, "bfloat16"), trace(sglang_py, model, 2, 1, "bfloat16")
 
 
 # ---------------------------------------------------------------- running things
 
 
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-
-
-def run_trace(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [str(python), str(TRACE_SCRIPT), "sglang", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env or clean_env(), timeout=300, check=False)
-
-
 def trace(python: Path, model: Path, tp: int, rank: int, dtype: str, *extra: str) -> dict[str, Any]:
     started = time.monotonic()
-    done = run_trace(python, "--model", str(model), "--tp", str(tp), "--rank", str(rank), "--dtype", dtype, *extra)
+    done = SGLANG.run_trace(
+        python, "--model", str(model), "--tp", str(tp), "--rank", str(rank), "--dtype", dtype, *extra
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # SGLang's own output stays out of the way on success
     result: dict[str, Any] = json.loads(done.stdout)
     wall = time.monotonic() - started
-    TIMINGS[f"{model.name} TP{tp} r{rank}"] = {"wall": round(wall, 2), **result["seconds"]}
+    SGLANG.timings[f"{model.name} TP{tp} r{rank}"] = {"wall": round(wall, 2), **result["seconds"]}
     print(f"\ntrace {model.name} TP{tp} r{rank}: {wall:.1f} s wall, {result['seconds']}", file=sys.stderr)
     return result
 
 
-def engine(python: Path, helper: Path, *args: str) -> Any:
-    done = subprocess.run(
-        [str(python), str(helper), str(TRACE_SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
-
-
 # ---------------------------------------------------------------- the hand-written layout
-
-
-def part(source: str, full: list[int], dim: int, start: int, length: int, at: tuple[int, ...] = ()) -> dict[str, Any]:
-    return {"source": source, "full_shape": full, "dim": dim, "start": start, "length": length, "at": list(at)}
 
 
 def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
     """``{name: {"shape", "cat_dim", "parts"}}`` of the tiny models, written out by hand, in SGLang's order."""
     q_rows, kv_rows, mlp = HEADS * HEAD_DIM // tp, KV_HEADS * HEAD_DIM // tp, MLP // tp
     vocab = VOCAB // tp  # 512 is a multiple of 64 (SGLang's vocab padding) times every tp here: no padding
-
-    def whole(name: str, n: int) -> dict[str, Any]:
-        return {"shape": [n], "cat_dim": 0, "parts": [part(name, [n], 0, 0, n)]}
-
-    def rows(name: str, full: list[int], n: int) -> dict[str, Any]:
-        return {"shape": [n, full[1]], "cat_dim": 0, "parts": [part(name, full, 0, rank * n, n)]}
-
-    def columns(name: str, full: list[int], n: int) -> dict[str, Any]:
-        if tp == 1:  # a whole tensor: the trace names no sliced dim, so dim 0 and cat_dim 0
-            return {"shape": full, "cat_dim": 0, "parts": [part(name, full, 0, 0, full[0])]}
-        return {"shape": [full[0], n], "cat_dim": 1, "parts": [part(name, full, 1, rank * n, n)]}
-
-    out = {"model.embed_tokens.weight": rows("model.embed_tokens.weight", [VOCAB, HIDDEN], vocab)}
+    out = {"model.embed_tokens.weight": rows("model.embed_tokens.weight", [VOCAB, HIDDEN], vocab, rank)}
     for layer in range(LAYERS):
         p = f"model.layers.{layer}."
         if arch == "qwen3":
-            out[p + "self_attn.q_norm.weight"] = whole(p + "self_attn.q_norm.weight", HEAD_DIM)
-            out[p + "self_attn.k_norm.weight"] = whole(p + "self_attn.k_norm.weight", HEAD_DIM)
+            out[p + "self_attn.q_norm.weight"] = whole(p + "self_attn.q_norm.weight", [HEAD_DIM])
+            out[p + "self_attn.k_norm.weight"] = whole(p + "self_attn.k_norm.weight", [HEAD_DIM])
         out[p + "self_attn.qkv_proj.weight"] = {
             "shape": [q_rows + 2 * kv_rows, HIDDEN],
             "cat_dim": 0,
@@ -162,7 +122,8 @@ def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
                 part(p + "self_attn.v_proj.weight", [KV_HEADS * HEAD_DIM, HIDDEN], 0, rank * kv_rows, kv_rows),
             ],
         }
-        out[p + "self_attn.o_proj.weight"] = columns(p + "self_attn.o_proj.weight", [HIDDEN, HEADS * HEAD_DIM], q_rows)
+        o_full = [HIDDEN, HEADS * HEAD_DIM]
+        out[p + "self_attn.o_proj.weight"] = columns(p + "self_attn.o_proj.weight", o_full, q_rows, tp, rank)
         out[p + "mlp.gate_up_proj.weight"] = {
             "shape": [2 * mlp, HIDDEN],
             "cat_dim": 0,
@@ -171,123 +132,61 @@ def expected_layout(arch: str, tp: int, rank: int) -> dict[str, dict[str, Any]]:
                 part(p + "mlp.up_proj.weight", [MLP, HIDDEN], 0, rank * mlp, mlp),
             ],
         }
-        out[p + "mlp.down_proj.weight"] = columns(p + "mlp.down_proj.weight", [HIDDEN, MLP], mlp)
-        out[p + "input_layernorm.weight"] = whole(p + "input_layernorm.weight", HIDDEN)
-        out[p + "post_attention_layernorm.weight"] = whole(p + "post_attention_layernorm.weight", HIDDEN)
-    out["model.norm.weight"] = whole("model.norm.weight", HIDDEN)
-    out["lm_head.weight"] = rows("lm_head.weight", [VOCAB, HIDDEN], vocab)
+        out[p + "mlp.down_proj.weight"] = columns(p + "mlp.down_proj.weight", [HIDDEN, MLP], mlp, tp, rank)
+        out.update(layer_norms(p))
+    out["model.norm.weight"] = whole("model.norm.weight", [HIDDEN])
+    out["lm_head.weight"] = rows("lm_head.weight", [VOCAB, HIDDEN], vocab, rank)
     return out
 
 
-# ---------------------------------------------------------------- tests
+# ---------------------------------------------------------------- the tests both engines pass
+
+SGLANG = TraceEngine(
+    name="sglang",
+    python="sglang_py",
+    version="0.5.23",
+    archs=("llama", "qwen3"),
+    expected_layout=expected_layout,
+    ordered=True,
+    layers=None,
+    loaded={"loader": "DefaultModelLoader.load_weights_and_postprocess"},
+    workarounds=frozenset({"fake_parallel_groups", "vllm_custom_ops_placeholder"}),
+    groups=lambda tp, rank: {"tp_group": [rank, tp], "world_group": [rank, tp]},
+    groups_read=lambda arch: {"tp_group", "pp_group"},
+    layered=("vllm_custom_ops_placeholder",),  # this machine has no GPU: the gate opens
+    failure_note=None,
+    assemble=lambda rank, trace, weights_info: assemble(0, rank, trace, "127.0.0.1:1234", weights_info, device="cpu"),
+)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize(("tp", "rank"), CASES, ids=[f"tp{t}-r{r}" for t, r in CASES])
-def test_trace_matches_the_hand_written_layout(traces: Traces, arch: str, tp: int, rank: int) -> None:
-    result = traces[arch, tp, rank]
-    assert (result["sglang_version"], result["tp_size"], result["tp_rank"]) == ("0.5.23", tp, rank)
-    assert result["dtype"] == "bfloat16"
-    assert result["refused"] == []
-    assert result["unused_sources"] == []
-    expected = expected_layout(arch, tp, rank)
-    got = {t["name"]: {"shape": t["shape"], "cat_dim": t["cat_dim"], "parts": t["parts"]} for t in result["tensors"]}
-    assert list(got) == list(expected)  # every parameter, in named_parameters() order
-    for name, want in expected.items():
-        assert got[name] == want, name
-    assert {t["padding"] for t in result["tensors"]} == {0}
-    assert {t["dtype"] for t in result["tensors"]} == {"bfloat16"}
+class TestSglangTrace(SharedTraceTests):
+    engine = SGLANG
 
 
-def differential(
-    engine_python: Path, engine_side: Path, model: Path, traced: dict[tuple[int, int], dict[str, Any]], tmp_path: Path
-) -> None:
-    """Inside the SGLang venv: a bf16 replica per (tp, rank), loaded by SGLang's own loader from seeded random HF
-    tensors, equals assembly from the traced parts (narrow, place, zero padding), bit for bit, for every parameter."""
-    jobs = []
-    for (tp, rank), result in traced.items():
-        path = tmp_path / f"trace-{model.name}-{tp}-{rank}.json"
-        path.write_text(json.dumps(result))
-        jobs.append({"tp": tp, "rank": rank, "trace": str(path)})
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    results = engine(engine_python, engine_side, "diff", str(model), str(tmp_path / "jobs.json"))
-    assert len(results) == len(traced)
-    for result in results:
-        where = f"{model.name} TP{result['tp']} r{result['rank']}"
-        assert result["untraced"] == [], where
-        assert result["mismatched"] == [], where
-        assert result["checked"] == len(traced[result["tp"], result["rank"]]["tensors"]) > 0, where
-        assert result["loader"] == "DefaultModelLoader.load_weights_and_postprocess", where
+# ---------------------------------------------------------------- tests of SGLang alone
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_differential_sglang_load_equals_assembly_from_parts(
-    engine_python: Path, engine_side: Path, tiny: dict[str, Path], traces: Traces, tmp_path: Path, arch: str
-) -> None:
-    differential(engine_python, engine_side, tiny[arch], {c: traces[(arch, *c)] for c in CASES}, tmp_path)
-
-
-def test_auto_dtype_resolves_as_sglang_does(engine_python: Path, tiny: dict[str, Path]) -> None:
+def test_auto_dtype_resolves_as_sglang_does(sglang_py: Path, tiny: dict[str, Path]) -> None:
     """``--dtype auto`` on a float32 checkpoint is float16 in SGLang's ModelConfig (not float32, not bfloat16)."""
-    result = trace(engine_python, tiny["qwen3"], 2, 1, "auto")
+    result = trace(sglang_py, tiny["qwen3"], 2, 1, "auto")
     assert result["dtype"] == "float16"
     assert {t["dtype"] for t in result["tensors"]} == {"float16"}
     assert result["refused"] == []
 
 
-def test_workarounds_are_reported_and_used(traces: Traces) -> None:
-    for (arch, tp, rank), result in traces.items():
-        entries = {w["name"]: w for w in result["workarounds"]}
-        assert set(entries) == {"fake_parallel_groups", "vllm_custom_ops_placeholder"}, (arch, tp, rank)
-        groups = entries["fake_parallel_groups"]
-        assert groups["applied"] and groups["used"]
-        assert groups["groups"]["tp_group"] == [rank, tp]
-        assert groups["groups"]["world_group"] == [rank, tp]
-        assert {"tp_group", "pp_group"} <= set(groups["read"])
-        rotary = entries["vllm_custom_ops_placeholder"]  # this machine has no GPU: the gate opens
-        assert rotary["applied"] and rotary["used"] and rotary["layers"] >= 1
-
-
 def test_the_consumer_assembles_a_manifest_from_the_trace(traces: Traces) -> None:
-    result = traces["qwen3", 2, 1]
-    manifest = assemble(0, 1, result, "127.0.0.1:1234", fake_weights_info(result), device="cpu")
-    qkv = manifest.by_name()["model.layers.0.self_attn.qkv_proj.weight"]
+    built = SGLANG.manifest(1, traces["qwen3", 2, 1])
+    qkv = built.by_name()["model.layers.0.self_attn.qkv_proj.weight"]
     assert [(p.source.split(".")[-2], p.start, p.length) for p in qkv.parts] == [
         ("q_proj", 64, 64),
         ("k_proj", 32, 32),
         ("v_proj", 32, 32),
     ]
-    assert manifest.checksum == "tensor-sha256-8"
+    assert built.checksum == "tensor-sha256-8"
 
 
-def test_vocab_padding_on_the_last_rank_is_traced(
-    engine_python: Path, engine_side: Path, derived: dict[str, Path], tmp_path: Path
-) -> None:
-    """Vocab 500 at TP 2: SGLang pads to 512, 256 rows a rank; rank 1 holds 244 real rows and 12 that load_weights
-    zero-fills. Those are the entry's ``padding``: the replica holds zeros there, as the engine does."""
-    first = trace(engine_python, derived["vocab500"], 2, 0, "bfloat16")
-    last = trace(engine_python, derived["vocab500"], 2, 1, "bfloat16")
-    assert first["refused"] == last["refused"] == []
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        head = {t["name"]: t for t in first["tensors"]}[name]
-        assert (head["shape"], head["parts"], head["padding"]) == (
-            [256, HIDDEN],
-            [part(name, [500, HIDDEN], 0, 0, 256)],
-            0,
-        )
-        tail = {t["name"]: t for t in last["tensors"]}[name]
-        assert (tail["shape"], tail["parts"], tail["padding"]) == (
-            [256, HIDDEN],
-            [part(name, [500, HIDDEN], 0, 256, 244)],
-            12,
-        )
-    differential(engine_python, engine_side, derived["vocab500"], {(2, 0): first, (2, 1): last}, tmp_path)
-    manifest = assemble(0, 1, last, "127.0.0.1:1234", fake_weights_info(last), device="cpu")
-    assert manifest.by_name()["lm_head.weight"].padding == 12
-
-
-def test_a_parameter_no_hf_tensor_writes_is_refused(engine_python: Path, derived: dict[str, Path]) -> None:
-    result = trace(engine_python, derived["missing"], 1, 0, "bfloat16", "--full-layers")
+def test_a_parameter_no_hf_tensor_writes_is_refused(sglang_py: Path, derived: dict[str, Path]) -> None:
+    result = trace(sglang_py, derived["missing"], 1, 0, "bfloat16", "--full-layers")
     assert result["refused"] == [
         {"name": "model.layers.1.post_attention_layernorm.weight", "reason": "no HF tensor in the checkpoint writes it"}
     ]
@@ -299,12 +198,12 @@ MOE_EXPERTS, MOE_MLP = 4, 64
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_fused_moe_experts_are_traced(
-    engine_python: Path, engine_side: Path, derived: dict[str, Path], tmp_path: Path, tp: int
+    sglang_py: Path, engine_side: Path, derived: dict[str, Path], tmp_path: Path, tp: int
 ) -> None:
     """Qwen3-MoE: expert e's 2-D gate/up/down HF tensors land in ``param[e]`` of 3-D ``[E, rows, cols]`` parameters
     (SGLang's FusedMoE): parts with ``at = (e,)``, gate ‖ up along dim 1 of w13, down's column shard along dim 2 of
     w2. Every parameter is traced, and SGLang's own load equals the assembly on every rank."""
-    traced = {(tp, rank): trace(engine_python, derived["moe"], tp, rank, "bfloat16") for rank in range(tp)}
+    traced = {(tp, rank): trace(sglang_py, derived["moe"], tp, rank, "bfloat16") for rank in range(tp)}
     mlp, layer = MOE_MLP // tp, "model.layers.0.mlp."
     for (_, rank), result in traced.items():
         assert result["refused"] == [], result["refused"]
@@ -324,17 +223,16 @@ def test_fused_moe_experts_are_traced(
             assert (w2["shape"], w2["cat_dim"]) == ([MOE_EXPERTS, HIDDEN, mlp], 2)
             assert w2["parts"] == [part(d, [HIDDEN, MOE_MLP], 1, rank * mlp, mlp, at=(e,)) for e, d in enumerate(down)]
         assert got[layer + "gate.weight"]["parts"] == [part(layer + "gate.weight", [MOE_EXPERTS, HIDDEN], 0, 0, 4)]
-        manifest = assemble(0, rank, result, "127.0.0.1:1234", fake_weights_info(result), device="cpu")
-        assert manifest.by_name()[layer + "experts.w13_weight"].lead == 1
-    differential(engine_python, engine_side, derived["moe"], traced, tmp_path)
+        assert SGLANG.manifest(rank, result).by_name()[layer + "experts.w13_weight"].lead == 1
+    SGLANG.differential(sglang_py, engine_side, derived["moe"], traced, tmp_path)
 
 
-def test_a_layer_reduced_trace_equals_the_full_one(engine_python: Path, derived: dict[str, Path]) -> None:
+def test_a_layer_reduced_trace_equals_the_full_one(sglang_py: Path, derived: dict[str, Path]) -> None:
     """GLM-4-MoE with 4 layers, the first dense and the rest MoE: the trace builds and traces the first 2 (one of each
     kind, alike in the checkpoint and in the engine's full layout, built on the meta device), moves layer 1's map to
     layers 2 and 3, and the result equals tracing all 4 layers."""
-    reduced = trace(engine_python, derived["moe4"], 2, 1, "bfloat16")
-    full = trace(engine_python, derived["moe4"], 2, 1, "bfloat16", "--full-layers")
+    reduced = trace(sglang_py, derived["moe4"], 2, 1, "bfloat16")
+    full = trace(sglang_py, derived["moe4"], 2, 1, "bfloat16", "--full-layers")
     assert reduced["layers"] == {"total": 4, "traced": 2, "representative": {"2": 1, "3": 1}}
     assert full["layers"] == {"total": 4, "traced": 4, "representative": {}}
     assert reduced["refused"] == full["refused"] == []
@@ -342,42 +240,6 @@ def test_a_layer_reduced_trace_equals_the_full_one(engine_python: Path, derived:
     assert reduced["tensors"] == full["tensors"]
     names = {t["name"] for t in reduced["tensors"]}
     assert "model.layers.3.mlp.experts.w13_weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
-
-
-def fake_weights_info(result: dict[str, Any]) -> dict[str, list[int]]:
-    """What SGLang would publish for the traced rank, at made-up addresses (``[data_ptr, numel, element_size]``)."""
-    weights_info, address = {}, 1 << 20
-    for entry in result["tensors"]:
-        numel = 1
-        for n in entry["shape"]:
-            numel *= n
-        weights_info[entry["name"]] = [address, numel, 2]
-        address += numel * 2 + 64
-    return weights_info
-
-
-def test_bad_model_dir_is_one_stderr_line(engine_python: Path, tmp_path: Path) -> None:
-    done = run_trace(engine_python, "--model", str(tmp_path / "nope"), "--tp", "1", "--rank", "0", "--dtype", "auto")
-    assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.count("\n") == 1 and "does not exist" in done.stderr, done.stderr
-    done = run_trace(engine_python, "--model", str(tmp_path), "--tp", "2", "--rank", "2")
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--rank 2 is not a rank of --tp 2" in done.stderr
-
-
-def test_sglang_import_failure_names_the_package(engine_python: Path, tiny: dict[str, Path], tmp_path: Path) -> None:
-    (tmp_path / "sglang.py").write_text("raise ModuleNotFoundError(\"No module named 'sglang'\", name='sglang')\n")
-    env = {**clean_env(), "PYTHONPATH": str(tmp_path)}
-    done = run_trace(engine_python, "--model", str(tiny["llama"]), "--tp", "1", "--rank", "0", env=env)
-    assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("trace_model: cannot import sglang"), done.stderr
-
-
-def test_timings_are_reported(traces: Traces) -> None:
-    for key, result in traces.items():
-        seconds = result["seconds"]
-        assert 0 < seconds["total"] < 120, (key, seconds)
-    print("\n" + json.dumps(TIMINGS, indent=1), file=sys.stderr)
 
 
 # ---------------------------------------------------------------- refusals on a synthetic replica (no SGLang)
@@ -486,16 +348,17 @@ def test_synthetic_replica_refusals_name_the_reason(name: str, reason: str) -> N
 
 # ---------------------------------------------------------------- the engine-venv side (run with SGLang's python)
 
+# After trace_shared.ENGINE_SIDE (``tm``, ``diff``): the models for the refusal cases and SGLang's load.
 ENGINE_SIDE = r'''
-"""Engine-venv helper for test_trace.py: argv[1] is weightsync_engine/trace.py (SGLang's trace_model through it, for
-its build recipe)."""
-import importlib.util, json, sys, time
-from pathlib import Path
+def import_engine():
+    return tm.import_sglang()
 
-spec = importlib.util.spec_from_file_location("weightsync_engine_trace", sys.argv[1])
-entry = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(entry)
-tm = entry.engine_module("sglang")
+
+def load(sg, model, weights):
+    """SGLang's own load path (what DefaultModelLoader.load_model runs after building the model)."""
+    loader = __import__("sglang.srt.model_loader.loader", fromlist=["DefaultModelLoader"])
+    loader.DefaultModelLoader.load_weights_and_postprocess(model, weights, sg.torch.device("cpu"))
+    return {"loader": "DefaultModelLoader.load_weights_and_postprocess"}
 
 
 def derive(src, out, vocab=None, drop=None):
@@ -540,59 +403,6 @@ def glm4moe(out):
     config = transformers.Glm4MoeConfig(**{k: v for k, v in wanted.items() if k in known})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
-
-
-def diff(model_dir, jobs_file):
-    sg = tm.import_sglang()
-    torch = sg.torch
-    loader = __import__("sglang.srt.model_loader.loader", fromlist=["DefaultModelLoader"])
-    shapes = tm.read_checkpoint(Path(model_dir))
-    generator = torch.Generator().manual_seed(7)
-    sources = {n: torch.randn(s, generator=generator).to(torch.bfloat16) for n, s in shapes.items()}
-    results = []
-    for job in json.loads(Path(jobs_file).read_text()):
-        started = time.monotonic()
-        trace = json.loads(Path(job["trace"]).read_text())
-        model, _ = tm.build_model(sg, Path(model_dir), job["tp"], job["rank"], "bfloat16", tm.Workarounds())
-        with torch.no_grad():
-            for p in model.parameters():
-                p.data.fill_(float("nan"))
-        # SGLang's own load path (what DefaultModelLoader.load_model runs after building the model).
-        weights = ((n, t.clone()) for n, t in sources.items())  # a loader may change its input in place
-        loader.DefaultModelLoader.load_weights_and_postprocess(model, weights, torch.device("cpu"))
-        traced = {t["name"]: t for t in trace["tensors"]}
-        untraced, mismatched, checked = [], [], 0
-        for name, param in model.named_parameters():
-            entry = traced.get(name)
-            if entry is None:
-                untraced.append(name)
-                continue
-            # Assembled here, independently of weightsync's own code: per destination sub-tensor (``at``),
-            # the parts concatenated along cat_dim, then zero padding.
-            groups = {}
-            for p in entry["parts"]:
-                piece = sources[p["source"]].narrow(p["dim"], p["start"], p["length"])
-                groups.setdefault(tuple(p["at"]), []).append(piece)
-            built = torch.zeros(entry["shape"], dtype=torch.bfloat16)
-            for at, pieces in groups.items():
-                dim = entry["cat_dim"] - len(at)
-                block = torch.cat(pieces, dim=dim)
-                (built[at] if at else built).narrow(dim, 0, block.shape[dim]).copy_(block)
-            same = (
-                list(param.shape) == entry["shape"] == list(built.shape)
-                and str(param.dtype).removeprefix("torch.") == entry["dtype"]
-                and torch.equal(param.data.view(torch.int16), built.view(torch.int16))
-            )
-            checked += 1
-            if not same:
-                mismatched.append(name)
-        results.append({
-            "tp": job["tp"], "rank": job["rank"], "checked": checked, "untraced": untraced,
-            "mismatched": mismatched, "loader": "DefaultModelLoader.load_weights_and_postprocess",
-            "seconds": round(time.monotonic() - started, 2),
-        })
-    return results
-
 
 command, args = sys.argv[2], sys.argv[3:]
 if command == "derive":
