@@ -13,8 +13,8 @@ The server runs with the plugin's token guard: the agents' calls carry the group
 
 from __future__ import annotations
 
-import threading
-import time
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -110,23 +110,20 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
     before = held(group)
     served_before = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
     buffer = next((harness.work_dir / "engine-0-receive").glob("*.buf"))
-    stop = threading.Event()
-
-    def tamper() -> None:
-        with open(buffer, "r+b") as handle:
-            while not stop.is_set():
-                handle.seek(4096)
-                handle.write(b"\xff\xff\xff\xff")
-                handle.flush()
-                time.sleep(0.001)
-
+    # In a process of its own, rewriting without pause: a thread of this process shares the GIL with the trainer
+    # clients and, on a loaded machine, was not scheduled between the sources' write and the agent's check.
+    tamper = (
+        "import os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+        "while True:\n"
+        "    os.pwrite(fd, b'\\xff\\xff\\xff\\xff', 4096)\n"
+    )
     clients = [group.client(rank) for rank in range(2)]
-    corrupter = threading.Thread(target=tamper, daemon=True)
+    corrupter = subprocess.Popen([sys.executable, "-c", tamper, str(buffer)])
     try:
-        corrupter.start()
         outcomes = publish_all(clients, trained_state(tiny_llama32, 10), before + 1)
-        stop.set()
-        corrupter.join()
+        corrupter.kill()
+        corrupter.wait()
         assert not any(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
         assert any("verification" in str(o) for o in outcomes), [str(o) for o in outcomes]
         assert held(group) == before
@@ -141,6 +138,7 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
             e["output_ids"] for e in reference
         ]
     finally:
-        stop.set()
+        corrupter.kill()
+        corrupter.wait()
         for client in clients:
             client.close()

@@ -64,16 +64,18 @@ def test_a_missing_interpreter_names_python3_and_its_venv() -> None:
 
 
 def test_every_readme_command_and_ci_set_up_the_same_way() -> None:
-    """demo.sh and test.sh run setup.sh before anything else; setup.sh checks packages before making .venv;
-    CI (.ci/run) is test.sh, so CI proves the demo's setup on a clean machine."""
+    """demo.sh and test.sh run setup.sh before anything else (test.sh with --engines: the engine venvs are built
+    beside the rest); setup.sh checks packages before making .venv or starting any build; CI (.ci/run) is test.sh,
+    so CI proves the demo's setup on a clean machine."""
     for script in ("demo.sh", "test.sh"):
         commands = [
             line
             for line in (ROOT / "hack" / script).read_text().splitlines()
             if line.strip() and not line.startswith(("#", "set ", "cd "))
         ]
-        assert commands[0] == "./hack/setup.sh", script
+        expected = "./hack/setup.sh --engines" if script == "test.sh" else "./hack/setup.sh"
+        assert commands[0] == expected, script
     setup = (ROOT / "hack" / "setup.sh").read_text()
-    assert setup.index("./hack/system-packages.sh") < setup.index("-m venv")
+    assert setup.index("./hack/system-packages.sh") < setup.index("-m venv") < setup.index("build-binaries.sh")
     ci = (ROOT / ".ci" / "run").read_text()
     assert "exec ./hack/test.sh" in ci and "apt-get" not in ci

@@ -18,12 +18,6 @@ complete() {
   [[ -s "$OUT/kwok-stages.yaml" ]]
 }
 if complete; then echo "$OUT"; exit 0; fi
-# One build at a time per cache (setup builds in the background while a test or the demo may ask too): a second
-# caller waits for the first and then finds the cache complete.
-mkdir -p "$OUT"
-exec 9>"$OUT.lock"
-flock 9
-if complete; then echo "$OUT"; exit 0; fi
 
 log() { echo "[build-binaries $(date -u +%H:%M:%S)] $*" >&2; }
 if ! command -v go >/dev/null; then
@@ -31,6 +25,11 @@ if ! command -v go >/dev/null; then
   exit 1
 fi
 mkdir -p "$OUT"
+# One build at a time per cache (setup builds in the background while a test or the demo may ask too): a second
+# caller waits for the first and then finds the cache complete.
+exec 9>"$OUT.lock"
+flock 9
+if complete; then echo "$OUT"; exit 0; fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
