@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from weightsync.api.engines import ENGINE_KINDS, unavailable_message
 from weightsync.plan import Plan
@@ -26,6 +26,17 @@ MODE_ADAPTERS: Final[dict[tuple[str, str, str], str]] = {
     ("vllm", "p2p", "live"): "weightsync_agent.targets.vllm.live_adapter:VllmLiveAdapter",
     ("vllm", "broadcast", "live"): "weightsync_agent.targets.vllm.nccl_adapter:VllmNcclAdapter",
 }
+
+if TYPE_CHECKING:  # the paths above hide the classes from mypy: here it still checks each one against the seam
+    from weightsync_agent.targets.reference.adapter import ReferenceAdapter
+    from weightsync_agent.targets.sglang.adapter import SglangAdapter
+    from weightsync_agent.targets.vllm.adapter import VllmAdapter
+    from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
+    from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
+
+    _CONFORM: tuple[type[EngineAdapter], ...] = (
+        ReferenceAdapter, SglangAdapter, VllmAdapter, VllmLiveAdapter, VllmNcclAdapter,
+    )  # fmt: skip
 
 
 #: The methods of the seam (``EngineAdapter`` is a Protocol: adapters conform, they do not subclass it).
