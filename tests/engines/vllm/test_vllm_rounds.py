@@ -112,15 +112,23 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
     buffer = next((harness.work_dir / "engine-0-receive").glob("*.buf"))
     # In a process of its own, rewriting without pause: a thread of this process shares the GIL with the trainer
     # clients and, on a loaded machine, was not scheduled between the sources' write and the agent's check.
+    # It says so once it rewrites: the round starts only then (a new interpreter takes longer to start on a loaded
+    # machine than the whole round). As root it also runs at a higher priority, so that it is on a core during the
+    # milliseconds between the sources' write and the agent's check however busy the other cores are.
     tamper = (
-        "import os, sys\n"
+        "import contextlib, os, sys\n"
+        "with contextlib.suppress(PermissionError):\n"
+        "    os.nice(-10)\n"
         "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+        "os.pwrite(fd, b'\\xff\\xff\\xff\\xff', 4096)\n"
+        "print('rewriting', flush=True)\n"
         "while True:\n"
         "    os.pwrite(fd, b'\\xff\\xff\\xff\\xff', 4096)\n"
     )
     clients = [group.client(rank) for rank in range(2)]
-    corrupter = subprocess.Popen([sys.executable, "-c", tamper, str(buffer)])
+    corrupter = subprocess.Popen([sys.executable, "-c", tamper, str(buffer)], stdout=subprocess.PIPE, text=True)
     try:
+        assert corrupter.stdout is not None and corrupter.stdout.readline() == "rewriting\n"
         outcomes = publish_all(clients, trained_state(tiny_llama32, 10), before + 1)
         corrupter.kill()
         corrupter.wait()
