@@ -34,10 +34,8 @@ def group_of(path: Path, fixturenames: list[str]) -> str:
     if "control_plane" in fixturenames:
         return "cluster"
     relative = path.resolve().relative_to(TESTS)
-    if relative.parts[:2] == ("engines", "sglang"):
-        return "sglang"
-    if relative.parts[:2] == ("engines", "vllm"):
-        return "vllm"
+    if relative.parts[0] == "engines" and relative.parts[1] in TIERS:
+        return relative.parts[1]  # the engine tier's directory
     return relative.as_posix()
 
 
