@@ -3,9 +3,12 @@
 (the one the engine is installed in, where weightsync is not)::
 
     python .../weightsync_engine/trace.py {sglang,vllm} --model DIR --tp T --rank R --dtype DTYPE
+    python .../weightsync_engine/trace.py {sglang,vllm} --serve
 
 It prints the engine's trace as one JSON object on stdout (``weightsync_engine.<engine>.trace_model``, on the
 engine-independent ``trace_core``), or one line on stderr and exit 1 on a real error (2 on bad arguments).
+``--serve`` imports the engine once and answers many traces, one JSON line per request line
+(``trace_core.serve``).
 
 The engine's interpreter imports this root from the directory this file is in, registered as the package
 ``weightsync_engine`` (:func:`engine_module`), never by adding a directory to ``sys.path``: the directory holding
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     traced = engine_module(args[0])
     description = traced.__doc__.splitlines()[0] if traced.__doc__ else ""
+    if args[1:] == ["--serve"]:
+        return trace_core.serve(engine=traced.ENGINE, description=description, run=traced.run, preload=traced.IMPORT)
     return trace_core.main(args[1:], engine=traced.ENGINE, description=description, run=traced.run)
 
 

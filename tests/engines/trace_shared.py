@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import time
@@ -116,6 +117,46 @@ class TraceEngine:
 
 
 # ---------------------------------------------------------------- running things
+
+
+class TraceServer:
+    """``trace.py ENGINE --serve`` in the engine venv: the engine imported once, then a forked child per trace (the
+    CLI's answers, for the import's 10 s once instead of per trace). :meth:`run` answers as
+    :meth:`TraceEngine.run_trace` does; tests that change the trace's environment (a hidden package) use the CLI."""
+
+    def __init__(self, engine: str, python: Path, log: Path) -> None:
+        self._log = log.open("w")
+        self._process = subprocess.Popen(
+            [str(python), str(TRACE_SCRIPT), engine, "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=clean_env(),
+        )
+
+    def run(self, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+        process = self._process
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps({"argv": list(args)}) + "\n")
+        process.stdin.flush()
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            assert selector.select(timeout), f"no answer from the trace server in {timeout:g} s: {args}"
+        line = process.stdout.readline()
+        assert line, f"the trace server exited ({process.poll()}): see {self._log.name}"
+        answer = json.loads(line)
+        return subprocess.CompletedProcess(list(args), answer["returncode"], answer["stdout"], answer["stderr"])
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._log.close()
 
 
 def clean_env() -> dict[str, str]:

@@ -100,6 +100,10 @@ def import_sglang() -> types.SimpleNamespace:
     )
 
 
+#: What ``trace.py --serve`` imports once, before it forks a child per trace.
+IMPORT = import_sglang
+
+
 # ---------------------------------------------------------------- workarounds (gated, each recorded)
 
 

@@ -98,6 +98,10 @@ def import_vllm() -> types.SimpleNamespace:
     return vl
 
 
+#: What ``trace.py --serve`` imports once, before it forks a child per trace.
+IMPORT = import_vllm
+
+
 def check_internals(vl: types.SimpleNamespace) -> None:
     """Refuse, naming them, when this vLLM lacks the internals the trace fakes or calls (module docstring)."""
     missing = [

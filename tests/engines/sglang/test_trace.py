@@ -23,11 +23,24 @@ import importlib.util
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from trace_shared import CASES, HIDDEN, SharedTraceTests, TraceEngine, Traces, columns, layer_norms, part, rows, whole
+from trace_shared import (
+    CASES,
+    HIDDEN,
+    SharedTraceTests,
+    TraceEngine,
+    Traces,
+    TraceServer,
+    columns,
+    layer_norms,
+    part,
+    rows,
+    whole,
+)
 
 from weightsync_agent.targets.sglang.manifest import assemble
 from weightsync_testing.sglang_models import ensure_tiny_model
@@ -52,12 +65,20 @@ def engine_side(sglang_py: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="session")
-def traces(sglang_py: Path, tiny: dict[str, Path]) -> Traces:
-    """Every (arch, tp, rank) of CASES traced with the CLI, bfloat16 (cached for the session)."""
+def server(sglang_py: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TraceServer]:
+    """The trace CLI's ``--serve`` mode in the SGLang venv: SGLang imported once for every trace of the session."""
+    running = TraceServer("sglang", sglang_py, tmp_path_factory.mktemp("sglang-trace-server") / "stderr.log")
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="session")
+def traces(server: TraceServer, tiny: dict[str, Path]) -> Traces:
+    """Every (arch, tp, rank) of CASES traced, bfloat16 (cached for the session)."""
     out: Traces = {}
     for arch, model in tiny.items():
         for tp, rank in CASES:
-            out[arch, tp, rank] = trace(sglang_py, model, tp, rank, "bfloat16")
+            out[arch, tp, rank] = trace(server, model, tp, rank, "bfloat16")
     return out
 
 
@@ -77,20 +98,20 @@ def derived(
 
 
 @pytest.fixture
-def vocab500(sglang_py: Path, derived: dict[str, Path]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """The vocab-500 model and its TP 2 traces of rank 0 and rank 1, with the CLI."""
+def vocab500(server: TraceServer, derived: dict[str, Path]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The vocab-500 model and its TP 2 traces of rank 0 and rank 1."""
     model = derived["vocab500"]
-    return model, trace(sglang_py, model, 2, 0, "bfloat16"), trace(sglang_py, model, 2, 1, "bfloat16")
+    return model, trace(server, model, 2, 0, "bfloat16"), trace(server, model, 2, 1, "bfloat16")
 
 
 # ---------------------------------------------------------------- running things
 
 
-def trace(python: Path, model: Path, tp: int, rank: int, dtype: str, *extra: str) -> dict[str, Any]:
+def trace(runner: TraceServer | Path, model: Path, tp: int, rank: int, dtype: str, *extra: str) -> dict[str, Any]:
+    """One trace, by the session's trace server or (given the venv's python) the CLI, as the adapter runs it."""
     started = time.monotonic()
-    done = SGLANG.run_trace(
-        python, "--model", str(model), "--tp", str(tp), "--rank", str(rank), "--dtype", dtype, *extra
-    )
+    args = ("--model", str(model), "--tp", str(tp), "--rank", str(rank), "--dtype", dtype, *extra)
+    done = runner.run(*args) if isinstance(runner, TraceServer) else SGLANG.run_trace(runner, *args)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # SGLang's own output stays out of the way on success
     result: dict[str, Any] = json.loads(done.stdout)
@@ -166,12 +187,25 @@ class TestSglangTrace(SharedTraceTests):
 # ---------------------------------------------------------------- tests of SGLang alone
 
 
-def test_auto_dtype_resolves_as_sglang_does(sglang_py: Path, tiny: dict[str, Path]) -> None:
-    """``--dtype auto`` on a float32 checkpoint is float16 in SGLang's ModelConfig (not float32, not bfloat16)."""
-    result = trace(sglang_py, tiny["qwen3"], 2, 1, "auto")
-    assert result["dtype"] == "float16"
-    assert {t["dtype"] for t in result["tensors"]} == {"float16"}
-    assert result["refused"] == []
+def test_auto_dtype_resolves_as_sglang_does(sglang_py: Path, server: TraceServer, tiny: dict[str, Path]) -> None:
+    """``--dtype auto`` on a float32 checkpoint is float16 in SGLang's ModelConfig (not float32, not bfloat16).
+    The CLI, as the adapter runs it, prints what ``--serve`` answers (all but the times): each served trace runs
+    in a fresh fork of the imported engine, its workarounds applied and used again."""
+    cli = trace(sglang_py, tiny["qwen3"], 2, 1, "auto")
+    assert cli["dtype"] == "float16"
+    assert {t["dtype"] for t in cli["tensors"]} == {"float16"}
+    assert cli["refused"] == []
+    served = trace(server, tiny["qwen3"], 2, 1, "auto")
+    assert {**served, "seconds": None} == {**cli, "seconds": None}
+    assert served["seconds"]["import"] < 1.0  # imported once, before the fork
+
+
+def test_the_trace_server_refuses_bad_requests_and_goes_on(server: TraceServer, tiny: dict[str, Path]) -> None:
+    """A bad request to ``--serve`` is one stderr line and exit 2, as on the CLI; the next request is traced."""
+    for args in (("--tp", "x"), ("--model", "m", "--tp", "2", "--rank", "2")):
+        done = server.run(*args)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith("trace_model: "), done
+    assert trace(server, tiny["qwen3"], 1, 0, "bfloat16")["refused"] == []
 
 
 def test_the_consumer_assembles_a_manifest_from_the_trace(traces: Traces) -> None:
@@ -185,8 +219,8 @@ def test_the_consumer_assembles_a_manifest_from_the_trace(traces: Traces) -> Non
     assert built.checksum == "tensor-sha256-8"
 
 
-def test_a_parameter_no_hf_tensor_writes_is_refused(sglang_py: Path, derived: dict[str, Path]) -> None:
-    result = trace(sglang_py, derived["missing"], 1, 0, "bfloat16", "--full-layers")
+def test_a_parameter_no_hf_tensor_writes_is_refused(server: TraceServer, derived: dict[str, Path]) -> None:
+    result = trace(server, derived["missing"], 1, 0, "bfloat16", "--full-layers")
     assert result["refused"] == [
         {"name": "model.layers.1.post_attention_layernorm.weight", "reason": "no HF tensor in the checkpoint writes it"}
     ]
@@ -198,12 +232,12 @@ MOE_EXPERTS, MOE_MLP = 4, 64
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_fused_moe_experts_are_traced(
-    sglang_py: Path, engine_side: Path, derived: dict[str, Path], tmp_path: Path, tp: int
+    sglang_py: Path, server: TraceServer, engine_side: Path, derived: dict[str, Path], tmp_path: Path, tp: int
 ) -> None:
     """Qwen3-MoE: expert e's 2-D gate/up/down HF tensors land in ``param[e]`` of 3-D ``[E, rows, cols]`` parameters
     (SGLang's FusedMoE): parts with ``at = (e,)``, gate ‖ up along dim 1 of w13, down's column shard along dim 2 of
     w2. Every parameter is traced, and SGLang's own load equals the assembly on every rank."""
-    traced = {(tp, rank): trace(sglang_py, derived["moe"], tp, rank, "bfloat16") for rank in range(tp)}
+    traced = {(tp, rank): trace(server, derived["moe"], tp, rank, "bfloat16") for rank in range(tp)}
     mlp, layer = MOE_MLP // tp, "model.layers.0.mlp."
     for (_, rank), result in traced.items():
         assert result["refused"] == [], result["refused"]
@@ -227,12 +261,12 @@ def test_fused_moe_experts_are_traced(
     SGLANG.differential(sglang_py, engine_side, derived["moe"], traced, tmp_path)
 
 
-def test_a_layer_reduced_trace_equals_the_full_one(sglang_py: Path, derived: dict[str, Path]) -> None:
+def test_a_layer_reduced_trace_equals_the_full_one(server: TraceServer, derived: dict[str, Path]) -> None:
     """GLM-4-MoE with 4 layers, the first dense and the rest MoE: the trace builds and traces the first 2 (one of each
     kind, alike in the checkpoint and in the engine's full layout, built on the meta device), moves layer 1's map to
     layers 2 and 3, and the result equals tracing all 4 layers."""
-    reduced = trace(sglang_py, derived["moe4"], 2, 1, "bfloat16")
-    full = trace(sglang_py, derived["moe4"], 2, 1, "bfloat16", "--full-layers")
+    reduced = trace(server, derived["moe4"], 2, 1, "bfloat16")
+    full = trace(server, derived["moe4"], 2, 1, "bfloat16", "--full-layers")
     assert reduced["layers"] == {"total": 4, "traced": 2, "representative": {"2": 1, "3": 1}}
     assert full["layers"] == {"total": 4, "traced": 4, "representative": {}}
     assert reduced["refused"] == full["refused"] == []

@@ -101,12 +101,19 @@ def restart_and_watch(group: LoopbackGroup, *, seconds: float = 0.0, until: str 
     group.restart_engine(0)
     seen: set[str | None] = set()
     deadline = time.monotonic() + (seconds or 180)
-    while (version := held(group)) != until:
+    server = harness_of(group).servers[0]
+
+    def caught_up(version: str | None) -> bool:
+        # A commit moves the label, then resumes: caught up once both happened.
+        return version == until and server.request("GET", "/is_paused")[1] == {"is_paused": False}
+
+    while not caught_up(version := held(group)):
         seen.add(version)
         if time.monotonic() > deadline:
             assert until is None, f"the restarted vLLM is still at {version}"
             break
         time.sleep(0.5)
+    seen.discard(until)
     assert seen <= FRESH, seen  # never relabelled
     fresh = "".join(agent.log_text()[logs[name] :] for name, agent in group.agents.items())
     if until is not None:  # a catch-up ran: the sources learnt the new session by refusing their stale manifests

@@ -246,10 +246,14 @@ def test_a_restarted_vllm_publishes_new_parameters_and_is_caught_up_into_them(
     group.restart_engine(0)
     seen: set[str | None] = set()
     deadline = time.monotonic() + 180
-    while (version := held(group)) != committed:
+    server = harness_of(group).servers[0]
+    # The commit moves the label, then resumes: wait for both (between the two calls vLLM is paused at the new
+    # version, which it fully holds).
+    while (version := held(group)) != committed or server.request("GET", "/is_paused")[1] != {"is_paused": False}:
         seen.add(version)
         assert time.monotonic() < deadline, f"the restarted vLLM is still at {version}"
         time.sleep(0.5)
+    seen.discard(committed)
     assert seen <= FRESH, seen
     assert layout(group)["session_id"] != session
-    assert_serves(harness_of(group).servers[0], full, committed, vllm_py, tiny_llama32, tmp_path / "caught-up")
+    assert_serves(server, full, committed, vllm_py, tiny_llama32, tmp_path / "caught-up")
