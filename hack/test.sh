@@ -31,5 +31,11 @@ engine_venv sglang tests/engines/sglang WEIGHTSYNC_SGLANG_PYTHON WEIGHTSYNC_REQU
 engine_venv vllm tests/engines/vllm WEIGHTSYNC_VLLM_PYTHON WEIGHTSYNC_REQUIRE_VLLM
 workers=${WEIGHTSYNC_TEST_WORKERS:-2}
 parallel=()
-((workers > 1)) && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+if ((workers > 1)); then
+  parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+  # Two workers' engines, traces and torch references share two cores: OpenMP threads that spin while they wait
+  # (libgomp's default) burn the other worker's CPU. Two 2-thread torch processes side by side took 12.0 s
+  # spinning and 5.8 s passive (one alone: 2.8 s); docs/testing.md.
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+fi
 echo "== pytest"; python -m pytest "${parallel[@]}" --durations=25 "$@"

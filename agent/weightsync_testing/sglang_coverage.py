@@ -43,6 +43,11 @@ from typing import Any
 
 #: (TP size, rank) traced per architecture: the last rank is where vocab padding and KV-head replication show.
 CASES: tuple[tuple[int, int], ...] = ((1, 0), (2, 1), (8, 7))
+#: (TP size, rank, EP size) checked through the engine replica for MoE architectures (SGLang's ``--ep-size``: the
+#: 8 experts split over 2 or 8 ranks).
+EP_CASES: tuple[tuple[int, int, int], ...] = ((2, 1, 2), (8, 7, 8))
+#: Config keys that make an architecture MoE (its expert count).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 #: Overrides applied to an architecture's default config, only for keys the config has.
 TINY: dict[str, Any] = {
     "vocab_size": 512,
@@ -168,8 +173,13 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         f"the shard map is traced from SGLang's own model class at {cases}, and where nothing is refused, SGLang's own",
         "loader (`DefaultModelLoader.load_weights_and_postprocess`) loads seeded random HF tensors into each traced",
         "rank, which must equal, bit for bit and parameter by parameter, the assembly from the traced parts that a",
-        "weightsync replica writes. Live rounds into a running SGLang server are tested for Llama and Qwen3",
-        "([testing](sglang-testing.md)); the method is in [trace](sglang-trace.md).",
+        "weightsync replica writes (**trace**). Where the trace refuses, the **engine replica** is checked at the same",
+        "ranks: SGLang's own `load_weights` on the source, its parameters written into an engine that held other",
+        "weights, SGLang's own end-of-session processing; every parameter, buffer and tensor attribute must then equal",
+        "SGLang's own full load, bit for bit. MoE architectures are also checked with expert parallelism "
+        f"({', '.join(f'TP {t} rank {r} EP {e}' for t, r, e in EP_CASES)}) through the engine replica.",
+        "Live rounds into a running SGLang server are tested for Llama and Qwen3 ([testing](sglang-testing.md)); the",
+        "methods are in [trace](sglang-trace.md) and [engine replicas](engine-replicas.md).",
         "",
         "| status | architectures |",
         "|---|---|",
@@ -183,9 +193,20 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         if row.get("reason") == NO_CAUSAL_LM:
             continue
         detail = " ".join(str(row.get("reason") or "").split()).replace("|", "\\|")
-        if row["status"] == "synced":
+        if row["status"] == "synced" and row.get("path") == "engine replica":
             last = f"TP {CASES[-1][0]} rank {CASES[-1][1]}"
-            detail = f"every parameter bit-exact ({row.get('parameters', '?')} on {last})"
+            detail = (
+                f"engine replica: every parameter, buffer and tensor attribute bit-exact after SGLang's "
+                f"end-of-session processing ({row.get('parameters', '?')} parameters on {last}); the trace refuses "
+                f"{detail[:160]}"
+            )
+        elif row["status"] == "synced":
+            last = f"TP {CASES[-1][0]} rank {CASES[-1][1]}"
+            detail = f"trace: every parameter bit-exact ({row.get('parameters', '?')} on {last})"
+        if row.get("ep"):
+            detail += f"; with EP {' and '.join(str(e) for e in row['ep'])}: engine replica, bit-exact"
+        elif row.get("ep_not_built"):
+            detail += f"; EP not built here: {row['ep_not_built']}"
         lines.append(f"| `{row['arch']}` | {row['status']} | {detail[:300]} |")
     if unmapped:
         lines += [
@@ -291,6 +312,8 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
         model.save_pretrained(str(model_dir), safe_serialization=True)
         del model
         sources = tm.read_checkpoint(model_dir)
+        generator = torch.Generator().manual_seed(7)
+        values = {n: torch.randn(s, generator=generator).to(torch.bfloat16) for n, s in sources.items()}
         traced: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for tp, rank in CASES:
             try:
@@ -300,16 +323,74 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
             except Exception as exc:  # SGLang's constructor cannot build it here (CPU, no kernels)
                 return {"status": "not built", "reason": f"TP {tp}: {_why(exc)}"}
             if isinstance(traced[tp, rank], str):
-                return {"status": "refused", "reason": f"TP {tp} rank {rank}: {traced[tp, rank]}"}
+                refusal = f"TP {tp} rank {rank}: {traced[tp, rank]}"
+                return _with_ep(sg, model_dir, values, defaults, _replica(sg, model_dir, values, refusal))
         parameters = 0
-        generator = torch.Generator().manual_seed(7)
-        values = {n: torch.randn(s, generator=generator).to(torch.bfloat16) for n, s in sources.items()}
         for (tp, rank), tensors in traced.items():
             bad = _differential(tm, sg, model_dir, values, tp, rank, tensors)
             if bad:
                 return {"status": "mismatch", "reason": f"TP {tp} rank {rank}: SGLang's load differs in {bad[:3]}"}
             parameters = len(tensors)
-    return {"status": "synced", "reason": "", "parameters": parameters}
+        synced = {"status": "synced", "reason": "", "parameters": parameters, "path": "trace"}
+        return _with_ep(sg, model_dir, values, defaults, synced)
+
+
+def _with_ep(
+    sg: Any, model_dir: Path, values: dict[str, Any], defaults: dict[str, Any], row: dict[str, Any]
+) -> dict[str, Any]:
+    """A synced MoE architecture, also checked with expert parallelism (:data:`EP_CASES`) through the engine
+    replica: ``ep`` lists the EP sizes synced, ``ep_not_built`` says why SGLang could not build one here, or the
+    row becomes a mismatch naming the first difference."""
+    if row["status"] != "synced" or not any(defaults.get(key) for key in EXPERT_KEYS):
+        return row
+    experts: dict[str, list[int]] = {}
+    for tp, rank, ep in EP_CASES:
+        try:
+            checked = _check(sg, model_dir, values, tp, rank, ep)
+        except Exception as exc:  # SGLang cannot build or load this EP layout here (CPU): said, not hidden
+            return {**row, "ep_not_built": f"TP {tp} rank {rank} EP {ep}: {_why(exc)}"}
+        if isinstance(checked, str):
+            return {"status": "mismatch", "reason": f"engine replica: TP {tp} rank {rank} EP {ep}: {checked}"}
+        fused = [p["shape"] for p in checked["layout"] if ".experts." in p["name"] and len(p["shape"]) == 3]
+        experts[str(ep)] = fused[0] if fused else []
+    # ``ep_experts``: per EP size, the first fused expert parameter's shape (experts held by the rank first).
+    return {**row, "ep": [ep for _, _, ep in EP_CASES], "ep_experts": experts}
+
+
+def _check(sg: Any, model_dir: Path, values: dict[str, Any], tp: int, rank: int, ep: int = 1) -> Any:
+    """``replica_model.check`` at one case, with other weights (seeded) in the engine before: its result, or the
+    first difference as a string."""
+    torch = sg.torch
+    rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
+    generator = torch.Generator().manual_seed(11)
+    old = {n: torch.randn(t.shape, generator=generator).to(t.dtype) for n, t in values.items()}
+    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, values, ep=ep)
+    found = checked["differences"]
+    if found:
+        return f"{found[0]} (and {len(found) - 1} more)" if len(found) > 1 else found[0]
+    return checked
+
+
+def _replica(sg: Any, model_dir: Path, values: dict[str, Any], refusal: str) -> dict[str, Any]:
+    """Where the trace refuses: the engine-replica path at every case (``replica_model.check``: SGLang's own
+    ``load_weights`` on the source, the loader layout written into an engine that held other weights, SGLang's
+    end-of-session processing), against SGLang's own full load. ``synced`` (with ``rederived``: what the end of the
+    session had to re-derive) when every parameter, buffer and tensor attribute is bit-exact at every case;
+    ``mismatch`` naming the first difference; ``refused`` when SGLang's own load fails on a rank."""
+    checked: Any = None
+    rederived: set[str] = set()
+    for tp, rank in CASES:
+        try:
+            checked = _check(sg, model_dir, values, tp, rank)
+        except Exception as exc:  # the engine's own load fails on this rank: no replica either
+            return {"status": "refused", "reason": f"{refusal}; engine replica: TP {tp} rank {rank}: {_why(exc)}"}
+        if isinstance(checked, str):
+            return {"status": "mismatch", "reason": f"engine replica: TP {tp} rank {rank}: {checked}"}
+        # At some ranks a derived attribute is a view of the parameter (DeepSeek's w_vc with one head per rank):
+        # the writes update it, and only the other ranks show it stale before the end of the session.
+        rederived |= {d.split(":")[0] for d in checked["before_end"]}
+    return {"status": "synced", "reason": refusal, "parameters": checked["parameters"], "path": "engine replica",
+            "rederived": sorted(rederived)}  # fmt: skip
 
 
 def _why(exc: BaseException) -> str:

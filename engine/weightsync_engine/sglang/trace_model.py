@@ -223,11 +223,13 @@ def build_model(
     *,
     layers: int | None = None,
     device: str = "cpu",
+    ep: int = 1,
 ) -> tuple[Any, Any]:
     """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig).
 
     ``layers`` overrides ``num_hidden_layers`` (SGLang's own ``json_model_override_args``); ``device="meta"``
-    builds names, shapes and dtypes without memory."""
+    builds names, shapes and dtypes without memory; ``ep`` is SGLang's ``--ep-size`` (experts split over ``ep``
+    of the ``tp`` ranks, as SGLang publishes the MoE groups from it)."""
     torch = sg.torch
     sg.reset_context()
     override = json.dumps({"num_hidden_layers": layers}) if layers is not None else "{}"
@@ -235,6 +237,7 @@ def build_model(
         model_path=str(model_dir),
         device="cpu",
         tp_size=tp,
+        ep_size=ep,
         load_format="dummy",
         dtype=dtype,
         json_model_override_args=override,

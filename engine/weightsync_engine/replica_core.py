@@ -1,0 +1,90 @@
+"""The engine-independent core of engine replicas: what an engine's own loader leaves in its parameters.
+
+An **engine replica** is the engine's own model class for one target rank, built on CPU and loaded with the
+trainer's HF-named tensors through the engine's own ``load_weights``. Its parameters then hold the engine's
+**loader layout**: whatever ``load_weights`` does on the way in (fused pairs such as MLA's
+``fused_qkv_a_proj_with_mqa``, value transforms, transposes, interleaves, tied weights). One-sided writes of those
+bytes into the engine's published parameters, inside the engine's weight-update session, followed by the engine's
+own end-of-session processing (derived attributes such as MLA's ``w_kc``/``w_vc``, quant methods' repacking) give
+the engine exactly what a full load of the same tensors gives it. The traced byte-cut (``trace_core``) is the
+special case where ``load_weights`` is a plain copy, and stays the fast path there.
+
+Standalone like ``trace_core``: the standard library, and ``torch`` passed in; never weightsync code. The engine
+modules (``sglang/replica_model.py``) supply the engine's build, load and session steps; this module holds what
+is not the engine's: the layout the engine publishes, copying a replica into a target as the writes do, and the
+bit-for-bit comparison of everything the engine reads (parameters, buffers and plain tensor attributes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+#: What ``state`` calls the three kinds of tensors a module holds.
+PARAMETER, BUFFER, ATTRIBUTE = "parameter", "buffer", "attribute"
+
+
+def loader_layout(model: Any) -> list[dict[str, Any]]:
+    """Per parameter, in ``named_parameters()`` order (the order and the set the engines publish addresses for):
+    ``name``, ``dtype``, ``shape``, ``nbytes``."""
+    return [
+        {
+            "name": name,
+            "dtype": str(param.dtype).removeprefix("torch."),
+            "shape": list(param.shape),
+            "nbytes": param.numel() * param.element_size(),
+        }
+        for name, param in model.named_parameters()
+    ]
+
+
+def write_parameters(torch: Any, source: Any, target: Any) -> list[str]:
+    """Copy every parameter of ``source`` into the same-named parameter of ``target``, byte for byte, as the
+    one-sided writes do (the target's memory, not new tensors); the names ``target`` has and ``source`` lacks, or
+    whose dtype or shape differ (nothing is written to those)."""
+    held = dict(source.named_parameters())
+    skipped = []
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            replica = held.get(name)
+            if replica is None or replica.dtype != param.dtype or replica.shape != param.shape:
+                skipped.append(name)
+                continue
+            param.data.copy_(replica.data)
+    return skipped
+
+
+def state(torch: Any, model: Any) -> Iterator[tuple[str, str, Any]]:
+    """``(kind, name, tensor)`` for everything the engine reads at inference: parameters, buffers, and plain tensor
+    attributes of modules (MLA's ``w_kc``/``w_vc``, Gemma's derived norm weights) that a module keeps outside both."""
+    for name, param in model.named_parameters():
+        yield PARAMETER, name, param.data
+    for name, buffer in model.named_buffers():
+        yield BUFFER, name, buffer
+    for prefix, module in model.named_modules():
+        own = set(module._parameters) | set(module._buffers)
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and key not in own and not key.startswith("__"):
+                yield ATTRIBUTE, f"{prefix}.{key}" if prefix else key, value
+
+
+def differences(torch: Any, got: Any, want: Any) -> list[str]:
+    """``kind name: why`` for every parameter, buffer and tensor attribute where ``got`` and ``want`` differ (shape,
+    dtype or any byte; NaNs compared as bytes) or that only one holds. Empty: bit-for-bit the same."""
+    theirs = {(kind, name): tensor for kind, name, tensor in state(torch, want)}
+    out = []
+    for kind, name, tensor in state(torch, got):
+        other = theirs.pop((kind, name), None)
+        if other is None:
+            out.append(f"{kind} {name}: not in the reference")
+        elif (tensor.dtype, tuple(tensor.shape)) != (other.dtype, tuple(other.shape)):
+            out.append(f"{kind} {name}: {tensor.dtype}{list(tensor.shape)} against {other.dtype}{list(other.shape)}")
+        elif not torch.equal(_bytes(torch, tensor), _bytes(torch, other)):
+            out.append(f"{kind} {name}: the bytes differ")
+    out += [f"{kind} {name}: only in the reference" for kind, name in theirs]
+    return out
+
+
+def _bytes(torch: Any, tensor: Any) -> Any:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)

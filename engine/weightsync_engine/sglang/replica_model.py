@@ -1,0 +1,115 @@
+"""Stock SGLang's engine replica: its own model class for one TP rank, loaded through its own ``load_weights``.
+
+Runs with the ENGINE's Python (the SGLang venv or image), like the trace; imports only the standard library,
+``torch``, ``sglang`` and this root (``trace_core``, ``replica_core``, the trace's SGLang build).
+
+The steps mirror stock SGLang's weight-update session (0.5.23,
+``srt/model_executor/model_runner_components/weight_updater.py``):
+
+* :func:`begin` is ``begin_weight_update``: ``DefaultModelLoader.restore_weights_before_loading`` undoes in-place
+  quant packing, so the engine's parameters are in loader layout again;
+* the sources' one-sided writes put the replica's parameters (:func:`load`, on the source) into them;
+* :func:`end` is ``end_weight_update`` when nothing went through ``load_weights`` in the session ("P2P/RDMA"):
+  the model's ``post_load_weights`` (MLA's ``w_kc``/``w_vc`` re-derived from ``kv_b_proj``), then every quant
+  method's ``process_weights_after_loading``, on the engine's own device.
+
+:func:`check` runs that whole path on CPU against SGLang's own full load and names every difference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from weightsync_engine import replica_core
+from weightsync_engine.sglang import trace_model
+from weightsync_engine.trace_core import Workarounds
+
+#: The loader's module (``DefaultModelLoader``, ``post_load_weights``), imported with SGLang.
+LOADER = "sglang.srt.model_loader.loader"
+
+
+def build(sg: types.SimpleNamespace, model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> Any:
+    """SGLang's model class for TP rank ``rank`` of ``tp`` (``--ep-size ep``) on CPU, as the trace builds it (its
+    workarounds)."""
+    model, _ = trace_model.build_model(sg, model_dir, tp, rank, dtype, Workarounds(), ep=ep)
+    return model
+
+
+def load(sg: types.SimpleNamespace, model: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """The engine's own ``load_weights`` with the trainer's HF-named tensors: the replica's parameters then hold
+    the loader layout (no post-processing: the engine runs that itself at the end of its session)."""
+    with sg.torch.no_grad():
+        model.load_weights(weights)
+
+
+def begin(sg: types.SimpleNamespace, model: Any) -> None:
+    """``begin_weight_update`` on ``model``: quant packing undone, parameters in loader layout."""
+    importlib.import_module(LOADER).DefaultModelLoader.restore_weights_before_loading(model, sg.torch.device("cpu"))
+
+
+def end(sg: types.SimpleNamespace, model: Any) -> None:
+    """``end_weight_update`` of a session with no ``load_weights`` (P2P/RDMA): the model's post-load fixup, then
+    the quant methods' post-processing."""
+    loader = importlib.import_module(LOADER)
+    with sg.torch.no_grad():
+        loader.post_load_weights(model)
+        loader.DefaultModelLoader.postprocess_weights(model, sg.torch.device("cpu"))
+
+
+def full_load(sg: types.SimpleNamespace, model: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """SGLang's own load of a checkpoint (``DefaultModelLoader.load_weights_and_postprocess``): the reference."""
+    loader = importlib.import_module(LOADER)
+    with sg.torch.no_grad():
+        loader.DefaultModelLoader.load_weights_and_postprocess(model, weights, sg.torch.device("cpu"))
+
+
+def check(
+    sg: types.SimpleNamespace,
+    model_dir: Path,
+    tp: int,
+    rank: int,
+    dtype: str,
+    old: dict[str, Any],
+    new: dict[str, Any],
+    ep: int = 1,
+) -> dict[str, Any]:
+    """The whole path of one round into TP rank ``rank`` (``--ep-size ep``) on CPU, against SGLang's own load of
+    ``new``:
+
+    1. the engine, fully loaded with ``old`` (its derived attributes are ``old``'s);
+    2. the source's replica, loaded with ``new`` through ``load_weights``;
+    3. a session on the engine: :func:`begin`, the replica's parameters written byte for byte, :func:`end`;
+    4. every parameter, buffer and tensor attribute of the engine against a model fully loaded with ``new``.
+
+    Returns ``layout`` (the replica's loader layout), ``parameters`` (its count), ``bytes``, ``differences``
+    (empty: bit-exact) and ``before_end``: the differences right after the writes, before :func:`end`, i.e. what
+    SGLang's own end-of-session processing had to re-derive, such as MLA's ``w_kc``/``w_vc`` (a round that skipped
+    it would serve those stale)."""
+
+    def weights(values: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+        return ((name, tensor.clone()) for name, tensor in values.items())  # a loader may change its input
+
+    engine = build(sg, model_dir, tp, rank, dtype, ep)
+    full_load(sg, engine, weights(old))
+    replica = build(sg, model_dir, tp, rank, dtype, ep)
+    load(sg, replica, weights(new))
+    begin(sg, engine)
+    skipped = replica_core.write_parameters(sg.torch, replica, engine)
+    reference = build(sg, model_dir, tp, rank, dtype, ep)
+    full_load(sg, reference, weights(new))
+    before_end = replica_core.differences(sg.torch, engine, reference)
+    end(sg, engine)
+    layout = replica_core.loader_layout(replica)
+    found = [f"parameter {name}: not in the replica" for name in skipped]
+    found += replica_core.differences(sg.torch, engine, reference)
+    return {
+        "layout": layout,
+        "parameters": len(layout),
+        "bytes": sum(p["nbytes"] for p in layout),
+        "differences": found,
+        "before_end": before_end,
+    }

@@ -1,0 +1,86 @@
+"""replica_core on small torch modules (no engine): the layout the engines publish, the writes, and the comparison
+of everything an engine reads (parameters, buffers, plain tensor attributes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from weightsync_engine import replica_core
+
+
+class Attention(nn.Module):
+    """A parameter, a buffer, and a tensor attribute derived from the parameter after load (as MLA's ``w_kc``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+        self.register_buffer("cos", torch.zeros(5))
+        self.w_kc = torch.zeros(3, 4, dtype=torch.bfloat16)
+        self.scale = 0.5  # not a tensor: not state
+
+    def derive(self) -> None:
+        self.w_kc = self.kv.data.t().contiguous()
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.norm = nn.Parameter(torch.ones(3))
+
+
+def filled(seed: int) -> Model:
+    model = Model()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator).to(param.dtype))
+    model.attn.derive()
+    return model
+
+
+def test_the_layout_is_the_parameters_in_order_with_their_bytes() -> None:
+    assert replica_core.loader_layout(Model()) == [  # named_parameters(): a module's own first
+        {"name": "norm", "dtype": "float32", "shape": [3], "nbytes": 12},
+        {"name": "attn.kv", "dtype": "bfloat16", "shape": [4, 3], "nbytes": 24},
+    ]
+
+
+def test_state_names_parameters_buffers_and_tensor_attributes() -> None:
+    kinds = {(kind, name) for kind, name, _ in replica_core.state(torch, Model())}
+    expected = {("parameter", "attn.kv"), ("parameter", "norm"), ("buffer", "attn.cos"), ("attribute", "attn.w_kc")}
+    assert kinds == expected
+
+
+def test_written_parameters_with_the_derivation_rerun_equal_the_reference() -> None:
+    engine, replica = filled(1), filled(2)
+    assert replica_core.write_parameters(torch, replica, engine) == []
+    assert replica_core.differences(torch, engine, filled(2)) == ["attribute attn.w_kc: the bytes differ"]  # stale
+    engine.attn.derive()  # the engine's end-of-session processing
+    assert replica_core.differences(torch, engine, filled(2)) == []
+
+
+def test_every_kind_of_difference_is_named() -> None:
+    got, want = filled(3), filled(3)
+    got.attn.cos[2] = 1.0
+    got.norm.data[0] = float("nan")
+    want.norm.data[0] = float("nan")  # the same NaN bytes: equal
+    got.attn.w_kc = got.attn.w_kc.float()
+    del want.attn.scale
+    want.attn.extra = torch.zeros(1)
+    assert replica_core.differences(torch, got, want) == [
+        "buffer attn.cos: the bytes differ",
+        "attribute attn.w_kc: torch.float32[3, 4] against torch.bfloat16[3, 4]",
+        "attribute attn.extra: only in the reference",
+    ]
+
+
+def test_a_parameter_of_another_shape_or_missing_is_not_written() -> None:
+    engine, replica = filled(4), filled(5)
+    replica.norm = nn.Parameter(torch.ones(4))
+    before = engine.norm.data.clone()
+    assert replica_core.write_parameters(torch, replica, engine) == ["norm"]
+    assert torch.equal(engine.norm.data, before)
+    del replica.norm
+    assert replica_core.write_parameters(torch, replica, engine) == ["norm"]
