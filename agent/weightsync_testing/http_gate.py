@@ -19,14 +19,16 @@ from weightsync_testing.engine_harness import StartedEngine
 
 class Gate:
     """A pass-through proxy to ``upstream`` (an engine's URL; its ``Content-Type`` and ``Authorization`` headers
-    pass); :meth:`hold` makes the next request for a route wait until :meth:`release`. A dead upstream answers 502,
-    as a client of a dead server sees it."""
+    pass); :meth:`hold` makes the next request for a route wait until :meth:`release`; :meth:`before` runs a hook
+    before every request for a route is forwarded. A dead upstream answers 502, as a client of a dead server sees
+    it."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.route: str | None = None
         self.arrived = threading.Event()
         self.released = threading.Event()
+        self.hooks: dict[str, Callable[[], None]] = {}
         gate = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,10 +53,21 @@ class Gate:
         self.route = None
         self.released.set()
 
+    def before(self, route: str, hook: Callable[[], None] | None) -> None:
+        """Run ``hook`` before every request for ``route`` is forwarded (after a hold's release); None: stop."""
+        if hook is None:
+            self.hooks.pop(route, None)
+        else:
+            self.hooks[route] = hook
+
     def _forward(self, handler: BaseHTTPRequestHandler) -> None:
-        if self.route is not None and handler.path.split("?")[0] == self.route:
+        path = handler.path.split("?")[0]
+        if self.route is not None and path == self.route:
             self.arrived.set()
             self.released.wait(120)
+        hook = self.hooks.get(path)
+        if hook is not None:
+            hook()
         size = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(size) if size else None
         request = urllib.request.Request(self.upstream + handler.path, data=body, method=handler.command)

@@ -85,7 +85,6 @@ TINY: dict[str, Any] = {
     "word_embed_proj_dim": 128,
     "d_model": 128,
     "rotary_dim": 16,
-    "tie_word_embeddings": False,
 }
 #: Per model type, what its tiny config also needs to build on CPU (SGLang's CPU rope for MLA asserts YaRN scaling).
 FAMILY: dict[str, dict[str, Any]] = {
@@ -106,6 +105,15 @@ FAMILY: dict[str, dict[str, Any]] = {
         "ep_size": 1,
     }
     for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+}
+# As the models ship, where transformers' defaults differ from their checkpoints' configs: Gemma-2's config.json
+# carries hidden_act beside hidden_activation (SGLang reads hidden_act); OLMo and OLMoE attend with as many KV heads
+# as query heads (TINY's grouped 4 would give their per-head k_norm the wrong size). Word embeddings are tied or not
+# as each config's default says.
+FAMILY |= {
+    "gemma2": {"hidden_act": "gelu_pytorch_tanh"},
+    "olmo": {"num_key_value_heads": 8},
+    "olmoe": {"num_key_value_heads": 8},
 }
 MAX_PARAMETERS = 50_000_000  # a "tiny" config that is still bigger than this was not shrunk by TINY's keys
 STATUSES = ("synced", "refused", "mismatch", "not built")
@@ -169,7 +177,8 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         + ".",
         "",
         "For every architecture in SGLang's model registry that `transformers` builds as a causal LM from its default",
-        "config shrunk to a tiny one (vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads, head_dim 16, 8 experts),",
+        "config shrunk to a tiny one (vocab 512, hidden 128, 2 layers, 8 heads / 4 KV heads, head_dim 16, 8 experts;",
+        "word embeddings tied as the config's default says, and each family's own settings where they ship otherwise),",
         f"the shard map is traced from SGLang's own model class at {cases}, and where nothing is refused, SGLang's own",
         "loader (`DefaultModelLoader.load_weights_and_postprocess`) loads seeded random HF tensors into each traced",
         "rank, which must equal, bit for bit and parameter by parameter, the assembly from the traced parts that a",
@@ -297,7 +306,7 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
     shrink = {k: v for k, v in TINY.items() if k in defaults}
     family = FAMILY.get(model_type, {})
     # Only the overrides: everything else (per-layer type lists included) follows from them as the config computes.
-    config = transformers.CONFIG_MAPPING[model_type](**shrink, **family, architectures=[arch])
+    config = transformers.CONFIG_MAPPING[model_type](**{**shrink, **family}, architectures=[arch])
     if "torch_dtype" in defaults or hasattr(config, "torch_dtype"):
         config.torch_dtype = "bfloat16"
     with torch.device("meta"):

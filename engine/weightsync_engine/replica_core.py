@@ -22,6 +22,12 @@ from typing import Any
 
 #: What ``state`` calls the three kinds of tensors a module holds.
 PARAMETER, BUFFER, ATTRIBUTE = "parameter", "buffer", "attribute"
+#: Where each parameter starts in a bound buffer: a multiple of this (any dtype's element size, a cache line).
+ALIGN = 64
+
+
+class ReplicaError(Exception):
+    """The replica cannot hold what the engine's loader produced; ``str()`` names the parameter and the reason."""
 
 
 def loader_layout(model: Any) -> list[dict[str, Any]]:
@@ -36,6 +42,49 @@ def loader_layout(model: Any) -> list[dict[str, Any]]:
         }
         for name, param in model.named_parameters()
     ]
+
+
+def packed(layout: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``layout`` with each parameter's ``offset`` in one buffer (in order, each aligned to :data:`ALIGN`), and the
+    buffer's size."""
+    out, end = [], 0
+    for entry in layout:
+        offset = -(-end // ALIGN) * ALIGN
+        out.append({**entry, "offset": offset})
+        end = offset + entry["nbytes"]
+    return out, -(-end // ALIGN) * ALIGN
+
+
+def bind(torch: Any, model: Any, buffer: Any) -> list[dict[str, Any]]:
+    """Make every parameter of ``model`` a view of ``buffer`` (a flat ``uint8`` tensor, such as a shared file's
+    mapping from ``torch.from_file(path, shared=True)``) at its :func:`packed` offset, its current values copied.
+    The engine's ``load_weights`` then writes the loader layout straight into the buffer, which the source
+    registers and writes from. Returns the packed layout; ReplicaError if the buffer is too small."""
+    layout, size = packed(loader_layout(model))
+    if buffer.numel() < size:
+        raise ReplicaError(f"the replica buffer holds {buffer.numel()} bytes, the model's parameters need {size}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for entry in layout:
+            param = params[entry["name"]]
+            start = entry["offset"]
+            view = buffer[start : start + entry["nbytes"]].view(param.dtype).view(param.shape)
+            view.copy_(param.data)
+            param.data = view
+    return layout
+
+
+def check_bound(model: Any, buffer: Any, layout: list[dict[str, Any]]) -> None:
+    """ReplicaError naming the first parameter whose data is no longer its view of ``buffer`` (a loader that
+    replaced a parameter's tensor instead of writing into it: the buffer would not hold what the engine loaded)."""
+    params = dict(model.named_parameters())
+    base = buffer.data_ptr()
+    for entry in layout:
+        param = params.get(entry["name"])
+        if param is None:
+            raise ReplicaError(f"{entry['name']}: the loader removed the parameter")
+        if param.data.data_ptr() != base + entry["offset"] or not param.data.is_contiguous():
+            raise ReplicaError(f"{entry['name']}: the loader replaced the parameter's tensor, not writing into it")
 
 
 def write_parameters(torch: Any, source: Any, target: Any) -> list[str]:

@@ -81,7 +81,8 @@ def check(
     ``new``:
 
     1. the engine, fully loaded with ``old`` (its derived attributes are ``old``'s);
-    2. the source's replica, loaded with ``new`` through ``load_weights``;
+    2. the source's replica, its parameters views of one flat buffer (:func:`replica_core.bind`), loaded with
+       ``new`` through ``load_weights`` straight into the buffer (ReplicaError if the loader replaced a tensor);
     3. a session on the engine: :func:`begin`, the replica's parameters written byte for byte, :func:`end`;
     4. every parameter, buffer and tensor attribute of the engine against a model fully loaded with ``new``.
 
@@ -96,7 +97,12 @@ def check(
     engine = build(sg, model_dir, tp, rank, dtype, ep)
     full_load(sg, engine, weights(old))
     replica = build(sg, model_dir, tp, rank, dtype, ep)
+    # The replica's parameters are views of one flat buffer, as they are of the shared file a source registers.
+    size = replica_core.packed(replica_core.loader_layout(replica))[1]
+    buffer = sg.torch.zeros(size, dtype=sg.torch.uint8)
+    bound = replica_core.bind(sg.torch, replica, buffer)
     load(sg, replica, weights(new))
+    replica_core.check_bound(replica, buffer, bound)
     begin(sg, engine)
     skipped = replica_core.write_parameters(sg.torch, replica, engine)
     reference = build(sg, model_dir, tp, rank, dtype, ep)

@@ -156,7 +156,7 @@ def test_sigterm_stops_cleanly() -> None:
     client = EngineClient(ready["url"], timeout=5)
     assert client.health()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 0
+    assert proc.wait(60) == 0  # 15 s was not always enough while the suite's other worker loaded both cores
     assert proc.stdout is not None
     lines = [json.loads(line) for line in proc.stdout.read().splitlines() if line.startswith("{")]
     assert {"event": "stopped", "engine": 2} in lines

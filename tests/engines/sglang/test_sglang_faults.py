@@ -102,6 +102,26 @@ def group(request: pytest.FixtureRequest, sglang_py: Path, tiny_llama: Path, tmp
         harness.close_gates()
 
 
+@pytest.fixture(scope="module")
+def faulted(sglang_py: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
+    """The kill and hang tests' group (``timeoutSeconds: 10``), shared: each test starts from the version the
+    coordinator committed last and ends with a round that lands, so the next one finds a serving engine (one start
+    of the group instead of two: ~45 s on the 2-core machine)."""
+    harness = GatedSglangEngines(tiny_llama, python=str(sglang_py), dtype="float32",
+                                 log_dir=tmp_path_factory.mktemp("sglang-faulted"))  # fmt: skip
+    try:
+        with LoopbackGroup(spec(1, trainers=2, timeout=FAULT_TIMEOUT), group="sg-faulted", engines=harness) as running:
+            running.start(timeout=300)
+            yield running
+    finally:
+        harness.close_gates()
+
+
+def committed(coordinator: AgentClient) -> int:
+    """The version the coordinator committed last (0: none yet)."""
+    return int(coordinator.state()["committed"] or 0)
+
+
 class ForeignWriter:
     """Writes garbage into one published SGLang parameter over Mooncake, over and over, from this process."""
 
@@ -239,43 +259,45 @@ def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
             client.close()
 
 
-@pytest.mark.parametrize("group", [{"timeout": FAULT_TIMEOUT}], indirect=True)
 def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
-    group: LoopbackGroup, tiny_llama: Path
+    faulted: LoopbackGroup, tiny_llama: Path
 ) -> None:
     """SIGKILL mid-round (while the coordinator asks ``/weights_checker``): the round fails within its budget and
     nobody claims the version. The restarted SGLang (same ports, ``default`` version, new session and addresses)
     is never written at its predecessor's addresses (the sources refuse their stale manifests and refetch), and
     the next round lands, verified by SGLang's own checksums. Killed again between rounds, the restarted engine is
     caught up to the committed version without a publish."""
+    group = faulted
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=30)
     coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     try:
-        v1 = trained_state(tiny_llama, 1)
-        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
+        base = committed(coordinator)
+        v1 = trained_state(tiny_llama, base + 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, base + 1))
         before = engine.transfer_engine_info(0)
 
-        outcome, took = publish_with_fault_at_verify(group, clients, trained_state(tiny_llama, 2), 2, signal.SIGKILL)
+        outcome, took = publish_with_fault_at_verify(group, clients, trained_state(tiny_llama, base + 2), base + 2,
+                                                     signal.SIGKILL)  # fmt: skip
         assert not getattr(outcome, "ok", True), outcome
         said = outcome.summary()  # type: ignore[attr-defined]
-        assert "round v2: Failed" in said and ("engine 0" in said or "source 0" in said), said
+        assert f"round v{base + 2}: Failed" in said and ("engine 0" in said or "source 0" in said), said
         print(f"\nkilled at verification: {said} ({took:.1f} s after the kill)")
         budget = group.plan.transfer.timeouts.round_budget
         assert took < budget + 12, f"the round took {took:.1f} s after the kill (budget {budget} s): {said}"
-        assert coordinator.state()["committed"] == 1
+        assert committed(coordinator) == base + 1
 
         # Restarted on its ports: SGLang's checkpoint at new addresses behind a new session. The replicas hold v2
         # (staged for the failed round), not the committed v1, so no catch-up is possible: the next round repairs.
         restarted = restart_and_check_no_stale_write(group, before, seconds=5)
-        v3 = trained_state(tiny_llama, 3)
-        outcomes = publish_all(clients, v3, 3)
+        v3 = trained_state(tiny_llama, base + 3)
+        outcomes = publish_all(clients, v3, base + 3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-        assert_holds(engine, v3, "3")
+        assert_holds(engine, v3, str(base + 3))
 
         # Killed between rounds: the replicas hold the committed v3, and the coordinator catches it up.
-        restart_and_check_no_stale_write(group, restarted, until="3")  # only "default" before it holds v3
-        assert_holds(engine, v3, "3")
+        restart_and_check_no_stale_write(group, restarted, until=str(base + 3))  # "default" until it holds v3
+        assert_holds(engine, v3, str(base + 3))
     finally:
         for client in clients:
             client.close()
@@ -310,41 +332,42 @@ def restart_and_check_no_stale_write(
     return after
 
 
-@pytest.mark.parametrize("group", [{"timeout": FAULT_TIMEOUT}], indirect=True)
 def test_a_hung_target_fails_the_round_within_its_timeouts_and_after_sigcont_the_next_round_lands(
-    group: LoopbackGroup, tiny_llama: Path
+    faulted: LoopbackGroup, tiny_llama: Path
 ) -> None:
     """SIGSTOP mid-round (every SGLang process, while the coordinator asks ``/weights_checker``): the verify call
     and the retry's writes hang, the round fails within its budget (``timeoutSeconds: 10``: round budget and peer
     stall) instead of hanging, nobody claims the version, and once SGLang runs again (SIGCONT) the next round
     lands."""
+    group = faulted
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=30)
     coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     harness = group.harness
     assert isinstance(harness, SglangEngines)
     try:
-        v1 = trained_state(tiny_llama, 1)
-        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
+        base = committed(coordinator)
+        v1 = trained_state(tiny_llama, base + 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, base + 1))
         try:
-            v2 = trained_state(tiny_llama, 2)
-            outcome, took = publish_with_fault_at_verify(group, clients, v2, 2, signal.SIGSTOP)
+            v2 = trained_state(tiny_llama, base + 2)
+            outcome, took = publish_with_fault_at_verify(group, clients, v2, base + 2, signal.SIGSTOP)
             state = coordinator.state()
         finally:
             harness.signal(0, signal.SIGCONT)
         assert not getattr(outcome, "ok", True), outcome
         said = outcome.summary()  # type: ignore[attr-defined]
-        assert "round v2: Failed" in said and ("engine 0" in said or "source 0" in said), said
+        assert f"round v{base + 2}: Failed" in said and ("engine 0" in said or "source 0" in said), said
         print(f"\nhung at verification: {said} ({took:.1f} s after the hang)")
         budget = group.plan.transfer.timeouts.round_budget
         assert took < budget + 12, f"the round took {took:.1f} s after the hang (budget {budget} s): {said}"
-        assert state["committed"] == 1
-        assert engine.weight_version() == "1"  # not relabelled
+        assert state["committed"] == base + 1
+        assert engine.weight_version() == str(base + 1)  # not relabelled
 
-        v3 = trained_state(tiny_llama, 3)
-        outcomes = publish_all(clients, v3, 3)
+        v3 = trained_state(tiny_llama, base + 3)
+        outcomes = publish_all(clients, v3, base + 3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-        assert_holds(engine, v3, "3")
+        assert_holds(engine, v3, str(base + 3))
     finally:
         for client in clients:
             client.close()

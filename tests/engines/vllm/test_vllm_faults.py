@@ -45,11 +45,18 @@ FRESH = {None, "default"}
 HELD_ROUTE = "/start_weight_update"
 
 
-@pytest.fixture
-def group(vllm_py: Path, tiny_llama32: Path, tmp_path: Path) -> Iterator[LoopbackGroup]:
-    harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path / "vllm")
+@pytest.fixture(scope="module")
+def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
+    """Shared by the kill and hang tests: each starts from the version the coordinator committed last and ends
+    with a round that lands, so the next one finds a serving vLLM (one start of the group instead of two)."""
+    harness = GatedVllmEngines(tiny_llama32, python=str(vllm_py), work_dir=tmp_path_factory.mktemp("vllm-faults"))
     with gated_group(harness, spec(timeout=FAULT_TIMEOUT), "vl-faults") as running:
         yield running
+
+
+def committed(coordinator: AgentClient) -> int:
+    """The version the coordinator committed last (0: none yet)."""
+    return int(coordinator.state()["committed"] or 0)
 
 
 harness_of = gated_harness
@@ -81,12 +88,12 @@ def publish_with_fault_at_commit(
                               fault=lambda: harness.signal(0, fault), wait=WAIT)  # fmt: skip
 
 
-def assert_failed_in_time(group: LoopbackGroup, outcome: object, took: float, what: str) -> None:
-    """The round failed, naming engine 0, within one HTTP call's timeout of the fault: a commit is a sequence of
-    engine calls, each bounded by ``http_call`` (docs/architecture.md, "Timeouts"), not by the round's budget."""
+def assert_failed_in_time(group: LoopbackGroup, outcome: object, took: float, what: str, version: int) -> None:
+    """Round ``version`` failed, naming engine 0, within one HTTP call's timeout of the fault: a commit is a sequence
+    of engine calls, each bounded by ``http_call`` (docs/architecture.md, "Timeouts"), not by the round's budget."""
     assert not getattr(outcome, "ok", True), outcome
     said = outcome.summary()  # type: ignore[attr-defined]
-    assert "round v2:" in said and "engine 0" in said, said
+    assert f"round v{version}:" in said and "engine 0" in said, said
     print(f"\n{what} at commit: {said} ({took:.1f} s after the fault)")
     limit = group.plan.transfer.timeouts.http_call
     assert took < limit + 12, f"the round took {took:.1f} s after the fault (HTTP call timeout {limit} s): {said}"
@@ -128,24 +135,26 @@ def test_vllm_killed_mid_commit_fails_the_round_and_once_restarted_it_is_caught_
     clients = [group.client(rank) for rank in range(2)]
     coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     try:
-        assert all(getattr(o, "ok", False) for o in publish_all(clients, trained_state(tiny_llama32, 1), 1))
-        outcome, took = publish_with_fault_at_commit(group, clients, trained_state(tiny_llama32, 2), 2,
+        base = committed(coordinator)
+        v1, v2, v3 = base + 1, base + 2, base + 3
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, trained_state(tiny_llama32, v1), v1))
+        outcome, took = publish_with_fault_at_commit(group, clients, trained_state(tiny_llama32, v2), v2,
                                                      signal.SIGKILL)  # fmt: skip
-        assert_failed_in_time(group, outcome, took, "killed")
-        assert coordinator.state()["committed"] == 1
+        assert_failed_in_time(group, outcome, took, "killed", v2)
+        assert committed(coordinator) == v1
 
         # Restarted: the checkpoint in a new buffer, a new session. The replicas hold v2 (staged for the failed
         # round), not the committed v1, so nothing can catch it up: it stays unlabelled until the next round.
         restart_and_watch(group, seconds=10)
-        v3 = trained_state(tiny_llama32, 3)
-        outcomes = publish_all(clients, v3, 3)
+        full = trained_state(tiny_llama32, v3)
+        outcomes = publish_all(clients, full, v3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-        assert_serves(harness_of(group).servers[0], v3, "3", vllm_py, tiny_llama32, tmp_path / "v3")
+        assert_serves(harness_of(group).servers[0], full, str(v3), vllm_py, tiny_llama32, tmp_path / "v3")
 
         # Killed between rounds: the replicas hold the committed v3; the coordinator catches the fresh vLLM up.
-        restart_and_watch(group, until="3")
-        assert_serves(harness_of(group).servers[0], v3, "3", vllm_py, tiny_llama32, tmp_path / "v3-caught-up")
-        assert coordinator.state()["committed"] == 3
+        restart_and_watch(group, until=str(v3))
+        assert_serves(harness_of(group).servers[0], full, str(v3), vllm_py, tiny_llama32, tmp_path / "v3-caught-up")
+        assert committed(coordinator) == v3
     finally:
         for client in clients:
             client.close()
@@ -158,29 +167,30 @@ def test_vllm_hung_mid_commit_fails_the_round_within_a_call_timeout_and_the_next
     coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     harness = harness_of(group)
     try:
-        v1 = trained_state(tiny_llama32, 1)
-        assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, 1))
+        base = committed(coordinator)
+        v1, v2, v3 = base + 1, base + 2, base + 3
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, trained_state(tiny_llama32, v1), v1))
         try:
-            outcome, took = publish_with_fault_at_commit(group, clients, trained_state(tiny_llama32, 2), 2,
+            outcome, took = publish_with_fault_at_commit(group, clients, trained_state(tiny_llama32, v2), v2,
                                                          signal.SIGSTOP)  # fmt: skip
             state = coordinator.state()
         finally:
             harness.signal(0, signal.SIGCONT)
-        assert_failed_in_time(group, outcome, took, "hung")
-        assert state["committed"] == 1
+        assert_failed_in_time(group, outcome, took, "hung", v2)
+        assert state["committed"] == v1
         # Awake, vLLM ran the held start of its reload; nothing of the given-up commit follows it (no update, no
         # label): it stays paused (never resumed on a reload begun) and reports v1 until a commit completes.
         watched = time.monotonic() + 5
         while time.monotonic() < watched:
-            assert held(group) == "1"
+            assert held(group) == str(v1)
             time.sleep(0.25)
 
         # The next commit finds vLLM's worker with that update still open: it finishes it, then starts its own.
         logs = {name: len(agent.log_text()) for name, agent in group.agents.items()}
-        v3 = trained_state(tiny_llama32, 3)
-        outcomes = publish_all(clients, v3, 3)
+        full = trained_state(tiny_llama32, v3)
+        outcomes = publish_all(clients, full, v3)
         assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
-        assert_serves(harness_of(group).servers[0], v3, "3", vllm_py, tiny_llama32, tmp_path / "v3")
+        assert_serves(harness_of(group).servers[0], full, str(v3), vllm_py, tiny_llama32, tmp_path / "v3")
         fresh = "".join(agent.log_text()[logs[name] :] for name, agent in group.agents.items())
         assert "finishing an update left open" in fresh, fresh[-3000:]
     finally:

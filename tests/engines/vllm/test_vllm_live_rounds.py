@@ -179,10 +179,10 @@ class ForeignWriter:
 def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, tiny_llama32: Path) -> None:
     """Between rounds the plugin keeps vLLM's parameters unregistered: a foreign write to a published address is
     refused by Mooncake and what vLLM verified is what it serves. Inside a round the parameters take writes: a
-    foreign peer overwriting ``model.norm.weight`` from the round's verify on makes vLLM's checksum of it differ
-    from the sources' in every attempt (the driver writes again and verifies anew), so the round fails naming it;
-    vLLM keeps its label and stays paused (its weights may be a mix), and its parameters are closed again. The
-    next round, untampered, lands."""
+    foreign peer overwriting ``model.norm.weight`` before each of the round's verify calls makes vLLM's checksum of
+    it differ from the sources' in every attempt (the driver writes again and verifies anew), so the round fails
+    naming it; vLLM keeps its label and stays paused (its weights may be a mix), and its parameters are closed
+    again. The next round, untampered, lands."""
     harness = harness_of(group)
     server, gate = harness.servers[0], harness.gates[0]
     stop = threading.Event()
@@ -196,25 +196,35 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
         assert writer.write() < 0  # refused: not registered between rounds
         assert checksums(server) == before
 
-        first_landed = threading.Event()
+        foreign = threading.Condition()
+        overwrites = [0]  # foreign writes that landed
 
         def overwrite() -> None:
             while not stop.is_set():
                 landed.append(writer.write())
                 if landed[-1] == 0:
-                    first_landed.set()
+                    with foreign:
+                        overwrites[0] += 1
+                        foreign.notify_all()
                 time.sleep(0.005)
+
+        def overwritten() -> None:
+            # Before each verify (after the sources wrote, first or again): a foreign write lands over them, however
+            # slow a loaded machine makes the writer; so every attempt verifies foreign bytes.
+            with foreign:
+                seen = overwrites[0]
+                assert foreign.wait_for(lambda: overwrites[0] > seen, 30), f"no foreign write landed: {landed[-5:]}"
 
         def fault() -> None:
             threading.Thread(target=overwrite, daemon=True).start()
-            # A write lands before the held checksum call goes on (however slow a loaded machine makes the first).
-            assert first_landed.wait(30), f"no foreign write landed inside the round: {landed[-5:]}"
 
+        gate.before("/collective_rpc", overwritten)
         try:
             outcome, _ = publish_with_fault(clients, trained_state(tiny_llama32, 41), base + 2, gate=gate,
                                             route="/collective_rpc", fault=fault, wait=WAIT)  # fmt: skip
         finally:
             stop.set()
+            gate.before("/collective_rpc", None)
         said = str(outcome)
         assert isinstance(outcome, RoundOutcome) and not outcome.ok and "model.norm.weight" in said, said
         assert outcome.round.attempts > 1, said  # written and verified again, failed again

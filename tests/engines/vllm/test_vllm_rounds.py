@@ -110,13 +110,14 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
     before = held(group)
     served_before = [complete(server, p, NEW_TOKENS)["choices"][0]["token_ids"] for p in PROMPTS]
     buffer = next((harness.work_dir / "engine-0-receive").glob("*.buf"))
-    # In a process of its own, rewriting without pause: a thread of this process shares the GIL with the trainer
-    # clients and, on a loaded machine, was not scheduled between the sources' write and the agent's check.
-    # It says so once it rewrites: the round starts only then (a new interpreter takes longer to start on a loaded
-    # machine than the whole round). As root it also runs at a higher priority, so that it is on a core during the
-    # milliseconds between the sources' write and the agent's check however busy the other cores are.
+    # In a process of its own, rewriting every half millisecond: a thread of this process shares the GIL with the
+    # trainer clients and, on a loaded machine, was not scheduled between the sources' write and the agent's check
+    # (an HTTP round trip or more later). It says so once it rewrites: the round starts only then (a new
+    # interpreter takes longer to start on a loaded machine than the whole round). As root it also runs at a higher
+    # priority, so that it wakes on time however busy the cores are; it sleeps between writes rather than spinning,
+    # which held a core for the whole round and slowed everything else (132 s for this test once, 5 s usually).
     tamper = (
-        "import contextlib, os, sys\n"
+        "import contextlib, os, sys, time\n"
         "with contextlib.suppress(PermissionError):\n"
         "    os.nice(-10)\n"
         "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
@@ -124,6 +125,7 @@ def test_a_round_whose_bytes_do_not_verify_changes_nothing_the_engine_serves(
         "print('rewriting', flush=True)\n"
         "while True:\n"
         "    os.pwrite(fd, b'\\xff\\xff\\xff\\xff', 4096)\n"
+        "    time.sleep(0.0005)\n"
     )
     clients = [group.client(rank) for rank in range(2)]
     corrupter = subprocess.Popen([sys.executable, "-c", tamper, str(buffer)], stdout=subprocess.PIPE, text=True)

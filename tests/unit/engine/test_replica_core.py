@@ -3,6 +3,9 @@ of everything an engine reads (parameters, buffers, plain tensor attributes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
@@ -84,3 +87,43 @@ def test_a_parameter_of_another_shape_or_missing_is_not_written() -> None:
     assert torch.equal(engine.norm.data, before)
     del replica.norm
     assert replica_core.write_parameters(torch, replica, engine) == ["norm"]
+
+
+def test_packed_offsets_are_aligned_and_in_order() -> None:
+    layout, size = replica_core.packed(
+        [{"name": "a", "nbytes": 3}, {"name": "b", "nbytes": 64}, {"name": "c", "nbytes": 1}]
+    )
+    assert [e["offset"] for e in layout] == [0, 64, 128]
+    assert size == 192
+
+
+def test_a_bound_replica_is_loaded_straight_into_a_shared_file(tmp_path: Path) -> None:
+    """The parameters become views of a file mapped shared: what the loader writes is in the file, for any other
+    process that maps it (the source publishes from it)."""
+    model = filled(6)
+    kept = {name: param.data.clone() for name, param in model.named_parameters()}
+    size = replica_core.packed(replica_core.loader_layout(model))[1]
+    path = tmp_path / "replica"
+    buffer = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    layout = replica_core.bind(torch, model, buffer)
+    assert all(torch.equal(param.data, kept[name]) for name, param in model.named_parameters())  # values kept
+    with torch.no_grad():  # a loader writing into the parameters
+        model.attn.kv.data[1:3].copy_(torch.full((2, 3), 7.0))
+        model.norm.data.fill_(2.0)
+    replica_core.check_bound(model, buffer, layout)
+    mapped = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)  # as another process sees it
+    for entry in layout:
+        param = dict(model.named_parameters())[entry["name"]]
+        held = mapped[entry["offset"] : entry["offset"] + entry["nbytes"]].view(param.dtype).view(param.shape)
+        assert torch.equal(held, param.data), entry["name"]
+
+
+def test_a_loader_that_replaces_a_parameters_tensor_is_refused_by_name() -> None:
+    model = filled(7)
+    buffer = torch.zeros(replica_core.packed(replica_core.loader_layout(model))[1], dtype=torch.uint8)
+    layout = replica_core.bind(torch, model, buffer)
+    model.norm.data = torch.ones(3)  # a new tensor: the buffer no longer holds what the engine loaded
+    with pytest.raises(replica_core.ReplicaError, match=r"^norm: the loader replaced the parameter's tensor"):
+        replica_core.check_bound(model, buffer, layout)
+    with pytest.raises(replica_core.ReplicaError, match="holds 8 bytes"):
+        replica_core.bind(torch, filled(8), torch.zeros(8, dtype=torch.uint8))

@@ -1,0 +1,82 @@
+"""FP8 block quantization (``weightsync_engine.quantize.fp8_block``): its throughput against a plain copy of the
+same bytes on the same device, and whether CPU and GPU give the same bytes.
+
+For each device (the CPU, and the GPU when there is one): a copy of a BF16 weight (the baseline: what staging the
+BF16 bytes costs), then ``fp8_block`` of it. Prints GB/s of BF16 input and the ratio quantize / copy. With a GPU it
+also quantizes seeded weights of several shapes on both and compares the bytes (weight and scale_inv): the
+quantizer is meant to be deterministic across devices (docs/engines/engine-replicas.md, "FP8 targets").
+
+    python bench/quantize_bench.py [--rows 4096] [--cols 14336] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine root, not installed there
+from weightsync_engine.quantize import fp8_block
+
+SHAPES = [(128, 128), (300, 200), (4096, 1024), (7168, 2048), (129, 7)]
+
+
+def timed(device: str, run: Any, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first is a warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=14336)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, devices: {', '.join(devices)}")
+    nbytes = args.rows * args.cols * 2
+    for device in devices:
+        weight = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        weight = weight.to(device)
+        copy = timed(device, lambda w=weight: w.clone(), args.repeat)
+        quantize = timed(device, lambda w=weight: fp8_block(torch, w), args.repeat)
+        rate, baseline = nbytes / quantize / 1e9, nbytes / copy / 1e9
+        print(f"{device}: {args.rows}x{args.cols} bf16 ({nbytes / 1e9:.2f} GB): copy {baseline:.1f} GB/s, fp8_block "
+              f"{rate:.2f} GB/s of bf16 input, quantize/copy {quantize / copy:.1f}x")  # fmt: skip
+    if "cuda" in devices:
+        same = 0
+        for index, (rows, cols) in enumerate(SHAPES):
+            for scale in (1e-3, 1.0, 300.0):
+                seeded = torch.Generator().manual_seed(index)
+                weight = (torch.randn(rows, cols, generator=seeded) * scale).to(torch.bfloat16)
+                cpu, gpu = digest(*fp8_block(torch, weight)), digest(*fp8_block(torch, weight.cuda()))
+                same += cpu == gpu
+                if cpu != gpu:
+                    print(f"DIFFERENT bytes for {rows}x{cols} x{scale}: cpu {cpu}, gpu {gpu}")
+        print(f"CPU and GPU bytes equal in {same} of {len(SHAPES) * 3} weights")
+        return 0 if same == len(SHAPES) * 3 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""FP8 block quantization (weightsync_engine.quantize): the DeepSeek-V3 checkpoint format, deterministic, bounded
+error, and properties over random shapes (hypothesis)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync_engine.quantize import FP8_MAX, dequantize, fp8_block
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_the_checkpoint_format_of_a_deepseek_linear() -> None:
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    quantized, scale_inv = fp8_block(torch, weight)
+    assert (quantized.dtype, list(quantized.shape)) == (torch.float8_e4m3fn, [300, 200])
+    assert (scale_inv.dtype, list(scale_inv.shape)) == (torch.float32, [3, 2])  # ceil(300/128), ceil(200/128)
+    block = weight[128:256, 0:128].float()
+    assert scale_inv[1, 0] == block.abs().max() / FP8_MAX
+    assert quantized.float().abs().max() == FP8_MAX  # each block's largest element lands on the largest code
+
+
+def test_the_same_bf16_gives_the_same_bytes() -> None:
+    weight = torch.randn(256, 384, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert digest(*fp8_block(torch, weight)) == digest(*fp8_block(torch, weight.clone()))
+    other = weight.clone()
+    other[5, 7] += 1
+    assert digest(*fp8_block(torch, weight)) != digest(*fp8_block(torch, other))
+
+
+def test_a_zero_block_is_zeros_and_a_finite_scale() -> None:
+    weight = torch.zeros(128, 256, dtype=torch.bfloat16)
+    weight[:, 128:] = 1.0
+    quantized, scale_inv = fp8_block(torch, weight)
+    assert torch.equal(scale_inv, torch.tensor([[1.0, 1.0 / FP8_MAX]]))  # float32
+    assert torch.equal(dequantize(torch, quantized, scale_inv), weight.float())
+
+
+def test_only_2d_weights() -> None:
+    with pytest.raises(ValueError, match="2-D weight"):
+        fp8_block(torch, torch.zeros(2, 3, 4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    cols=st.integers(1, 300),
+    block=st.sampled_from([(128, 128), (64, 32), (1, 16)]),
+    seed=st.integers(0, 2**16),
+    magnitude=st.sampled_from([1e-3, 1.0, 1e3]),
+)
+def test_dequantized_is_within_e4m3s_rounding_of_the_weight(
+    rows: int, cols: int, block: tuple[int, int], seed: int, magnitude: float
+) -> None:
+    weight = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude).to(torch.bfloat16)
+    quantized, scale_inv = fp8_block(torch, weight, block)
+    assert torch.isfinite(quantized.float()).all() and torch.isfinite(scale_inv).all()
+    error = (dequantize(torch, quantized, scale_inv, block) - weight.float()).abs()
+    scale = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    # e4m3 keeps 3 mantissa bits: relative half-ulp 1/16 of the value, and subnormals' absolute 2^-10 step.
+    bound = weight.float().abs() / 16 + scale * 2.0**-10
+    assert (error <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/quantize_bench.py on the GPU machine)")
+@pytest.mark.parametrize(("rows", "cols"), [(300, 200), (4096, 1024), (129, 7)])
+def test_the_same_bytes_on_cpu_and_gpu(rows: int, cols: int) -> None:
+    """A division by a Python number is a reciprocal multiplication on CUDA: the quantizer divides by tensors."""
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    gpu = [t.cpu() for t in fp8_block(torch, weight.cuda())]
+    assert digest(*fp8_block(torch, weight)) == digest(*gpu)
