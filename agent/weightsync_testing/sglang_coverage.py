@@ -106,6 +106,8 @@ FAMILY: dict[str, dict[str, Any]] = {
     }
     for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 }
+# DeepSeek-V2 routes as its checkpoints' configs say (no aux-loss-free bias, which V3 introduced).
+FAMILY["deepseek_v2"] |= {"topk_method": "group_limited_greedy", "scoring_func": "softmax"}
 # As the models ship, where transformers' defaults differ from their checkpoints' configs: Gemma-2's config.json
 # carries hidden_act beside hidden_activation (SGLang reads hidden_act); OLMo and OLMoE attend with as many KV heads
 # as query heads (TINY's grouped 4 would give their per-head k_norm the wrong size). Word embeddings are tied or not
@@ -349,7 +351,7 @@ def _with_ep(
 ) -> dict[str, Any]:
     """A synced MoE architecture, also checked with expert parallelism (:data:`EP_CASES`) through the engine
     replica: ``ep`` lists the EP sizes synced, ``ep_not_built`` says why SGLang could not build one here, or the
-    row becomes a mismatch naming the first difference."""
+    row becomes what :func:`_check` says."""
     if row["status"] != "synced" or not any(defaults.get(key) for key in EXPERT_KEYS):
         return row
     experts: dict[str, list[int]] = {}
@@ -358,8 +360,9 @@ def _with_ep(
             checked = _check(sg, model_dir, values, tp, rank, ep)
         except Exception as exc:  # SGLang cannot build or load this EP layout here (CPU): said, not hidden
             return {**row, "ep_not_built": f"TP {tp} rank {rank} EP {ep}: {_why(exc)}"}
-        if isinstance(checked, str):
-            return {"status": "mismatch", "reason": f"engine replica: TP {tp} rank {rank} EP {ep}: {checked}"}
+        if isinstance(checked, tuple):
+            status, detail = checked
+            return {"status": status, "reason": f"engine replica: TP {tp} rank {rank} EP {ep}: {detail}"}
         fused = [p["shape"] for p in checked["layout"] if ".experts." in p["name"] and len(p["shape"]) == 3]
         experts[str(ep)] = fused[0] if fused else []
     # ``ep_experts``: per EP size, the first fused expert parameter's shape (experts held by the rank first).
@@ -367,16 +370,28 @@ def _with_ep(
 
 
 def _check(sg: Any, model_dir: Path, values: dict[str, Any], tp: int, rank: int, ep: int = 1) -> Any:
-    """``replica_model.check`` at one case, with other weights (seeded) in the engine before: its result, or the
-    first difference as a string."""
+    """``replica_model.check`` at one case, with other weights (seeded) in the engine before: its result when
+    everything is bit-exact, else ``(status, detail)``: ``refused`` when a parameter is written by no HF tensor
+    (the engine would keep its own values: never synced silently) or when only derived state (buffers, tensor
+    attributes) is left stale by SGLang's session (the engine derives it in ``load_weights``, which one-sided
+    writes do not run, and its end-of-session processing does not re-derive it); ``mismatch`` for a parameter
+    that differs (a bug to fix)."""
     torch = sg.torch
     rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
     generator = torch.Generator().manual_seed(11)
     old = {n: torch.randn(t.shape, generator=generator).to(t.dtype) for n, t in values.items()}
     checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, values, ep=ep)
-    found = checked["differences"]
+    found, own = checked["differences"], checked["unwritten"]
+
+    def first(items: list[str]) -> str:
+        return f"{items[0]} (and {len(items) - 1} more)" if len(items) > 1 else items[0]
+
+    if [d for d in found if d.startswith("parameter ")]:
+        return "mismatch", first(found)
+    if own:
+        return "refused", f"parameter {first(own)}: no HF tensor writes it (the engine would keep its own values)"
     if found:
-        return f"{found[0]} (and {len(found) - 1} more)" if len(found) > 1 else found[0]
+        return "refused", f"{first(found)}: derived in load_weights and not re-derived by SGLang's session"
     return checked
 
 
@@ -385,7 +400,7 @@ def _replica(sg: Any, model_dir: Path, values: dict[str, Any], refusal: str) -> 
     ``load_weights`` on the source, the loader layout written into an engine that held other weights, SGLang's
     end-of-session processing), against SGLang's own full load. ``synced`` (with ``rederived``: what the end of the
     session had to re-derive) when every parameter, buffer and tensor attribute is bit-exact at every case;
-    ``mismatch`` naming the first difference; ``refused`` when SGLang's own load fails on a rank."""
+    otherwise what :func:`_check` says, or ``refused`` when SGLang's own load fails on a rank."""
     checked: Any = None
     rederived: set[str] = set()
     for tp, rank in CASES:
@@ -393,8 +408,10 @@ def _replica(sg: Any, model_dir: Path, values: dict[str, Any], refusal: str) -> 
             checked = _check(sg, model_dir, values, tp, rank)
         except Exception as exc:  # the engine's own load fails on this rank: no replica either
             return {"status": "refused", "reason": f"{refusal}; engine replica: TP {tp} rank {rank}: {_why(exc)}"}
-        if isinstance(checked, str):
-            return {"status": "mismatch", "reason": f"engine replica: TP {tp} rank {rank}: {checked}"}
+        if isinstance(checked, tuple):
+            status, detail = checked
+            reason = f"engine replica: TP {tp} rank {rank}: {detail}"
+            return {"status": status, "reason": f"{refusal}; {reason}" if status == "refused" else reason}
         # At some ranks a derived attribute is a view of the parameter (DeepSeek's w_vc with one head per rank):
         # the writes update it, and only the other ranks show it stale before the end of the session.
         rederived |= {d.split(":")[0] for d in checked["before_end"]}

@@ -87,14 +87,31 @@ def check_bound(model: Any, buffer: Any, layout: list[dict[str, Any]]) -> None:
             raise ReplicaError(f"{entry['name']}: the loader replaced the parameter's tensor, not writing into it")
 
 
-def write_parameters(torch: Any, source: Any, target: Any) -> list[str]:
+#: What :func:`unwritten` fills a bound buffer with before the load: every byte 0xFF (NaN in every float dtype).
+SENTINEL = 0xFF
+
+
+def unwritten(torch: Any, buffer: Any, layout: list[dict[str, Any]]) -> list[str]:
+    """The parameters whose bytes in ``buffer`` are all still :data:`SENTINEL` (the buffer was filled with it before
+    the load): no HF tensor wrote them, so the engine keeps its own values there and the replica must not write
+    them."""
+    return [
+        entry["name"]
+        for entry in layout
+        if entry["nbytes"] and bool((buffer[entry["offset"] : entry["offset"] + entry["nbytes"]] == SENTINEL).all())
+    ]
+
+
+def write_parameters(torch: Any, source: Any, target: Any, skip: frozenset[str] = frozenset()) -> list[str]:
     """Copy every parameter of ``source`` into the same-named parameter of ``target``, byte for byte, as the
-    one-sided writes do (the target's memory, not new tensors); the names ``target`` has and ``source`` lacks, or
-    whose dtype or shape differ (nothing is written to those)."""
+    one-sided writes do (the target's memory, not new tensors), but those in ``skip``; the names ``target`` has and
+    ``source`` lacks, or whose dtype or shape differ (nothing is written to those)."""
     held = dict(source.named_parameters())
     skipped = []
     with torch.no_grad():
         for name, param in target.named_parameters():
+            if name in skip:
+                continue
             replica = held.get(name)
             if replica is None or replica.dtype != param.dtype or replica.shape != param.shape:
                 skipped.append(name)
@@ -117,12 +134,17 @@ def state(torch: Any, model: Any) -> Iterator[tuple[str, str, Any]]:
                 yield ATTRIBUTE, f"{prefix}.{key}" if prefix else key, value
 
 
-def differences(torch: Any, got: Any, want: Any) -> list[str]:
+def differences(torch: Any, got: Any, want: Any, ignore: frozenset[str] = frozenset()) -> list[str]:
     """``kind name: why`` for every parameter, buffer and tensor attribute where ``got`` and ``want`` differ (shape,
-    dtype or any byte; NaNs compared as bytes) or that only one holds. Empty: bit-for-bit the same."""
+    dtype or any byte; NaNs compared as bytes) or that only one holds, but the parameters in ``ignore``. Empty:
+    bit-for-bit the same."""
     theirs = {(kind, name): tensor for kind, name, tensor in state(torch, want)}
+    for name in ignore:
+        theirs.pop((PARAMETER, name), None)
     out = []
     for kind, name, tensor in state(torch, got):
+        if kind == PARAMETER and name in ignore:
+            continue
         other = theirs.pop((kind, name), None)
         if other is None:
             out.append(f"{kind} {name}: not in the reference")

@@ -86,7 +86,8 @@ def check(
     3. a session on the engine: :func:`begin`, the replica's parameters written byte for byte, :func:`end`;
     4. every parameter, buffer and tensor attribute of the engine against a model fully loaded with ``new``.
 
-    Returns ``layout`` (the replica's loader layout), ``parameters`` (its count), ``bytes``, ``differences``
+    Returns ``layout`` (the replica's loader layout), ``parameters`` (its count), ``bytes``, ``unwritten`` (the
+    parameters no HF tensor wrote: the engine keeps its own, the replica never writes them), ``differences``
     (empty: bit-exact) and ``before_end``: the differences right after the writes, before :func:`end`, i.e. what
     SGLang's own end-of-session processing had to re-derive, such as MLA's ``w_kc``/``w_vc`` (a round that skipped
     it would serve those stale)."""
@@ -101,21 +102,26 @@ def check(
     size = replica_core.packed(replica_core.loader_layout(replica))[1]
     buffer = sg.torch.zeros(size, dtype=sg.torch.uint8)
     bound = replica_core.bind(sg.torch, replica, buffer)
+    buffer.fill_(replica_core.SENTINEL)
     load(sg, replica, weights(new))
     replica_core.check_bound(replica, buffer, bound)
+    # Parameters no HF tensor wrote keep the engine's own values (its checkpoint's, or its constructor's): never
+    # written, never compared (two fresh builds hold whatever their allocations held).
+    own = frozenset(replica_core.unwritten(sg.torch, buffer, bound))
     begin(sg, engine)
-    skipped = replica_core.write_parameters(sg.torch, replica, engine)
+    skipped = replica_core.write_parameters(sg.torch, replica, engine, skip=own)
     reference = build(sg, model_dir, tp, rank, dtype, ep)
     full_load(sg, reference, weights(new))
-    before_end = replica_core.differences(sg.torch, engine, reference)
+    before_end = replica_core.differences(sg.torch, engine, reference, ignore=own)
     end(sg, engine)
     layout = replica_core.loader_layout(replica)
     found = [f"parameter {name}: not in the replica" for name in skipped]
-    found += replica_core.differences(sg.torch, engine, reference)
+    found += replica_core.differences(sg.torch, engine, reference, ignore=own)
     return {
         "layout": layout,
         "parameters": len(layout),
         "bytes": sum(p["nbytes"] for p in layout),
+        "unwritten": sorted(own),
         "differences": found,
         "before_end": before_end,
     }
