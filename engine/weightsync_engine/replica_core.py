@@ -91,7 +91,7 @@ def check_bound(model: Any, buffer: Any, layout: list[dict[str, Any]]) -> None:
 SENTINEL = 0xFF
 
 
-def unwritten(torch: Any, buffer: Any, layout: list[dict[str, Any]]) -> list[str]:
+def unwritten(buffer: Any, layout: list[dict[str, Any]]) -> list[str]:
     """The parameters whose bytes in ``buffer`` are all still :data:`SENTINEL` (the buffer was filled with it before
     the load): no HF tensor wrote them, so the engine keeps its own values there and the replica must not write
     them."""

@@ -107,7 +107,7 @@ def check(
     replica_core.check_bound(replica, buffer, bound)
     # Parameters no HF tensor wrote keep the engine's own values (its checkpoint's, or its constructor's): never
     # written, never compared (two fresh builds hold whatever their allocations held).
-    own = frozenset(replica_core.unwritten(sg.torch, buffer, bound))
+    own = frozenset(replica_core.unwritten(buffer, bound))
     begin(sg, engine)
     skipped = replica_core.write_parameters(sg.torch, replica, engine, skip=own)
     reference = build(sg, model_dir, tp, rank, dtype, ep)

@@ -127,3 +127,23 @@ def test_a_loader_that_replaces_a_parameters_tensor_is_refused_by_name() -> None
         replica_core.check_bound(model, buffer, layout)
     with pytest.raises(replica_core.ReplicaError, match="holds 8 bytes"):
         replica_core.bind(torch, filled(8), torch.zeros(8, dtype=torch.uint8))
+
+
+def test_a_parameter_the_loader_never_wrote_is_the_engines_own() -> None:
+    """Filled with the sentinel before the load, a parameter whose bytes are all still the sentinel was written by
+    no HF tensor: it is named, never written into the engine, and left out of the comparison."""
+    replica, engine = filled(9), filled(10)
+    buffer = torch.zeros(replica_core.packed(replica_core.loader_layout(replica))[1], dtype=torch.uint8)
+    layout = replica_core.bind(torch, replica, buffer)
+    buffer.fill_(replica_core.SENTINEL)
+    with torch.no_grad():  # the load writes attn.kv only
+        replica.attn.kv.data.copy_(filled(11).attn.kv.data)
+    own = frozenset(replica_core.unwritten(buffer, layout))
+    assert own == {"norm"}
+    kept = engine.norm.data.clone()
+    assert replica_core.write_parameters(torch, replica, engine, skip=own) == []
+    assert torch.equal(engine.norm.data, kept)
+    engine.attn.derive()
+    want = filled(11)
+    assert replica_core.differences(torch, engine, want, ignore=own) == []
+    assert replica_core.differences(torch, engine, want) == ["parameter norm: the bytes differ"]
