@@ -239,6 +239,10 @@ class LoopbackGroup:
                     raise TimeoutError(f"agent of trainer pod {pod} not built after {timeout:.0f} s")
                 time.sleep(0.2)
 
+    def committed(self) -> int:
+        """The version the coordinator (trainer pod 0's agent) committed last (0: none yet)."""
+        return int(AgentClient(self.agents[0].url, timeout=10.0, token=self.token).state()["committed"] or 0)
+
     def client(self, rank: int, *, sidecar_timeout: float = 60.0) -> WeightSyncClient:
         """The trainer-side client of ``rank``, as trainer code in that rank's pod builds it."""
         # Trainer code's environment: the pod's identity, not the group's credential (its sidecar hands it a

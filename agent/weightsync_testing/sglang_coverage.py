@@ -117,6 +117,8 @@ FAMILY |= {
     "olmo": {"num_key_value_heads": 8},
     "olmoe": {"num_key_value_heads": 8},
 }
+#: A replica check's weights: (what the engine held before the round, what the round sends), HF-named.
+Rounds = tuple[dict[str, Any], dict[str, Any]]
 MAX_PARAMETERS = 50_000_000  # a "tiny" config that is still bigger than this was not shrunk by TINY's keys
 STATUSES = ("synced", "refused", "mismatch", "not built")
 NO_CAUSAL_LM = "transformers has no causal-LM class of this name"
@@ -325,6 +327,9 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
         sources = tm.read_checkpoint(model_dir)
         generator = torch.Generator().manual_seed(7)
         values = {n: torch.randn(s, generator=generator).to(torch.bfloat16) for n, s in sources.items()}
+        # What the engine held before a replica round (the replica checks': other seeded weights).
+        generator = torch.Generator().manual_seed(11)
+        rounds = ({n: torch.randn(t.shape, generator=generator).to(t.dtype) for n, t in values.items()}, values)
         traced: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for tp, rank in CASES:
             try:
@@ -335,7 +340,7 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
                 return {"status": "not built", "reason": f"TP {tp}: {_why(exc)}"}
             if isinstance(traced[tp, rank], str):
                 refusal = f"TP {tp} rank {rank}: {traced[tp, rank]}"
-                return _with_ep(sg, model_dir, values, defaults, _replica(sg, model_dir, values, refusal))
+                return _with_ep(sg, model_dir, rounds, defaults, _replica(sg, model_dir, rounds, refusal))
         parameters = 0
         for (tp, rank), tensors in traced.items():
             bad = _differential(tm, sg, model_dir, values, tp, rank, tensors)
@@ -343,12 +348,10 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
                 return {"status": "mismatch", "reason": f"TP {tp} rank {rank}: SGLang's load differs in {bad[:3]}"}
             parameters = len(tensors)
         synced = {"status": "synced", "reason": "", "parameters": parameters, "path": "trace"}
-        return _with_ep(sg, model_dir, values, defaults, synced)
+        return _with_ep(sg, model_dir, rounds, defaults, synced)
 
 
-def _with_ep(
-    sg: Any, model_dir: Path, values: dict[str, Any], defaults: dict[str, Any], row: dict[str, Any]
-) -> dict[str, Any]:
+def _with_ep(sg: Any, model_dir: Path, rounds: Rounds, defaults: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     """A synced MoE architecture, also checked with expert parallelism (:data:`EP_CASES`) through the engine
     replica: ``ep`` lists the EP sizes synced, ``ep_not_built`` says why SGLang could not build one here, or the
     row becomes what :func:`_check` says."""
@@ -357,7 +360,7 @@ def _with_ep(
     experts: dict[str, list[int]] = {}
     for tp, rank, ep in EP_CASES:
         try:
-            checked = _check(sg, model_dir, values, tp, rank, ep)
+            checked = _check(sg, model_dir, rounds, tp, rank, ep)
         except Exception as exc:  # SGLang cannot build or load this EP layout here (CPU): said, not hidden
             return {**row, "ep_not_built": f"TP {tp} rank {rank} EP {ep}: {_why(exc)}"}
         if isinstance(checked, tuple):
@@ -369,18 +372,16 @@ def _with_ep(
     return {**row, "ep": [ep for _, _, ep in EP_CASES], "ep_experts": experts}
 
 
-def _check(sg: Any, model_dir: Path, values: dict[str, Any], tp: int, rank: int, ep: int = 1) -> Any:
-    """``replica_model.check`` at one case, with other weights (seeded) in the engine before: its result when
+def _check(sg: Any, model_dir: Path, rounds: Rounds, tp: int, rank: int, ep: int = 1) -> Any:
+    """``replica_model.check`` at one case, ``rounds`` = (what the engine held, what the round sends): its result when
     everything is bit-exact, else ``(status, detail)``: ``refused`` when a parameter is written by no HF tensor
     (the engine would keep its own values: never synced silently) or when only derived state (buffers, tensor
     attributes) is left stale by SGLang's session (the engine derives it in ``load_weights``, which one-sided
     writes do not run, and its end-of-session processing does not re-derive it); ``mismatch`` for a parameter
     that differs (a bug to fix)."""
-    torch = sg.torch
     rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
-    generator = torch.Generator().manual_seed(11)
-    old = {n: torch.randn(t.shape, generator=generator).to(t.dtype) for n, t in values.items()}
-    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, values, ep=ep)
+    old, new = rounds
+    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep)
     found, own = checked["differences"], checked["unwritten"]
 
     def first(items: list[str]) -> str:
@@ -395,7 +396,7 @@ def _check(sg: Any, model_dir: Path, values: dict[str, Any], tp: int, rank: int,
     return checked
 
 
-def _replica(sg: Any, model_dir: Path, values: dict[str, Any], refusal: str) -> dict[str, Any]:
+def _replica(sg: Any, model_dir: Path, rounds: Rounds, refusal: str) -> dict[str, Any]:
     """Where the trace refuses: the engine-replica path at every case (``replica_model.check``: SGLang's own
     ``load_weights`` on the source, the loader layout written into an engine that held other weights, SGLang's
     end-of-session processing), against SGLang's own full load. ``synced`` (with ``rederived``: what the end of the
@@ -405,7 +406,7 @@ def _replica(sg: Any, model_dir: Path, values: dict[str, Any], refusal: str) -> 
     rederived: set[str] = set()
     for tp, rank in CASES:
         try:
-            checked = _check(sg, model_dir, values, tp, rank)
+            checked = _check(sg, model_dir, rounds, tp, rank)
         except Exception as exc:  # the engine's own load fails on this rank: no replica either
             return {"status": "refused", "reason": f"{refusal}; engine replica: TP {tp} rank {rank}: {_why(exc)}"}
         if isinstance(checked, tuple):

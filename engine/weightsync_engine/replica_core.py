@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from weightsync_engine.trace_core import dtype_name
+
 #: What ``state`` calls the three kinds of tensors a module holds.
 PARAMETER, BUFFER, ATTRIBUTE = "parameter", "buffer", "attribute"
 #: Where each parameter starts in a bound buffer: a multiple of this (any dtype's element size, a cache line).
@@ -36,7 +38,7 @@ def loader_layout(model: Any) -> list[dict[str, Any]]:
     return [
         {
             "name": name,
-            "dtype": str(param.dtype).removeprefix("torch."),
+            "dtype": dtype_name(param.dtype),
             "shape": list(param.shape),
             "nbytes": param.numel() * param.element_size(),
         }

@@ -86,11 +86,11 @@ def check(
     3. a session on the engine: :func:`begin`, the replica's parameters written byte for byte, :func:`end`;
     4. every parameter, buffer and tensor attribute of the engine against a model fully loaded with ``new``.
 
-    Returns ``layout`` (the replica's loader layout), ``parameters`` (its count), ``bytes``, ``unwritten`` (the
-    parameters no HF tensor wrote: the engine keeps its own, the replica never writes them), ``differences``
-    (empty: bit-exact) and ``before_end``: the differences right after the writes, before :func:`end`, i.e. what
-    SGLang's own end-of-session processing had to re-derive, such as MLA's ``w_kc``/``w_vc`` (a round that skipped
-    it would serve those stale)."""
+    Returns ``layout`` (the replica's loader layout, with each parameter's offset in the buffer), ``parameters``
+    (its count), ``bytes``, ``unwritten`` (the parameters no HF tensor wrote: the engine keeps its own, the replica
+    never writes them), ``differences`` (empty: bit-exact) and ``before_end``: the differences right after the
+    writes, before :func:`end`, i.e. what SGLang's own end-of-session processing had to re-derive, such as MLA's
+    ``w_kc``/``w_vc`` (a round that skipped it would serve those stale)."""
 
     def weights(values: dict[str, Any]) -> Iterable[tuple[str, Any]]:
         return ((name, tensor.clone()) for name, tensor in values.items())  # a loader may change its input
@@ -114,13 +114,12 @@ def check(
     full_load(sg, reference, weights(new))
     before_end = replica_core.differences(sg.torch, engine, reference, ignore=own)
     end(sg, engine)
-    layout = replica_core.loader_layout(replica)
     found = [f"parameter {name}: not in the replica" for name in skipped]
     found += replica_core.differences(sg.torch, engine, reference, ignore=own)
     return {
-        "layout": layout,
-        "parameters": len(layout),
-        "bytes": sum(p["nbytes"] for p in layout),
+        "layout": bound,
+        "parameters": len(bound),
+        "bytes": sum(p["nbytes"] for p in bound),
         "unwritten": sorted(own),
         "differences": found,
         "before_end": before_end,

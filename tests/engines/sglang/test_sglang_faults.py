@@ -117,11 +117,6 @@ def faulted(sglang_py: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPath
         harness.close_gates()
 
 
-def committed(coordinator: AgentClient) -> int:
-    """The version the coordinator committed last (0: none yet)."""
-    return int(coordinator.state()["committed"] or 0)
-
-
 class ForeignWriter:
     """Writes garbage into one published SGLang parameter over Mooncake, over and over, from this process."""
 
@@ -270,9 +265,8 @@ def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
     group = faulted
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=30)
-    coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     try:
-        base = committed(coordinator)
+        base = group.committed()
         v1 = trained_state(tiny_llama, base + 1)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, base + 1))
         before = engine.transfer_engine_info(0)
@@ -285,7 +279,7 @@ def test_a_target_killed_mid_round_fails_it_and_once_restarted_it_is_caught_up(
         print(f"\nkilled at verification: {said} ({took:.1f} s after the kill)")
         budget = group.plan.transfer.timeouts.round_budget
         assert took < budget + 12, f"the round took {took:.1f} s after the kill (budget {budget} s): {said}"
-        assert committed(coordinator) == base + 1
+        assert group.committed() == base + 1
 
         # Restarted on its ports: SGLang's checkpoint at new addresses behind a new session. The replicas hold v2
         # (staged for the failed round), not the committed v1, so no catch-up is possible: the next round repairs.
@@ -346,7 +340,7 @@ def test_a_hung_target_fails_the_round_within_its_timeouts_and_after_sigcont_the
     harness = group.harness
     assert isinstance(harness, SglangEngines)
     try:
-        base = committed(coordinator)
+        base = group.committed()
         v1 = trained_state(tiny_llama, base + 1)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, v1, base + 1))
         try:

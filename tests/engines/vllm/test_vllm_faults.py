@@ -54,11 +54,6 @@ def group(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFa
         yield running
 
 
-def committed(coordinator: AgentClient) -> int:
-    """The version the coordinator committed last (0: none yet)."""
-    return int(coordinator.state()["committed"] or 0)
-
-
 harness_of = gated_harness
 
 
@@ -133,15 +128,14 @@ def test_vllm_killed_mid_commit_fails_the_round_and_once_restarted_it_is_caught_
     group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
 ) -> None:
     clients = [group.client(rank) for rank in range(2)]
-    coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     try:
-        base = committed(coordinator)
+        base = group.committed()
         v1, v2, v3 = base + 1, base + 2, base + 3
         assert all(getattr(o, "ok", False) for o in publish_all(clients, trained_state(tiny_llama32, v1), v1))
         outcome, took = publish_with_fault_at_commit(group, clients, trained_state(tiny_llama32, v2), v2,
                                                      signal.SIGKILL)  # fmt: skip
         assert_failed_in_time(group, outcome, took, "killed", v2)
-        assert committed(coordinator) == v1
+        assert group.committed() == v1
 
         # Restarted: the checkpoint in a new buffer, a new session. The replicas hold v2 (staged for the failed
         # round), not the committed v1, so nothing can catch it up: it stays unlabelled until the next round.
@@ -154,7 +148,7 @@ def test_vllm_killed_mid_commit_fails_the_round_and_once_restarted_it_is_caught_
         # Killed between rounds: the replicas hold the committed v3; the coordinator catches the fresh vLLM up.
         restart_and_watch(group, until=str(v3))
         assert_serves(harness_of(group).servers[0], full, str(v3), vllm_py, tiny_llama32, tmp_path / "v3-caught-up")
-        assert committed(coordinator) == v3
+        assert group.committed() == v3
     finally:
         for client in clients:
             client.close()
@@ -167,7 +161,7 @@ def test_vllm_hung_mid_commit_fails_the_round_within_a_call_timeout_and_the_next
     coordinator = AgentClient(group.agents[0].url, timeout=10, token=group.token)
     harness = harness_of(group)
     try:
-        base = committed(coordinator)
+        base = group.committed()
         v1, v2, v3 = base + 1, base + 2, base + 3
         assert all(getattr(o, "ok", False) for o in publish_all(clients, trained_state(tiny_llama32, v1), v1))
         try:
