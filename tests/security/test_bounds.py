@@ -164,7 +164,7 @@ def agent_abuse() -> list[tuple[str, str, Any, int, str]]:
         ("GET", "/v1/rounds/1?wait=1e308", None, 400, "wait"),
         ("GET", "/v1/rounds/1?wait=nan", None, 400, "wait"),
         ("GET", "/v1/rounds/1?wait=-5", None, 400, "wait"),
-        ("GET", "/v1/rounds/1?after=inf", None, 400, "after"),
+        ("GET", "/v1/rounds/1?seen=" + "f" * 5000, None, 400, "seen"),
         ("GET", "/v1/engine/manifest?rank=-1", None, 400, "rank"),
         ("GET", "/v1/engine/manifest?rank=" + "9" * 5000, None, 400, "rank"),
         ("DELETE", publish, None, 405, "Not Allowed"),

@@ -38,7 +38,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 from weightsync.api.engines import refusal
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
@@ -82,12 +81,6 @@ NOT_STARTED = (
     SourceConfigError,
     TransportError,
 )
-
-
-@dataclass(frozen=True)
-class Finished:
-    result: RoundResult
-    at: float  # time.time() when it finished, to tell a retry's result from an earlier one's
 
 
 class InProcessRankSource:
@@ -135,7 +128,7 @@ class Coordinator:
         self.retries = retries
         self.host = host
         self.committed: int | None = None
-        self.finished: OrderedDict[int, Finished] = OrderedDict()  # the last HISTORY regular rounds
+        self.finished: OrderedDict[int, RoundResult] = OrderedDict()  # the last HISTORY regular rounds
         #: Called (from the round's thread) after every round: the HTTP routes wake their long polls with it.
         self.on_finish: list[Callable[[], None]] = []
         #: Whether ``committed`` was learnt from the engines (a fresh coordinator knows nothing until it asked).
@@ -247,14 +240,18 @@ class Coordinator:
             if engine not in self._held or self._held[engine] != held:
                 self._suspects.add(engine)
 
-    def wait(self, version: int, timeout: float, after: float = 0.0) -> RoundResult | None:
-        """The result of round ``version`` finished after ``after`` (``time.time()``), waiting up to ``timeout``."""
+    def wait(self, version: int, timeout: float, *, seen: str | None = None) -> RoundResult | None:
+        """The latest result of round ``version``, waiting up to ``timeout`` for one; ``seen``: the id of a round of
+        ``version`` the asker heard about already (a failed round it retries), whose result is not an answer.
+
+        Round ids, not times: a rank that asks only after rank 0's round failed fast (before it staged) must hear that
+        result, and the coordinator's clock is not the asking pod's."""
         end = time.monotonic() + timeout
         with self._cond:
             while True:
                 done = self.finished.get(version)
-                if done is not None and (done.at >= after or self._final_refusal(version, done.result)):
-                    return done.result
+                if done is not None and (done.round_id != seen or self._final_refusal(version, done)):
+                    return done
                 left = end - time.monotonic()
                 if left <= 0:
                     return None
@@ -262,8 +259,7 @@ class Coordinator:
 
     def _final_refusal(self, version: int, result: RoundResult) -> bool:
         """A refused round of a version not newer than the committed one is final: no round of it runs again, so a
-        trainer rank that asks only after rank 0's publish was refused (nothing waited for it: a refusal needs no
-        prepare) gets that refusal instead of waiting out its timeout."""
+        rank that heard it already and asks again gets it again instead of waiting out its timeout."""
         return not result.started and self.committed is not None and version <= self.committed
 
     def close(self) -> None:
@@ -419,6 +415,7 @@ class Coordinator:
             gbps=0.0,
             attempts=0,
             reason=f"round not started: {reason}",
+            round_id=new_round_id(),  # a rank waiting on the version tells this answer from a retry's
         )
 
     def _finish(self, result: RoundResult, kind: str) -> RoundResult:
@@ -453,7 +450,7 @@ class Coordinator:
         )
         with self._cond:
             if kind == "regular":
-                self.finished[result.version] = Finished(result, time.time())
+                self.finished[result.version] = result
                 self.finished.move_to_end(result.version)
                 while len(self.finished) > HISTORY:
                     self.finished.popitem(last=False)

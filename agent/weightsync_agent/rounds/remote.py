@@ -4,8 +4,8 @@ Routes (served by :mod:`weightsync_agent.sidecar.routes`):
 
 * ``POST /v1/publish {"version", "rank", "timeoutSeconds"}`` — a trainer process says it staged
   ``version`` into ``rank``'s replica and waits for the round's result (the coordinator runs it).
-* ``GET /v1/rounds/{version}?wait=S&after=T`` — the coordinator's result of round ``version`` if one
-  finished after T (unix time), waiting up to S s.
+* ``GET /v1/rounds/{version}?wait=S&seen=ID`` — the coordinator's latest result of round ``version`` unless its
+  round id is ID (one the caller heard already), waiting up to S s.
 * ``POST /v1/sources/{rank}/publish {"version", "timeoutSeconds", "planHash", "engines", "catchUp",
   "placements", "roundId"}`` —
   the coordinator asks rank ``rank`` to write its targets; answers a source report.
@@ -79,9 +79,10 @@ class AgentClient:
         except WireError as exc:
             raise AgentError(f"agent {self.base_url}: {exc}") from exc
 
-    def round(self, version: int, wait: float, *, after: float = 0.0) -> RoundResult | None:
-        """Round ``version``'s result if one finished after ``after`` (``time.time()``), else None."""
-        route = f"/v1/rounds/{version}?wait={wait:.3f}&after={after:.3f}"
+    def round(self, version: int, wait: float, *, seen: str | None = None) -> RoundResult | None:
+        """The latest result of round ``version`` unless it is round ``seen`` (one heard already), else None."""
+        query = {"wait": f"{wait:.3f}", **({} if seen is None else {"seen": seen})}
+        route = f"/v1/rounds/{version}?{urllib.parse.urlencode(query)}"
         data = self._call("GET", route, timeout=wait + SLACK_SECONDS)
         if data is None or (isinstance(data, dict) and data.get("pending")):
             return None

@@ -61,12 +61,13 @@ QueryRank = Annotated[int, Field(ge=0, le=MAX_RANK)]
 
 
 class RoundQuery(RequestModel):
-    """``GET /v1/rounds/{version}?wait=S&after=T``: the round's result, waiting up to ``wait`` seconds (at most
-    :data:`MAX_POLL_SECONDS`: a longer wait is cut to it and answered ``pending``, and the caller asks again)."""
+    """``GET /v1/rounds/{version}?wait=S&seen=ID``: the round's result, waiting up to ``wait`` seconds (at most
+    :data:`MAX_POLL_SECONDS`: a longer wait is cut to it and answered ``pending``, and the caller asks again);
+    ``seen``: the id of a round of ``version`` the caller already heard about, to wait for a later one."""
 
     version: QueryVersion
     wait: RequestSeconds = 0.0
-    after: float = Field(default=0.0, ge=0, le=float(MAX_VERSION), allow_inf_nan=False)
+    seen: str | None = Field(default=None, min_length=1, max_length=MAX_ROUND_ID, pattern=r"^[\w.-]+$")
 
     @property
     def poll_seconds(self) -> float:

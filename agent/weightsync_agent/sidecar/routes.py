@@ -26,6 +26,7 @@ from weightsync_agent.http.bounds import MAX_WAITERS, parse_body
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.server import auth_middleware, bounded_app, error_middleware, error_response, json_object
 from weightsync_agent.layout.manifest import ManifestError
+from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import WireError, placements_from_json, round_result_to_json, source_report_to_json
 from weightsync_agent.sidecar.requests import (
     CommittedRequest,
@@ -143,8 +144,12 @@ def _round_routes(runtime: AgentRuntime, waiters: Waiters) -> list[web.RouteDef]
         coordinator = runtime.coordinator
         if coordinator is None:
             raise LookupError("this agent is not the coordinator (trainer rank 0's agent is)")
+
+        def poll() -> RoundResult | None:
+            return coordinator.wait(asked.version, 0.0, seen=asked.seen)
+
         try:
-            result = await waiters.wait(lambda: coordinator.wait(asked.version, 0.0, asked.after), asked.poll_seconds)
+            result = await waiters.wait(poll, asked.poll_seconds)
         except TooManyWaitersError as exc:
             return error_response(429, str(exc))
         return web.json_response({"pending": True} if result is None else round_result_to_json(result))

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ from weightsync_agent.targets.adapter import AdapterUnavailableError, EngineAdap
 from weightsync_agent.targets.agent import EngineAgent
 from weightsync_agent.targets.registry import make_adapter, settings_for
 from weightsync_agent.transport.base import Transport, TransportError
+
+#: How many (rank, version) round ids a trainer pod's agent remembers (a rank retries only its latest versions).
+HEARD_ROUNDS = 64
 
 log = logging.getLogger("weightsync.agent")
 
@@ -84,6 +88,10 @@ class AgentRuntime:
         self.engine: EngineAgent | None = None
         self._ready_reported: bool | None = None
         self._coordinator_client: AgentClient | None = None
+        #: (rank, version) -> the id of the last round of ``version`` whose result rank ``rank`` was given: a retry of
+        #: the version waits for a later round. Bounded: only the latest :data:`HEARD_ROUNDS` are kept.
+        self._heard: OrderedDict[tuple[int, int], str | None] = OrderedDict()
+        self._heard_lock = threading.Lock()
         #: The group's credential: sent on every call to another agent or an engine, required on every route but
         #: the probes; follows a rotation of the mounted Secret (re-read on each tick and on a 401).
         self.token = Credential.from_sources(config.credentials_dir, config.group_token)
@@ -266,23 +274,33 @@ class AgentRuntime:
     def publish(self, rank: int, version: int, timeout: float) -> RoundResult:
         """Trainer rank ``rank`` staged ``version``: rank 0 runs the round; the others wait for it."""
         sources = self.sources_or_fail()
-        asked = time.time()
         sources.mark_ready(rank, version)
         if self.coordinator is not None and rank == 0:
             return self.coordinator.run_round(version)
+        with self._heard_lock:
+            seen = self._heard.get((rank, version))
+        result = self._wait_for_round(version, timeout, seen=seen)
+        with self._heard_lock:
+            self._heard[(rank, version)] = result.round_id
+            self._heard.move_to_end((rank, version))
+            while len(self._heard) > HEARD_ROUNDS:
+                self._heard.popitem(last=False)
+        return result
+
+    def _wait_for_round(self, version: int, timeout: float, *, seen: str | None) -> RoundResult:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LookupError(f"no result for round {version} within {timeout:.0f} s from the coordinator")
             if self.coordinator is not None:
-                result = self.coordinator.wait(version, left, after=asked)
+                result = self.coordinator.wait(version, left, seen=seen)
             else:
                 try:
                     coordinator = AgentClient(
                         self.directory.trainer_url(0), timeout=self.call_timeout, token=self.token
                     )
-                    result = coordinator.round(version, min(left, 30.0), after=asked)
+                    result = coordinator.round(version, min(left, 30.0), seen=seen)
                 except (AgentError, DirectoryError) as exc:
                     log.warning("waiting for round %d: %s", version, exc)
                     time.sleep(min(1.0, max(left, 0.0)))

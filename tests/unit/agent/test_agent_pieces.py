@@ -140,10 +140,24 @@ def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
     result = coordinator.run_round(4)
     assert result.result == "Failed" and "not newer than committed 4" in (result.reason or "")
     assert coordinator.wait(4, 0.0) == result  # the trainer ranks waiting for v4 hear about it
-    # A rank that asks only after the refusal (a refusal waits for no rank) still hears it, at once.
+    # A rank that heard the refusal and asks again hears it again, at once: no round of v4 will run.
     started = time.monotonic()
-    assert coordinator.wait(4, 5.0, after=time.time() + 60) == result
+    assert coordinator.wait(4, 5.0, seen=result.round_id) == result
     assert time.monotonic() - started < 1.0
+
+
+def test_a_rank_hears_a_round_that_failed_before_it_asked_and_a_retry_waits_for_the_next() -> None:
+    """Rank 0's round of v1 can fail before rank 1 even staged v1 (a refusal waits for no rank): rank 1 asking
+    afterwards gets that result, not a timeout; asking again (a retry) it waits for the next round of v1."""
+    coordinator = _coordinator("sglang", staging="staged")  # refused at once: the adapter cannot stage
+    first = coordinator.run_round(1)
+    assert first.result == "Failed" and first.round_id
+    assert coordinator.wait(1, 0.0) == first  # asked after it finished, on another pod's clock
+    assert coordinator.wait(1, 0.2, seen=first.round_id) is None  # a retry does not take the old answer
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(coordinator.wait, 1, 30.0, seen=first.round_id)
+        second = coordinator.run_round(1)
+        assert waiting.result(timeout=30) == second and second.round_id != first.round_id
 
 
 def test_the_coordinator_keeps_the_last_rounds_only_and_wakes_its_listeners() -> None:

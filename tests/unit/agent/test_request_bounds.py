@@ -57,8 +57,10 @@ def test_timeouts_are_capped(seconds: float) -> None:
 
 
 def test_a_long_poll_over_the_poll_cap_is_cut_to_it_and_queries_parse_from_text() -> None:
-    asked = parse_body(RoundQuery, {"version": "12", "wait": "3600", "after": "1.5"})
-    assert (asked.version, asked.poll_seconds, asked.after) == (12, 60.0, 1.5)
+    asked = parse_body(RoundQuery, {"version": "12", "wait": "3600", "seen": "9f3a"})
+    assert (asked.version, asked.poll_seconds, asked.seen) == (12, 60.0, "9f3a")
+    with pytest.raises(BadRequestError, match="seen"):
+        parse_body(RoundQuery, {"version": "12", "seen": "a&b=c"})
     assert parse_body(RankQuery, {"rank": "3"}).rank == 3
 
 
