@@ -31,6 +31,8 @@ from weightsync.plan import Plan, plan_for, replan
 from weightsync.ports import free_port
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.directory import StaticDirectory
+from weightsync_agent.http.client import JsonHttpClient
+from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_agent.targets.registry import adapter_class
 from weightsync_testing.engine_harness import EngineHarness, ReferenceEngines, StartedEngine
@@ -252,6 +254,12 @@ class LoopbackGroup:
         }
         env = {**env, "LOCAL_RANK": "0"}
         return WeightSyncClient.from_env(env, plan=self.plan, sidecar_timeout=sidecar_timeout)
+
+    def manifest(self, engine: int, rank: int = 0) -> Manifest:
+        """Rank ``rank``'s manifest as engine ``engine``'s agent serves it to the sources."""
+        client = JsonHttpClient(self.engine_agents[engine].url, timeout=120, api_key=self.token)
+        _, answer = client.request("GET", "/v1/engine/manifest", query={"rank": rank})
+        return Manifest.model_validate(answer)
 
     @contextlib.contextmanager
     def clients(self, *, sidecar_timeout: float = 60.0) -> Iterator[list[WeightSyncClient]]:

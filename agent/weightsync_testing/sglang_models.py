@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 MAKER_VERSION = 1
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 DTYPES = ("float32", "bfloat16")
 VOCAB = 512
 STAMP = "weightsync-tiny.json"
@@ -66,6 +66,40 @@ MOE_SHAPE: dict[str, Any] = {
     "moe_intermediate_size": 64,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
+}
+# deepseek_v3: Kimi-K2's architecture shrunk: MLA with q-LoRA (q_lora_rank 64, kv_lora_rank 32, rope 16 + nope 16,
+# v 16), layer 0 dense, layer 1 a MoE of 4 routed experts (MLP 64, 2 per token, aux-loss-free sigmoid routing with
+# its e_score_correction_bias) and 1 shared expert; YaRN rope scaling (SGLang's CPU MLA rope asserts it).
+DEEPSEEK_V3_SHAPE: dict[str, Any] = {
+    "num_key_value_heads": 8,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    # What DeepSeek's own config class (remote code) carries, transformers' port lacks, and SGLang reads.
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "ep_size": 1,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 }
 # Random weights drawn with this std (HF's default 0.02 gives near-uniform logits, so greedy argmax would
 # hinge on rounding noise; 0.25 keeps the top logit well separated while staying far from overflow).
@@ -225,6 +259,7 @@ def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> No
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v3": getattr(transformers, "DeepseekV3Config", None),
     }[arch]
     extra: dict[str, Any] = {} if arch == "qwen2" else {"attention_bias": False}
     if arch != "llama":
@@ -232,6 +267,10 @@ def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> No
     if arch == "qwen3_moe":
         extra.update(MOE_SHAPE)
     shape = {**SHAPE, "head_dim": head_dim}
+    if arch == "deepseek_v3":  # MLA sets its own head sizes
+        del shape["head_dim"]
+        shape.update(DEEPSEEK_V3_SHAPE)
+        extra = {}
     if arch == "qwen2":  # no head_dim setting: hidden / heads is the head size
         heads = shape["hidden_size"] // head_dim
         shape.update(num_attention_heads=heads, num_key_value_heads=heads // 2)

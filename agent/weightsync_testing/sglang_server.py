@@ -134,7 +134,8 @@ def launch_sglang(
     log = log_file(log_dir, "sglang", port)
     workaround_log = log.with_name(f"sglang-{port}-workarounds.jsonl")
     workaround_log.unlink(missing_ok=True)
-    workarounds = sglang_cpu.workarounds_for(tp, transfer_engine=transfer_engine) if device == "cpu" else []
+    mla = sglang_cpu.uses_mla(Path(model_dir))
+    workarounds = sglang_cpu.workarounds_for(tp, transfer_engine=transfer_engine, mla=mla) if device == "cpu" else []
     command = server_command(
         python,
         Path(model_dir),

@@ -4,11 +4,14 @@
 
     python .../weightsync_engine/trace.py {sglang,vllm} --model DIR --tp T --rank R --dtype DTYPE
     python .../weightsync_engine/trace.py {sglang,vllm} --serve
+    python .../weightsync_engine/trace.py sglang --replica-layout --model DIR --tp T --rank R --dtype D [--ep E]
+    python .../weightsync_engine/trace.py sglang --replica-serve
 
 It prints the engine's trace as one JSON object on stdout (``weightsync_engine.<engine>.trace_model``, on the
 engine-independent ``trace_core``), or one line on stderr and exit 1 on a real error (2 on bad arguments).
 ``--serve`` imports the engine once and answers many traces, one JSON line per request line
-(``trace_core.serve``).
+(``trace_core.serve``). ``--replica-layout`` and ``--replica-serve`` are the engine replica's
+(``weightsync_engine.sglang.replica_serve``).
 
 The engine's interpreter imports this root from the directory this file is in, registered as the package
 ``weightsync_engine`` (:func:`engine_module`), never by adding a directory to ``sys.path``: the directory holding
@@ -63,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] not in ENGINES:
         print(f"{trace_core.PROG}: the first argument names the engine ({', '.join(ENGINES)})", file=sys.stderr)
         return 2
+    if args[0] == "sglang" and args[1:2] == ["--replica-layout"]:
+        from weightsync_engine.sglang import replica_serve
+
+        return replica_serve.layout_main(args[2:])
+    if args[0] == "sglang" and args[1:] == ["--replica-serve"]:
+        from weightsync_engine.sglang import replica_serve
+
+        return replica_serve.serve()
     traced = engine_module(args[0])
     description = traced.__doc__.splitlines()[0] if traced.__doc__ else ""
     if args[1:] == ["--serve"]:

@@ -101,6 +101,12 @@ class Placement:
     length: int
 
 
+#: How a source fills a tensor of its replica: ``trace``, cut from the trainer's full tensors as the parts say;
+#: ``engine-replica``, written whole by the engine's own ``load_weights`` in the source's engine replica
+#: (docs/engines/engine-replicas.md), for tensors the engine's loader fuses, transforms or derives.
+FillPath = Literal["trace", "engine-replica"]
+
+
 class TensorEntry(ApiModel):
     """One local weight tensor of the target rank."""
 
@@ -112,7 +118,8 @@ class TensorEntry(ApiModel):
     address: int = Field(gt=0, description="Absolute address in the engine process (the transfer target).")
     nbytes: int = Field(ge=0)
     cat_dim: int = Field(default=0, ge=0, description="Parts are concatenated along this dimension.")
-    parts: tuple[ShardPart, ...] = Field(min_length=1)
+    path: FillPath = Field(default="trace", description="How the source fills it: cut (trace) or engine replica.")
+    parts: tuple[ShardPart, ...] = Field(default=(), description="The cut (path trace); none for an engine replica.")
     padding: int = Field(
         default=0,
         ge=0,
@@ -127,6 +134,12 @@ class TensorEntry(ApiModel):
                 f"{self.name}: nbytes {self.nbytes} does not match shape {list(self.shape)} of {self.dtype} "
                 f"({expected} bytes)"
             )
+        if self.path == "engine-replica":
+            if self.parts or self.padding or self.cat_dim:
+                raise ManifestError(f"{self.name}: an engine-replica tensor has no parts, padding or cat_dim")
+            return self
+        if not self.parts:
+            raise ManifestError(f"{self.name}: a traced tensor needs at least one part")
         rank = len(self.shape)
         if self.cat_dim >= max(rank, 1):
             raise ManifestError(f"{self.name}: cat_dim {self.cat_dim} outside shape {list(self.shape)}")
@@ -178,7 +191,7 @@ class TensorEntry(ApiModel):
     @property
     def lead(self) -> int:
         """How many leading dims the parts index (``at``) rather than fill: 0 unless experts are fused."""
-        return len(self.parts[0].at)
+        return len(self.parts[0].at) if self.parts else 0
 
     @cached_property
     def placements(self) -> tuple[Placement, ...]:
@@ -206,6 +219,43 @@ class Region(ApiModel):
         return self.address + self.nbytes
 
 
+class Feed(ApiModel):
+    """One trainer (HF-named) tensor an engine replica's ``load_weights`` takes, as the trainer stages it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(min_length=1)
+    dtype: DType
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+class EngineReplica(ApiModel):
+    """What a source needs to build the target's engine replica: the engine's own model class for this rank, loaded
+    through the engine's ``load_weights`` with the trainer's ``feeds`` (docs/engines/engine-replicas.md)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    engine: Literal["sglang"]
+    engine_version: str = Field(min_length=1, max_length=64)
+    model: str = Field(min_length=1, max_length=4096, description="The model directory (its config) on the source.")
+    dtype: str = Field(min_length=1, max_length=32)
+    tp: int = Field(ge=1)
+    rank: int = Field(ge=0, description="The TP rank it is built for (ranks of one shape hold different bytes).")
+    ep: int = Field(default=1, ge=1)
+    feeds: tuple[Feed, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        names = [f.name for f in self.feeds]
+        if len(set(names)) != len(names):
+            raise ManifestError(f"engine replica feeds repeat {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        return self
+
+
 class Manifest(ApiModel):
     """Everything a source needs to write one inference rank."""
 
@@ -219,9 +269,20 @@ class Manifest(ApiModel):
     regions: tuple[Region, ...] = Field(min_length=1, description="Registered buffers holding the tensors.")
     staging: bool = Field(default=False, description="Addresses point into a staging area copied on commit.")
     checksum: ChecksumScheme = Field(default="bucket-xxh3", description="What the source reports for verification.")
+    replica: EngineReplica | None = Field(
+        default=None, description="The engine replica that fills the engine-replica tensors (none: all traced)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        loaded = [t.name for t in self.tensors if t.path == "engine-replica"]
+        if loaded and self.replica is None:
+            raise ManifestError(f"tensors {loaded[:5]} take the engine-replica path, but no engine replica is given")
+        if self.replica is not None and self.replica.rank != self.rank:
+            raise ManifestError(f"the engine replica is built for rank {self.replica.rank}, not rank {self.rank}")
+        if self.replica is not None and len(loaded) != len(self.tensors):
+            traced = [t.name for t in self.tensors if t.path == "trace"]
+            raise ManifestError(f"an engine replica fills every tensor of its rank; {traced[:5]} are traced")
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             duplicated = sorted({n for n in names if names.count(n) > 1})
@@ -258,7 +319,9 @@ class Manifest(ApiModel):
 
         Targets with the same fingerprint can be written from one shared replica.
         """
-        layout = [t.model_dump(mode="json", exclude={"address"}) for t in self.tensors]
+        layout: list[object] = [t.model_dump(mode="json", exclude={"address"}) for t in self.tensors]
+        if self.replica is not None:  # what builds the bytes is part of the layout (ranks of one shape differ)
+            layout.append(self.replica.model_dump(mode="json"))
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
     @cached_property

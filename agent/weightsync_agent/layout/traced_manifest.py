@@ -51,7 +51,7 @@ def assemble(
     tensors: list[TensorEntry] = []
     regions: list[Region] = []
     for name, entry in traced.items():
-        address, numel, element_size = _published(weights_info[name], name, rank)
+        address, numel, element_size = published_entry(weights_info[name], name, rank)
         dtype = str(entry["dtype"])
         shape = tuple(int(d) for d in entry["shape"])
         if math.prod(shape) != numel or ITEMSIZE.get(dtype) != element_size:
@@ -94,7 +94,7 @@ def assemble(
         raise ManifestError(f"rank {rank}: {exc}") from exc
 
 
-def _published(entry: Any, name: str, rank: int) -> tuple[int, int, int]:
+def published_entry(entry: Any, name: str, rank: int) -> tuple[int, int, int]:
     """An engine's ``[address, numel, element_size]`` for ``name``, checked to be three non-negative integers."""
     if (
         isinstance(entry, Sequence)

@@ -24,6 +24,7 @@ from weightsync.plan import Plan, Target
 from weightsync_agent import metrics
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.control import RoundScope
+from weightsync_agent.source.engine_loader import EngineLoader
 from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError, ReplicaError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.stream import ReplicaGate
@@ -59,6 +60,8 @@ class SourceAgent:
         self.sources: dict[int, Source] = {}
         self.transports: dict[int, Transport] = {}
         self.replicas: dict[int, ReplicaSet] = {}
+        #: Per rank, the loader of each engine replica among its replicas (source/engine_loader.py).
+        self.loaders: dict[int, list[EngineLoader]] = {}
         self.held: dict[int, int | None] = dict.fromkeys(self.ranks)  # committed version the replica holds
         self.ready_version: dict[int, int] = {}
         #: The round each rank last prepared (the coordinator's round id): a publish naming another is refused.
@@ -93,14 +96,31 @@ class SourceAgent:
         if old is not None and set(old.replicas) == fingerprints:
             return old
         if old is not None:
-            del self.replicas[rank]
-            old.close(unlink=True)
+            self._drop_replicas(rank)
         self.held[rank] = None
         replicas = ReplicaSet.for_manifests(
             layouts, shm_dir=self.replica_root(rank), pin=self.pin, digest_grain=digest_grain
         )
         self.replicas[rank] = replicas
+        loaders: list[EngineLoader] = []
+        try:
+            for replica in replicas:
+                if replica.layout.replica is not None:
+                    loaders.append(EngineLoader(replica, replicas.feed_for(replica)))
+        except BaseException:
+            for loader in loaders:
+                loader.close()
+            self._drop_replicas(rank)
+            raise
+        self.loaders[rank] = loaders
         return replicas
+
+    def _drop_replicas(self, rank: int) -> None:
+        for loader in self.loaders.pop(rank, []):
+            loader.close()
+        replicas = self.replicas.pop(rank, None)
+        if replicas is not None:
+            replicas.close(unlink=True)
 
     def install_source(self, rank: int, plan: Plan, manifests: dict[Target, Manifest], replicas: ReplicaSet) -> None:
         """A new Source for ``rank`` (its transport is kept across plans; the replicas are ours, not the Source's)."""
@@ -116,9 +136,7 @@ class SourceAgent:
         source = self.sources.pop(rank, None)
         if source is not None:
             source.close()
-        replicas = self.replicas.pop(rank, None)
-        if replicas is not None:
-            replicas.close(unlink=True)
+        self._drop_replicas(rank)
         self.held[rank] = None
 
     def drop_sources(self) -> None:
@@ -157,12 +175,14 @@ class SourceAgent:
                     self._check_holds(rank, source, version)
             else:
                 self.wait_ready(rank, version, deadline)
+                with self._locks[rank]:
+                    self._load_engine_replicas(rank, deadline)
                 gate = self._stream(rank, version)
                 if gate is not None:  # a streamed version: ready at its first complete buckets
                     error = first_buckets_staged(source, gate, deadline)
                     if error is not None:
                         return SourceReport(source=rank, ok=False, error=error)
-        except (SourceConfigError, TimeoutError) as exc:
+        except (SourceConfigError, TimeoutError, ReplicaError) as exc:
             return SourceReport(source=rank, ok=False, error=str(exc))
         return SourceReport(source=rank, ok=True)
 
@@ -184,6 +204,7 @@ class SourceAgent:
                     self._check_holds(rank, source, version)
                 else:
                     self.wait_ready(rank, version, deadline)
+                    self._load_engine_replicas(rank, deadline)
                     gate = self._stream(rank, version)
                 if gate is not None and gate.state == "aborted":
                     raise SourceConfigError(f"source {rank}: {gate.reason}; version {version} was not sent")
@@ -226,6 +247,27 @@ class SourceAgent:
                 f"plan {scope.plan_hash}; it rebuilds once every target of the new plan answers"
             )
         return source, None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
+
+    def _load_engine_replicas(self, rank: int, deadline: float) -> None:
+        """Fill ``rank``'s engine replicas from what the trainer staged (the caller holds the rank's lock): each
+        one's loader runs the engine's ``load_weights`` over its feed once every feed tensor is staged. A replica
+        already loaded since the last commit (its slots are staged) is left as it is."""
+        for loader in self.loaders.get(rank, []):
+            if loader.replica.is_complete():
+                continue
+            feed = loader.feed
+            while not feed.is_complete():  # a streamed version: the trainer is still staging
+                if time.monotonic() >= deadline:
+                    missing = feed.missing()
+                    raise TimeoutError(
+                        f"source {rank}: {len(missing)} tensor(s) the engine replica's loader takes were not staged "
+                        f"before the round's deadline (first: {', '.join(m.source for m in missing[:3])})"
+                    )
+                time.sleep(0.01)
+            with feed.publishing():  # nothing is staged while the engine's loader reads the feed
+                seconds = loader.load(max(deadline - time.monotonic(), 1.0))
+            loader.replica.mark_loaded()
+            log.info("source %d: %s loaded in %.3f s", rank, loader.name, seconds)
 
     def _stream(self, rank: int, version: int) -> ReplicaGate | None:
         """The trainer process streams ``version`` into ``rank``'s replicas (its client marked the shared files)."""
@@ -285,9 +327,7 @@ class SourceAgent:
                 f"source {rank} cannot catch up engines to version {version}: its replica holds "
                 f"{self.held.get(rank)} (committed versions only)"
             )
-        unstaged = len(source.replicas.missing())
-        parts = sum(len(r.layout.slots) for r in source.replicas)
-        if unstaged != parts:
+        if len(source.replicas.missing()) != source.replicas.parts:
             raise SourceConfigError(
                 f"source {rank} cannot catch up engines to version {version}: the trainer has started staging "
                 "the next version; joiners get it at the next round"
@@ -308,6 +348,5 @@ class SourceAgent:
         for transport in self.transports.values():
             transport.close()
         self.transports.clear()
-        for replicas in self.replicas.values():
-            replicas.close(unlink=True)
-        self.replicas.clear()
+        for rank in list(self.replicas):
+            self._drop_replicas(rank)

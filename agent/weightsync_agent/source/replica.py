@@ -50,6 +50,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import struct
@@ -90,6 +91,10 @@ MAGIC: Final = b"WSREPLC1"
 _HEADER = struct.Struct("<8sQQQQQQQ")  # 64 bytes; the last field was reserved (0) before digests
 _DATA_ALIGN: Final = 4096
 REPLICA_SUFFIX: Final = ".replica"
+#: The file of a feed replica: the trainer's full tensors an engine replica's loader takes (module doc).
+FEED_SUFFIX: Final = ".feed"
+#: The source of an engine-replica tensor's one slot: written whole by the engine's loader, never staged.
+LOADED_BY_ENGINE: Final = "(engine replica) "
 
 
 class ReplicaError(ValueError):
@@ -183,17 +188,31 @@ def _layout_json(tensors: Iterable[TensorEntry]) -> list[dict[str, Any]]:
     return [t.model_dump(mode="json", exclude={"address"}) for t in tensors]
 
 
-def _fingerprint(layout: list[dict[str, Any]]) -> str:
+def _fingerprint(layout: list[dict[str, Any]], replica: dict[str, Any] | None = None) -> str:
     # The same digest as Manifest.layout_fingerprint, recomputable from a replica file's header.
-    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+    described: list[Any] = [*layout, replica] if replica is not None else list(layout)
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _loaded_part(name: str, nbytes: int) -> ShardPart:
+    """The one slot of an engine-replica tensor: its bytes, written whole by the engine's loader."""
+    return ShardPart(
+        source=LOADED_BY_ENGINE + name, full_shape=(max(nbytes, 1),), dim=0, start=0, length=max(nbytes, 1)
+    )
 
 
 class ReplicaLayout:
-    """The byte layout of one target shape: tensors at their replica offsets, and their parts."""
+    """The byte layout of one target shape: tensors at their replica offsets, and their parts.
 
-    def __init__(self, layout: list[dict[str, Any]], fingerprint: str | None = None) -> None:
+    ``replica``: the engine replica (``Manifest.replica``, as JSON) whose loader fills this layout's tensors; each
+    then has one slot, filed as staged when the loader ran (:meth:`Replica.mark_loaded`), never staged by a cut."""
+
+    def __init__(
+        self, layout: list[dict[str, Any]], fingerprint: str | None = None, replica: dict[str, Any] | None = None
+    ) -> None:
         self.json = layout
-        self.fingerprint = fingerprint or _fingerprint(layout)
+        self.replica = replica
+        self.fingerprint = fingerprint or _fingerprint(layout, replica)
         tensors: list[LocalTensor] = []
         cursor = 0
         for raw in layout:
@@ -201,7 +220,14 @@ class ReplicaLayout:
                 dtype = str(raw["dtype"])
                 shape = tuple(int(x) for x in raw["shape"])
                 nbytes = int(raw["nbytes"])
-                parts = tuple(ShardPart.model_validate(p) for p in raw["parts"])
+                loaded = raw.get("path", "trace") == "engine-replica"
+                if loaded != (replica is not None):
+                    raise ValueError("engine-replica tensors and an engine replica go together")
+                parts = (
+                    (_loaded_part(str(raw["name"]), nbytes),)
+                    if loaded
+                    else tuple(ShardPart.model_validate(p) for p in raw["parts"])
+                )
                 tensor = LocalTensor(str(raw["name"]), dtype, shape, nbytes, int(raw["cat_dim"]), parts, cursor)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ReplicaError(f"malformed replica layout entry {raw!r:.200}: {exc}") from exc
@@ -226,7 +252,8 @@ class ReplicaLayout:
         self.slots: tuple[PartSlot, ...] = tuple(slots)
         by_source: dict[str, list[PartSlot]] = {}
         for slot in self.slots:
-            by_source.setdefault(slot.part.source, []).append(slot)
+            if replica is None:  # an engine replica's slots are the loader's, never a staged tensor's
+                by_source.setdefault(slot.part.source, []).append(slot)
         self.by_source: dict[str, tuple[PartSlot, ...]] = {k: tuple(v) for k, v in by_source.items()}
 
         self._starts = [t.offset for t in self.tensors]
@@ -256,7 +283,8 @@ class ReplicaLayout:
 
     @classmethod
     def of(cls, manifest: Manifest) -> ReplicaLayout:
-        layout = cls(_layout_json(manifest.tensors), manifest.layout_fingerprint)
+        replica = None if manifest.replica is None else manifest.replica.model_dump(mode="json")
+        layout = cls(_layout_json(manifest.tensors), manifest.layout_fingerprint, replica)
         offsets = replica_offsets(manifest)
         for tensor in layout.tensors:  # the replica must pack exactly as the bucket planner assumes
             if offsets[tensor.name] != tensor.offset:
@@ -270,9 +298,23 @@ class ReplicaLayout:
     def full_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Full tensor name -> (full shape, dtype) this layout expects from the trainer."""
         out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for slot in self.slots:
-            out.setdefault(slot.part.source, (slot.part.full_shape, slot.tensor.dtype))
+        for source, slots in self.by_source.items():
+            out.setdefault(source, (slots[0].part.full_shape, slots[0].tensor.dtype))
         return out
+
+    @classmethod
+    def of_feeds(cls, replica: Mapping[str, Any]) -> ReplicaLayout:
+        """The feed layout of an engine replica: each trainer tensor its loader takes, whole, in feed order."""
+        layout = []
+        for feed in replica["feeds"]:
+            shape = [int(d) for d in feed["shape"]]
+            if not shape or not all(shape):
+                raise ReplicaError(f"{feed['name']}: an engine replica takes no 0-d or empty trainer tensor {shape}")
+            nbytes = ITEMSIZE[str(feed["dtype"])] * math.prod(shape)
+            whole = {"source": feed["name"], "full_shape": shape, "dim": 0, "start": 0, "length": shape[0]}
+            layout.append({"name": feed["name"], "dtype": feed["dtype"], "shape": shape, "nbytes": nbytes,
+                           "cat_dim": 0, "parts": [whole]})  # fmt: skip
+        return cls(layout)
 
 
 # --- The replica -----------------------------------------------------------------------------------
@@ -325,6 +367,9 @@ class Replica:
         self._closed = False
         self._views: list[memoryview] = []
         self.digest_grain = 0
+        #: Where the replica bytes start in its file (0 for an anonymous buffer): an engine replica's loader maps the
+        #: file and binds the engine's parameters there.
+        self.data_offset = 0
 
     def _setup_digests(self, grain: int, flags: memoryview, digests: memoryview, valid: memoryview) -> None:
         """``flags``: the staged bitmap, a byte per part; ``digests`` / ``valid``: the chunk table (module doc)."""
@@ -360,7 +405,10 @@ class Replica:
         if shm_path is None:
             return cls(layout, pin=pin, digest_grain=digest_grain)
         layout = layout if isinstance(layout, ReplicaLayout) else ReplicaLayout.of(layout)
-        body = json.dumps({"fingerprint": layout.fingerprint, "tensors": layout.json}).encode()
+        meta: dict[str, Any] = {"fingerprint": layout.fingerprint, "tensors": layout.json}
+        if layout.replica is not None:
+            meta["replica"] = layout.replica
+        body = json.dumps(meta).encode()
         bitmap_offset = _align(_HEADER.size + len(body), 64)
         parts = len(layout.slots)
         digest_offset = _stream_offset(bitmap_offset, parts) + 64
@@ -409,8 +457,8 @@ class Replica:
         if len(body) != body_len or xxhash.xxh3_64_intdigest(body) != digest:
             raise ReplicaError(f"{path}: replica header is corrupt (checksum mismatch)")
         meta = json.loads(body)
-        layout = ReplicaLayout(meta["tensors"], meta["fingerprint"])
-        if _fingerprint(layout.json) != layout.fingerprint:
+        layout = ReplicaLayout(meta["tensors"], meta["fingerprint"], meta.get("replica"))
+        if _fingerprint(layout.json, layout.replica) != layout.fingerprint:
             raise ReplicaError(f"{path}: layout does not match its fingerprint {layout.fingerprint}")
         return cls._map(path, layout, pin=torch.cuda.is_available() if pin is None else pin)
 
@@ -439,6 +487,7 @@ class Replica:
             os.close(fd)
             raise ReplicaError(f"{path}: file size or header does not match its layout")
         self.shm_path, self._fd, self._mmap = path, fd, mm
+        self.data_offset = data_offset
         self.buffer = torch.frombuffer(mm, dtype=torch.uint8, count=max(data_nbytes, 1), offset=data_offset)
         self._staged = torch.frombuffer(mm, dtype=torch.uint8, count=max(parts, 1), offset=bitmap_offset)
         whole = memoryview(mm)
@@ -574,18 +623,31 @@ class Replica:
                 "sent already; each part is staged once per streamed version"
             )
 
-    def _write(self, slots: tuple[PartSlot, ...], full: torch.Tensor) -> None:
-        """Copy (the caller holds ``_lock``), then hash the chunks this completed, on the digest threads."""
+    def _write(self, slots: tuple[PartSlot, ...], full: torch.Tensor | None) -> None:
+        """Copy (the caller holds ``_lock``), then hash the chunks this completed, on the digest threads; ``full``
+        None: the bytes are written already (an engine replica's loader), only file the slots as staged."""
         grain = self.digest_grain
         touched = sorted({c for slot in slots for c in self.layout.chunks_of(slot.tensor, grain)})
         for chunk in touched:  # the bytes change: no stale digest may be read, or filed, from now on
             self._generation[chunk] += 1
             self._valid[chunk] = _NO_DIGEST
-        self._copy(slots, full)
+        if full is None:
+            for slot in slots:
+                self._staged[slot.index] = 1
+        else:
+            self._copy(slots, full)
         for chunk in touched:
             if self.staged(self._chunk_slots[chunk]):
                 self._valid[chunk] = _DIGEST_HASHING
                 self._pending[chunk] = _digest_executor().submit(self._hash_chunk, chunk, self._generation[chunk])
+
+    def mark_loaded(self) -> None:
+        """An engine replica's loader wrote every tensor (in another process, through the shared file): file each
+        slot as staged and hash the chunks, as staging does after a copy."""
+        if self.layout.replica is None:
+            raise ReplicaError(f"replica {self.fingerprint} is not an engine replica: its tensors are staged")
+        with self._staging():
+            self._write(self.layout.slots, None)
 
     def _hash_chunk(self, chunk: int, generation: int) -> None:
         """Hash ``chunk`` (outside the lock: staging goes on), then file it unless it was written again meanwhile."""
@@ -751,14 +813,18 @@ class Replica:
 
 class ReplicaSet:
     """The replicas of one source: one per distinct target layout (fingerprint), shared by all targets
-    with that layout. :meth:`stage` checks against every replica, then writes into every replica."""
+    with that layout, and for engine replicas the feed replicas their loaders read (``feeds``: the trainer stages
+    into them; no target is written from them). :meth:`stage` checks against every replica, then writes into every
+    replica."""
 
-    def __init__(self, replicas: Iterable[Replica]) -> None:
+    def __init__(self, replicas: Iterable[Replica], feeds: Iterable[Replica] = ()) -> None:
         self.replicas: dict[str, Replica] = {}
-        for replica in replicas:
-            if replica.fingerprint in self.replicas:
-                raise ReplicaError(f"two replicas with layout {replica.fingerprint}; one is enough")
-            self.replicas[replica.fingerprint] = replica
+        self.feeds: dict[str, Replica] = {}
+        for into, given in ((self.replicas, replicas), (self.feeds, feeds)):
+            for replica in given:
+                if replica.fingerprint in into:
+                    raise ReplicaError(f"two replicas with layout {replica.fingerprint}; one is enough")
+                into[replica.fingerprint] = replica
 
     @classmethod
     def for_manifests(
@@ -769,35 +835,45 @@ class ReplicaSet:
         pin: bool | None = None,
         digest_grain: int = 0,
     ) -> ReplicaSet:
-        """One replica per distinct ``layout_fingerprint``; files ``<shm_dir>/<fingerprint>.replica``.
+        """One replica per distinct ``layout_fingerprint``; files ``<shm_dir>/<fingerprint>.replica``, and for engine
+        replicas one feed replica per distinct feed layout, ``<shm_dir>/<fingerprint>.feed``.
 
         ``digest_grain``: see :meth:`Replica.create` (the plan's bucket size when targets verify bucket digests)."""
         layouts: dict[str, ReplicaLayout] = {}
+        feed_layouts: dict[str, ReplicaLayout] = {}
         for manifest in manifests:
             if manifest.layout_fingerprint not in layouts:
-                layouts[manifest.layout_fingerprint] = ReplicaLayout.of(manifest)
-        replicas: list[Replica] = []
+                layout = ReplicaLayout.of(manifest)
+                layouts[manifest.layout_fingerprint] = layout
+                if layout.replica is not None:
+                    feed = ReplicaLayout.of_feeds(layout.replica)
+                    feed_layouts.setdefault(feed.fingerprint, feed)
+        made: list[Replica] = []
         try:
-            for fingerprint, layout in layouts.items():
-                path = None if shm_dir is None else Path(shm_dir) / f"{fingerprint}{REPLICA_SUFFIX}"
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                replicas.append(Replica.create(layout, shm_path=path, pin=pin, digest_grain=digest_grain))
+            for suffix, kinds in ((REPLICA_SUFFIX, layouts), (FEED_SUFFIX, feed_layouts)):
+                for fingerprint, layout in kinds.items():
+                    path = None if shm_dir is None else Path(shm_dir) / f"{fingerprint}{suffix}"
+                    if path is not None:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                    grain = digest_grain if suffix == REPLICA_SUFFIX else 0  # no target is written from a feed
+                    made.append(Replica.create(layout, shm_path=path, pin=pin, digest_grain=grain))
         except BaseException:
-            for replica in replicas:
+            for replica in made:
                 replica.close(unlink=True)
             raise
-        return cls(replicas)
+        return cls(made[: len(layouts)], made[len(layouts) :])
 
     @classmethod
     def attach(cls, shm_dir: str | os.PathLike[str], *, pin: bool | None = None) -> ReplicaSet:
-        """Every ``*.replica`` file in ``shm_dir`` (as :meth:`for_manifests` wrote them)."""
+        """Every ``*.replica`` and ``*.feed`` file in ``shm_dir`` (as :meth:`for_manifests` wrote them)."""
         paths = sorted(Path(shm_dir).glob(f"*{REPLICA_SUFFIX}"))
         if not paths:
             raise ReplicaError(f"no replica files ({REPLICA_SUFFIX}) in {shm_dir}")
-        return cls(Replica.attach(p, pin=pin) for p in paths)
+        feeds = sorted(Path(shm_dir).glob(f"*{FEED_SUFFIX}"))
+        return cls((Replica.attach(p, pin=pin) for p in paths), (Replica.attach(p, pin=False) for p in feeds))
 
     def __iter__(self) -> Iterator[Replica]:
+        """The target replicas (what sources write from)."""
         return iter(self.replicas.values())
 
     def __len__(self) -> int:
@@ -806,13 +882,32 @@ class ReplicaSet:
     def __getitem__(self, fingerprint: str) -> Replica:
         return self.replicas[fingerprint]
 
+    def every(self) -> list[Replica]:
+        """The target replicas and the feed replicas."""
+        return [*self.replicas.values(), *self.feeds.values()]
+
+    def feed_for(self, replica: Replica) -> Replica:
+        """The feed replica engine replica ``replica``'s loader reads."""
+        if replica.layout.replica is None:
+            raise ReplicaError(f"replica {replica.fingerprint} is not an engine replica: it has no feed")
+        fingerprint = ReplicaLayout.of_feeds(replica.layout.replica).fingerprint
+        try:
+            return self.feeds[fingerprint]
+        except KeyError:
+            raise ReplicaError(f"engine replica {replica.fingerprint} has no feed replica {fingerprint}") from None
+
     @property
     def nbytes(self) -> int:
-        """CPU memory this source spends on replicas: the sum over its shapes of one shard each."""
-        return sum(r.nbytes for r in self)
+        """CPU memory this source spends on replicas: the sum over its shapes of one shard each, and the feeds."""
+        return sum(r.nbytes for r in self.every())
+
+    @property
+    def parts(self) -> int:
+        """How many slots every replica has in all (what :meth:`missing` lists right after a reset)."""
+        return sum(len(r.layout.slots) for r in self.every())
 
     def full_names(self) -> set[str]:
-        return set().union(*(r.full_names() for r in self)) if self.replicas else set()
+        return set().union(*(r.full_names() for r in self.every()))
 
     def stage(self, full_name: str, full: torch.Tensor, *, strict: bool = True) -> int:
         """Stage ``full`` into every replica that uses it; returns the parts written across replicas.
@@ -820,7 +915,7 @@ class ReplicaSet:
         Every replica checks first; if any refuses, nothing is written anywhere. With ``strict``, a
         name no target tensor is cut from is an error (usually a naming mismatch with the engine).
         """
-        plans = [(replica, replica.check(full_name, full)) for replica in self]
+        plans = [(replica, replica.check(full_name, full)) for replica in self.every()]
         if strict and not any(slots for _, slots in plans):
             raise ReplicaError(f"no target tensor of this source is cut from {full_name!r}")
         plans = [(replica, slots) for replica, slots in plans if slots]
@@ -838,29 +933,30 @@ class ReplicaSet:
         return sum(self.stage(name, tensor) for name, tensor in items)
 
     def missing(self) -> list[MissingPart]:
-        return [m for r in self for m in r.missing()]
+        return [m for r in self.every() for m in r.missing()]
 
     def mark_stream(self, version: int, state: StreamState | None) -> None:
-        for replica in self:
+        for replica in self.every():
             replica.mark_stream(version, state)
 
     def stream_state(self, version: int) -> StreamState | None:
         """The trainer's stream of ``version`` as the replica files say (every replica carries the same mark)."""
-        for replica in self:
+        for replica in self.every():
             return replica.stream_state(version)
         return None
 
     def flush_digests(self) -> None:
         """Wait for the bucket digests this process's staging is still computing."""
-        for replica in self:
+        for replica in self.every():
             replica.flush_digests()
 
     def reset(self) -> None:
-        for replica in self:
+        for replica in self.every():
             replica.reset()
 
     @contextlib.contextmanager
     def publishing(self) -> Iterator[None]:
+        """The target replicas held read-only while they are sent (an engine replica's loader holds its feed)."""
         with contextlib.ExitStack() as stack:
             for replica in self:
                 stack.enter_context(replica.publishing())
@@ -869,10 +965,10 @@ class ReplicaSet:
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            for replica in self:
+            for replica in self.every():
                 stack.enter_context(replica.streaming())
             yield
 
     def close(self, *, unlink: bool = False) -> None:
-        for replica in self:
+        for replica in self.every():
             replica.close(unlink=unlink)

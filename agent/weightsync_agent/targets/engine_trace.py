@@ -8,44 +8,45 @@ the engine root, which the agent never imports: it only asks where the file is (
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
+from weightsync_agent.engine_python import ENV_ENGINE_PYTHON, engine_python, trace_script
 from weightsync_agent.layout.manifest import ManifestError
 
-#: The engine's Python (its image's, in a pod; the pinned engine virtualenv in tests).
-ENV_ENGINE_PYTHON = "WEIGHTSYNC_ENGINE_PYTHON"
+__all__ = ["ENV_ENGINE_PYTHON", "engine_python", "run_replica_layout", "run_trace", "trace_script"]
+
 TRACE_TIMEOUT_SECONDS = 300.0
-
-
-def trace_script() -> Path:
-    """The path of ``weightsync_engine/trace.py``, installed beside the agent; found, not imported."""
-    spec = importlib.util.find_spec("weightsync_engine.trace")
-    if spec is None or spec.origin is None:
-        raise ManifestError("weightsync_engine.trace is not installed beside the agent: no shard-map trace to run")
-    return Path(spec.origin)
 
 
 def run_trace(engine: str, *, model: str, tp: int, rank: int, dtype: str, who: str) -> dict[str, Any]:
     """The ``engine`` (``sglang``, ``vllm``) trace of TP rank ``rank`` of ``model`` at TP size ``tp`` in ``dtype``;
     ManifestError naming ``who`` and the trace's last lines when it fails or does not print JSON."""
-    python = os.environ.get(ENV_ENGINE_PYTHON) or sys.executable
-    script = str(trace_script())
-    command = [python, script, engine, "--model", model, "--tp", str(tp), "--rank", str(rank), "--dtype", dtype]
+    args = [engine, "--model", model, "--tp", str(tp), "--rank", str(rank), "--dtype", dtype]
+    return _run(args, f"tracing rank {rank}'s model", who)
+
+
+def run_replica_layout(
+    engine: str, *, model: str, tp: int, rank: int, dtype: str, ep: int = 1, who: str
+) -> dict[str, Any]:
+    """The engine-replica layout of TP rank ``rank`` (``weightsync_engine/<engine>/replica_serve.py``), checked
+    against the engine's own load; ManifestError naming ``who`` when it fails."""
+    args = [engine, "--replica-layout", "--model", model, "--tp", str(tp), "--rank", str(rank), "--dtype", dtype]
+    return _run([*args, "--ep", str(ep)], f"building rank {rank}'s engine replica", who)
+
+
+def _run(args: list[str], doing: str, who: str) -> dict[str, Any]:
+    command = [engine_python(), str(trace_script()), *args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TRACE_TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise ManifestError(f"{who}: tracing rank {rank}'s model took over {TRACE_TIMEOUT_SECONDS:g} s") from exc
+        raise ManifestError(f"{who}: {doing} took over {TRACE_TIMEOUT_SECONDS:g} s") from exc
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise ManifestError(f"{who}: tracing rank {rank}'s model failed: {' | '.join(tail)}")
+        raise ManifestError(f"{who}: {doing} failed: {' | '.join(tail)}")
     try:
-        trace: dict[str, Any] = json.loads(done.stdout)
+        answer: dict[str, Any] = json.loads(done.stdout)
     except json.JSONDecodeError as exc:
-        raise ManifestError(f"{who}: the trace of rank {rank} is not JSON: {exc}") from exc
-    return trace
+        raise ManifestError(f"{who}: {doing} did not print JSON: {exc}") from exc
+    return answer

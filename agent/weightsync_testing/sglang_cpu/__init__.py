@@ -8,6 +8,7 @@ This directory itself goes on the SGLang server's ``PYTHONPATH`` (only for ``--d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 DIRECTORY = Path(__file__).resolve().parent
@@ -18,13 +19,22 @@ MARKER = "weightsync-sglang-cpu-workaround:"
 ROTARY_VLLM_PLACEHOLDER = "rotary_vllm_placeholder"  # always, on CPU
 REGISTER_PER_PARAMETER = "register_per_parameter"  # with the transfer-engine flag (Mooncake writes)
 NO_PYNCCL = "no_pynccl"  # TP >= 2
+ABSORBED_MLA = "absorbed_mla_on_torch_native"  # MLA models (DeepSeek-V2/V3, Kimi-K2)
 
 
-def workarounds_for(tp: int, *, transfer_engine: bool = True) -> list[str]:
-    """The workarounds a CPU server with this TP size needs."""
+def workarounds_for(tp: int, *, transfer_engine: bool = True, mla: bool = False) -> list[str]:
+    """The workarounds a CPU server with this TP size needs; ``mla``: the model attends with MLA."""
     names = [ROTARY_VLLM_PLACEHOLDER]
+    if mla:
+        names.append(ABSORBED_MLA)
     if transfer_engine:
         names.append(REGISTER_PER_PARAMETER)
     if tp >= 2:
         names.append(NO_PYNCCL)
     return names
+
+
+def uses_mla(model_dir: Path) -> bool:
+    """Whether the model in ``model_dir`` attends with MLA (its config has a ``kv_lora_rank``, as DeepSeek-V2/V3's)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return bool(config.get("kv_lora_rank"))

@@ -40,6 +40,7 @@ MARKER = "weightsync-sglang-cpu-workaround:"
 ROTARY_MODULE = "sglang.srt.layers.rotary_embedding.base"
 REGISTER_MODULE = "sglang.srt.model_loader.remote_instance_weight_loader_utils"
 PARALLEL_MODULE = "sglang.srt.distributed.parallel_state"
+MLA_DISPATCH_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
 PLACEHOLDER_MODULE = "_weightsync_vllm_custom_ops"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -195,10 +196,43 @@ def no_pynccl(module: ModuleType) -> None:
     record(name, "applied", target)
 
 
+# ---------------------------------------------------------------- workaround 4: absorbed_mla_on_torch_native
+
+
+def absorbed_mla_on_torch_native(module: ModuleType) -> None:
+    """Run MLA models (DeepSeek-V2/V3, Kimi-K2) in SGLang's absorbed MLA form on the ``torch_native`` backend.
+
+    Why: without Intel AMX, SGLang's CPU backend is ``torch_native`` ("The current platform does not support Intel
+    AMX, will fallback to torch_native backend"). ``AttentionBackendRegistry`` has no handler for it
+    (``sglang/srt/models/deepseek_common/attention_backend_handler.py`` in 0.5.23), so ``get_handler`` falls back to
+    the Triton one, which picks plain multi-head attention (``AttnForwardMethod.MHA``) for a prefill without a
+    cached prefix; ``torch_native``'s ``forward_extend`` then reads keys and values from the MLA latent cache
+    (576-wide in DeepSeek-V3) instead of the MHA keys it was given, and the first request fails ("Expected size
+    for first two dimensions of batch2 tensor"). The absorbed form (``AttnForwardMethod.MLA``) attends over the
+    latent cache itself, which is what ``torch_native`` reads: SGLang's own decode path, used for prefill too.
+
+    How: a handler for ``torch_native`` is registered that returns the module's own ``_dispatch_mla_subtype``
+    (the choice SGLang makes for every request that is not a prefix-less prefill).
+
+    Risk: low. It only picks between two of SGLang's own forward methods that compute the same attention; the
+    weights are the same parameters either way (``post_load_weights`` derives the absorbed ``w_kc``/``w_vc``).
+    """
+    name, target = "absorbed_mla_on_torch_native", f"{MLA_DISPATCH_MODULE}:AttentionBackendRegistry"
+    dispatch = module._dispatch_mla_subtype
+
+    def handle_attention_torch_native(attn: Any, forward_batch: Any) -> Any:
+        _used_once(name, target)
+        return dispatch(attn, forward_batch)
+
+    module.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+    record(name, "applied", target)
+
+
 WORKAROUNDS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "rotary_vllm_placeholder": (ROTARY_MODULE, rotary_vllm_placeholder),
     "register_per_parameter": (REGISTER_MODULE, register_per_parameter),
     "no_pynccl": (PARALLEL_MODULE, no_pynccl),
+    "absorbed_mla_on_torch_native": (MLA_DISPATCH_MODULE, absorbed_mla_on_torch_native),
 }
 
 

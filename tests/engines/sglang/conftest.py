@@ -43,3 +43,9 @@ def tiny_qwen3(sglang_py: Path) -> Path:
 def server(sglang_py: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangProcess]:
     """A TP=1 stock SGLang server on the tiny Llama (float32), with an admin key."""
     yield from session_server(HERE, start(sglang_py, tiny_llama, tmp_path_factory.mktemp("sglang-tp1"), tp=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(sglang_py: Path) -> Path:
+    """Kimi-K2's architecture, tiny: MLA with q-LoRA, a dense layer, then MoE with a shared expert (float32)."""
+    return ensure_tiny_model(sglang_py, "deepseek_v3", seed=0, dtype="float32")

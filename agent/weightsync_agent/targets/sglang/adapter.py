@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 
 from weightsync.api.engines import ENGINE_KINDS, Capabilities
 from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout import replica_manifest
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.targets.adapter import (
     AdapterSettings,
@@ -45,9 +46,9 @@ from weightsync_agent.targets.adapter import (
 )
 from weightsync_agent.targets.engine_agent_calls import fetch_manifest
 from weightsync_agent.targets.engine_client import EngineClient
-from weightsync_agent.targets.engine_trace import run_trace
+from weightsync_agent.targets.engine_trace import run_replica_layout, run_trace
 from weightsync_agent.targets.pass_checksums import PassChecksums
-from weightsync_agent.targets.sglang.manifest import assemble
+from weightsync_agent.targets.sglang.manifest import TraceRefusedError, assemble, checksum_scheme
 
 FLUSH_RETRY_SECONDS = 0.2
 INIT_GROUP_ROUTE = "/init_weights_update_group"
@@ -87,6 +88,7 @@ class SglangAdapter:
         self._manifests: dict[int, Manifest] = {}
         self._sums: PassChecksums[dict[int, dict[str, str]]] = PassChecksums()  # tp rank -> name -> hash, per pass
         self._traces: dict[int, dict[str, Any]] = {}
+        self._layouts: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -296,14 +298,25 @@ class SglangAdapter:
         if not isinstance(info_pair.weights_info, dict):
             raise ManifestError(f"{self.name}: rank {rank}'s weights info is not a {{name: [ptr, numel, size]}} map")
         trace = self._trace(rank, info)
-        return assemble(
-            self.settings.engine,
-            rank,
-            trace,
-            info_pair.session_id,
-            info_pair.weights_info,
-            device=str(info.get("device") or "cuda"),
-        )
+        device = str(info.get("device") or "cuda")
+        try:
+            return assemble(self.settings.engine, rank, trace, info_pair.session_id, info_pair.weights_info,
+                            device=device)  # fmt: skip
+        except TraceRefusedError as refused:
+            # The loader fuses, transforms or derives weights here: the engine replica holds what it produces.
+            layout = self._replica_layout(rank, info)
+            try:
+                return replica_manifest.assemble(
+                    self.settings.engine,
+                    rank,
+                    layout,
+                    info_pair.session_id,
+                    info_pair.weights_info,
+                    checksum=checksum_scheme(device),
+                    model=str(info["model_path"]),
+                )
+            except TraceRefusedError as also:
+                raise TraceRefusedError(f"{refused}; {also}") from also
 
     def _trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
         """The shard map of TP rank ``rank``, traced once with the engine's own SGLang code."""
@@ -311,6 +324,21 @@ class SglangAdapter:
             if rank not in self._traces:
                 self._traces[rank] = self._run_trace(rank, server_info)
             return self._traces[rank]
+
+    def _replica_layout(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
+        """Rank ``rank``'s engine-replica layout, built and checked once with the engine's own SGLang code."""
+        with self._lock:
+            if rank not in self._layouts:
+                self._layouts[rank] = run_replica_layout(
+                    "sglang",
+                    model=str(server_info["model_path"]),
+                    tp=int(server_info.get("tp_size") or 1),
+                    rank=rank,
+                    dtype=str(server_info.get("dtype") or "auto"),
+                    ep=int(server_info.get("ep_size") or 1),
+                    who=self.name,
+                )
+            return self._layouts[rank]
 
     def _run_trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
         return run_trace("sglang", model=str(server_info["model_path"]), tp=int(server_info.get("tp_size") or 1),

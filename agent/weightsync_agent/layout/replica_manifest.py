@@ -1,0 +1,102 @@
+"""A weightsync manifest for one rank synced through an engine replica: the engine's loader layout plus its own
+addresses. Pure.
+
+Where the trace refuses a rank (its loader fuses, transforms or derives weights: DeepSeek-V3's MLA, GPT-2's
+transposes), the engine pod's agent asks the engine's own code for the rank's engine-replica layout
+(``weightsync_engine/sglang/replica_serve.py --replica-layout``): every parameter as the engine's ``load_weights``
+leaves it, the HF tensors it takes, and what the engine-replica path cannot reproduce (``refused``). This module
+joins that layout with what the engine published, cross-checked parameter by parameter as a traced manifest is
+(:mod:`weightsync_agent.layout.traced_manifest`); each tensor takes the ``engine-replica`` path, and the manifest
+names the engine replica a source builds (docs/engines/engine-replicas.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from weightsync_agent.layout.manifest import (
+    ITEMSIZE,
+    ChecksumScheme,
+    EngineReplica,
+    Manifest,
+    ManifestError,
+    Region,
+    TensorEntry,
+)
+from weightsync_agent.layout.traced_manifest import TraceRefusedError, published_entry
+
+
+def assemble(
+    engine: int,
+    rank: int,
+    layout: Mapping[str, Any],
+    session_id: str,
+    weights_info: Mapping[str, Sequence[int]],
+    *,
+    checksum: ChecksumScheme,
+    model: str,
+    kind: str = "sglang",
+) -> Manifest:
+    """Rank ``rank``'s manifest from its engine-replica ``layout`` and what the engine published (``weights_info``:
+    per parameter ``[address, numel, element_size]``); ``model``: the model directory the engine loaded (a source
+    builds the engine replica from its config). Raises ManifestError, TraceRefusedError if the layout refused."""
+    refused = layout.get("refused") or []
+    if refused:
+        listed = "; ".join(f"{r['name']}: {r['reason']}" for r in refused[:5])
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        raise TraceRefusedError(
+            f"rank {rank}: neither the trace nor an engine replica can sync {len(refused)} parameter(s): {listed}{more}"
+        )
+    entries = {str(t["name"]): t for t in layout.get("tensors") or []}
+    published = set(weights_info)
+    if published != set(entries):
+        raise ManifestError(
+            f"rank {rank}: the engine publishes {sorted(published - set(entries))[:5]} which its engine replica "
+            f"lacks, and the replica has {sorted(set(entries) - published)[:5]} which the engine does not publish: "
+            "different model code or config?"
+        )
+    tensors: list[TensorEntry] = []
+    regions: list[Region] = []
+    try:
+        for name, entry in entries.items():
+            address, numel, element_size = published_entry(weights_info[name], name, rank)
+            dtype, shape = str(entry["dtype"]), tuple(int(d) for d in entry["shape"])
+            if math.prod(shape) != numel or ITEMSIZE.get(dtype) != element_size:
+                raise ManifestError(
+                    f"rank {rank}: {name} is {dtype}{list(shape)} in the engine replica, the engine holds {numel} "
+                    f"elements of {element_size} B"
+                )
+            nbytes = numel * element_size
+            entry_json = {"name": name, "dtype": dtype, "shape": shape, "address": address, "nbytes": nbytes}
+            tensors.append(TensorEntry.model_validate({**entry_json, "path": "engine-replica"}))
+            if nbytes:
+                regions.append(Region(address=address, nbytes=nbytes))
+        replica = EngineReplica.model_validate(
+            {
+                "engine": kind,
+                "engineVersion": str(layout.get(kind) or "unknown"),
+                "model": model,
+                "dtype": str(layout["dtype"]),
+                "tp": int(layout["tp_size"]),
+                "rank": rank,
+                "ep": int(layout.get("ep_size") or 1),
+                "feeds": list(layout["feeds"]),
+            }
+        )
+        return Manifest(
+            engine=engine,
+            rank=rank,
+            session_id=session_id,
+            tensors=tuple(tensors),
+            regions=tuple(regions),
+            checksum=checksum,
+            replica=replica,
+        )
+    except (ValidationError, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ManifestError):
+            raise
+        raise ManifestError(f"rank {rank}: the engine-replica layout is not usable: {exc}") from exc
