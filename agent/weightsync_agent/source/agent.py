@@ -341,6 +341,13 @@ class SourceAgent:
             "held": {str(r): v for r, v in self.held.items()},
             "ready": {str(r): v for r, v in self.ready_version.items()},
             "replicas": {str(r): str(self.replica_root(r)) for r in self.ranks},
+            # Which targets' replicas an engine loader fills (the engine-replica path), and whether it ran since the
+            # last commit.
+            "engineReplicas": {
+                str(r): [{"loader": loader.name, "loaded": loader.replica.is_complete()} for loader in loaders]
+                for r, loaders in self.loaders.items()
+                if loaders
+            },
         }
 
     def close(self) -> None:

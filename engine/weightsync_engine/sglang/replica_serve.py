@@ -203,7 +203,10 @@ def serve(stdin: TextIO | None = None) -> int:
         except Exception as exc:  # one answer per request, naming what failed
             answer = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
         answers.write(json.dumps(answer) + "\n")
-    return 0
+    answers.flush()
+    # EOF: the source's agent is done with this replica. Nothing is left to clean up (the replica's bytes are the
+    # shared file's), and the engine's own non-daemon threads would keep a normal exit waiting.
+    os._exit(0)
 
 
 def layout_main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ import pytest
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
+from weightsync_agent.rounds.remote import AgentClient
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
@@ -81,6 +82,11 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
             outcomes = publish_all(clients, full, version)
             assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
             assert engine.weight_version() == str(version)
+            [loader] = AgentClient(group.agents[0].url, token=group.token).state()["sources"]["engineReplicas"]["0"]
+            assert "(sglang rank 0)" in loader["loader"]
+            assert loader["loaded"] is False  # the version is committed: the next one loads again
+            if version == 2:
+                continue  # the first round proved the engine re-derives MLA's w_kc/w_vc; this one the reload
             reference = hf_greedy(sglang_py, with_weights(tiny_deepseek_v3, full, tmp_path / f"v{version}"),
                                   PROMPTS, NEW_TOKENS)  # fmt: skip
             for prompt, expected in zip(PROMPTS, reference, strict=True):

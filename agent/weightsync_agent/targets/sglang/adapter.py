@@ -109,8 +109,7 @@ class SglangAdapter:
 
     def readiness(self) -> Readiness:
         try:
-            for rank in range(self.settings.ranks):
-                self.manifest(rank)
+            manifests = [self.manifest(rank) for rank in range(self.settings.ranks)]
         except HttpCallError as exc:
             if exc.status == 400 and "transfer_engine_info" in exc.route:
                 return Readiness(False, "EngineNotPublishing", f"{NOT_PUBLISHING} ({exc})")
@@ -119,8 +118,11 @@ class SglangAdapter:
             return Readiness(False, "EngineUnavailable", str(exc))
         except ManifestError as exc:
             return Readiness(False, "ManifestRefused", str(exc))
-        traced = f"SGLang at {self.client.base_url}: {self.settings.ranks} rank(s) traced"
-        return Readiness(True, "EngineServing", traced)
+        replicated = sum(m.replica is not None for m in manifests)
+        paths = [f"{len(manifests) - replicated} rank(s) traced"] if replicated < len(manifests) else []
+        if replicated:
+            paths.append(f"{replicated} rank(s) through an engine replica (SGLang's load_weights on the sources)")
+        return Readiness(True, "EngineServing", f"SGLang at {self.client.base_url}: {', '.join(paths)}")
 
     # --- The round ---------------------------------------------------------------------------------
 
