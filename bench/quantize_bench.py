@@ -1,4 +1,4 @@
-"""FP8 block quantization (``weightsync_engine.quantize.fp8_block``): its throughput against a plain copy of the
+"""FP8 block quantization (``weightsync_agent.layout.quantize.fp8_block``): its throughput against a plain copy of the
 same bytes on the same device, and whether CPU and GPU give the same bytes.
 
 For each device (the CPU, and the GPU when there is one): a copy of a BF16 weight (the baseline: what staging the
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # the engine root, not installed there
-from weightsync_engine.quantize import fp8_block
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # not installed on the GPU machine
+from weightsync_agent.layout.quantize import fp8_block
 
 SHAPES = [(128, 128), (300, 200), (4096, 1024), (7168, 2048), (129, 7)]
 
@@ -59,7 +59,7 @@ def main() -> int:
         weight = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         weight = weight.to(device)
         copy = timed(device, lambda w=weight: w.clone(), args.repeat)
-        quantize = timed(device, lambda w=weight: fp8_block(torch, w), args.repeat)
+        quantize = timed(device, lambda w=weight: fp8_block(w), args.repeat)
         rate, baseline = nbytes / quantize / 1e9, nbytes / copy / 1e9
         print(f"{device}: {args.rows}x{args.cols} bf16 ({nbytes / 1e9:.2f} GB): copy {baseline:.1f} GB/s, fp8_block "
               f"{rate:.2f} GB/s of bf16 input, quantize/copy {quantize / copy:.1f}x")  # fmt: skip
@@ -69,7 +69,7 @@ def main() -> int:
             for scale in (1e-3, 1.0, 300.0):
                 seeded = torch.Generator().manual_seed(index)
                 weight = (torch.randn(rows, cols, generator=seeded) * scale).to(torch.bfloat16)
-                cpu, gpu = digest(*fp8_block(torch, weight)), digest(*fp8_block(torch, weight.cuda()))
+                cpu, gpu = digest(*fp8_block(weight)), digest(*fp8_block(weight.cuda()))
                 same += cpu == gpu
                 if cpu != gpu:
                     print(f"DIFFERENT bytes for {rows}x{cols} x{scale}: cpu {cpu}, gpu {gpu}")

@@ -122,10 +122,12 @@ def ensure_tiny_model(
     head_dim: int = 16,
     cache: Path | None = None,
     timeout: float = 300.0,
+    shape: dict[str, Any] | None = None,
 ) -> Path:
     """The directory of a tiny ``arch`` model (config, safetensors, tokenizer), made once with ``python``
     (an engine venv's interpreter) and cached under ``<cache>/models/``. ``head_dim`` other than 16 widens
-    the attention (8 heads / 4 KV heads of ``head_dim`` each; the hidden size stays 128)."""
+    the attention (8 heads / 4 KV heads of ``head_dim`` each; the hidden size stays 128). ``shape``: config keys
+    to override (a bigger model for a benchmark; its hash names the directory)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny model architecture {arch!r} (known: {', '.join(ARCHS)})")
     if dtype not in DTYPES:
@@ -135,6 +137,8 @@ def ensure_tiny_model(
     root = (cache or default_cache()) / "models"
     # The default keeps its historical name, so the SGLang tier's cached models stay valid.
     variant = "" if head_dim == 16 else f"-hd{head_dim}"
+    if shape:
+        variant += "-" + hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
     out = root / f"tiny-{arch}{variant}-s{seed}-{dtype}-v{MAKER_VERSION}"
     if (out / STAMP).is_file():
         return out
@@ -143,6 +147,8 @@ def ensure_tiny_model(
     try:
         args = ["make", "--arch", arch, "--seed", str(seed), "--dtype", dtype, "--out", str(work)]
         args += ["--head-dim", str(head_dim)]
+        if shape:
+            args += ["--shape", json.dumps(shape)]
         _run_engine_side(python, args, timeout)
         shutil.rmtree(out, ignore_errors=True)
         work.rename(out)
@@ -251,7 +257,9 @@ def _tokenizer(seed: int, out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> None:
+def _make(
+    arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16, overrides: dict[str, Any] | None = None
+) -> None:
     torch: Any = importlib.import_module("torch")
     transformers: Any = importlib.import_module("transformers")
     config_class = {
@@ -275,6 +283,7 @@ def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> No
         heads = shape["hidden_size"] // head_dim
         shape.update(num_attention_heads=heads, num_key_value_heads=heads // 2)
         del shape["head_dim"]
+    shape.update(overrides or {})
     config = config_class(**shape, **extra, initializer_range=INIT_STD, torch_dtype=dtype)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -293,6 +302,8 @@ def _make(arch: str, seed: int, dtype: str, out: Path, head_dim: int = 16) -> No
     stamp = {"arch": arch, "seed": seed, "dtype": dtype, "maker_version": MAKER_VERSION, "versions": versions}
     if head_dim != 16:
         stamp["head_dim"] = head_dim
+    if overrides:
+        stamp["shape"] = overrides
     (out / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
 
 
@@ -324,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--dtype", choices=DTYPES, default="float32")
     make.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=16)
     make.add_argument("--out", type=Path, required=True)
+    make.add_argument("--shape", type=json.loads, default=None, help="config keys to override, as a JSON object")
     greedy = sub.add_parser("greedy", help="HF greedy decoding; prints one JSON line")
     greedy.add_argument("--model", type=Path, required=True)
     greedy.add_argument("--input-ids", required=True, help="prompts separated by ';', token ids by ','")
@@ -331,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "make":
         args.out.mkdir(parents=True, exist_ok=True)
-        _make(args.arch, args.seed, args.dtype, args.out, args.head_dim)
+        _make(args.arch, args.seed, args.dtype, args.out, args.head_dim, args.shape)
         print(args.out)
     else:
         prompts = [[int(i) for i in p.split(",") if i] for p in args.input_ids.split(";")]

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import (
+    MAX_RANKS,
     RECENT_REASON_CHARS,
     RECENT_SYNCS,
     Condition,
@@ -199,6 +200,27 @@ def pending_reason(pod: Mapping[str, Any]) -> str | None:
         if c.get("type") == "PodScheduled" and c.get("status") == "False":
             return f"{c.get('reason') or 'Unschedulable'}: {c.get('message') or ''}".strip(": ")
     return None
+
+
+def sync_paths(pods: Iterable[Mapping[str, Any]]) -> dict[str, int] | None:
+    """The ranks each path syncs, summed over the engine pods that reported (``weightsync.io/sync-paths``); None when
+    none did. A garbled annotation counts as no report: the status never says more than the pods did."""
+    totals, reported = {"trace": 0, "engineReplica": 0}, False
+    for pod in pods:
+        raw = (_meta(pod).get("annotations") or {}).get(names.ANNOTATION_SYNC_PATHS)
+        try:
+            paths = json.loads(raw) if isinstance(raw, str) and len(raw) <= 256 else None
+        except ValueError:
+            continue
+        if not isinstance(paths, dict):
+            continue
+        counts = [paths.get("trace", 0), paths.get("engine-replica", 0)]
+        if not all(type(c) is int and 0 <= c <= MAX_RANKS for c in counts):
+            continue
+        totals["trace"] += counts[0]
+        totals["engineReplica"] += counts[1]
+        reported = True
+    return totals if reported else None
 
 
 def parse_version(pod: Mapping[str, Any]) -> int | None:
@@ -376,14 +398,21 @@ def fold_status(obs: Observation) -> Folded:
             "phase": phase,
             "conditions": conditions,
             "trainers": {"desired": roster.trainers_desired, "ready": roster.ready_trainers},
-            "engines": {"desired": roster.engines_desired, "ready": roster.ready_engines},
+            "engines": {
+                "desired": roster.engines_desired,
+                "ready": roster.ready_engines,
+                "syncPaths": sync_paths(by_name[n] for n in roster.engines if n in by_name),
+            },
             "plan": plan,
             "weightVersion": versions.weight_version,
             "lastSync": rounds.last_sync,
             "recentSyncs": rounds.recent,
         }
     )
-    return Folded(status=status.model_dump(mode="json", by_alias=True), failures=failures, warnings=rounds.warnings)
+    folded = status.model_dump(mode="json", by_alias=True)
+    if folded["engines"].get("syncPaths") is None:
+        del folded["engines"]["syncPaths"]  # no engine reported yet: say nothing rather than null
+    return Folded(status=folded, failures=failures, warnings=rounds.warnings)
 
 
 # --- The fold's steps ----------------------------------------------------------------------------

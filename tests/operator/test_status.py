@@ -169,6 +169,24 @@ def test_weight_version_is_the_minimum_over_engines_each_reported_by_its_first_p
     assert status["phase"] == "Syncing"  # trainers published 9, the engines hold 6 and 7
 
 
+def test_engine_ranks_are_counted_by_the_path_their_agents_reported_and_garbled_reports_count_as_none() -> None:
+    _, _, pods = group_and_pods(BUILDER)
+    trainers, engines = pods[:2], pods[2:]
+    paths = names.ANNOTATION_SYNC_PATHS
+    observed = [PodState(p).ready().build() for p in trainers] + [
+        PodState(engines[0]).ready().annotate(paths, '{"engine-replica": 2, "trace": 0}').build(),
+        PodState(engines[1]).ready().annotate(paths, "not json").build(),
+        PodState(engines[2]).ready().annotate(paths, '{"trace": 2, "engine-replica": 1}').build(),
+        PodState(engines[3]).ready().annotate(paths, '{"trace": -4}').build(),
+    ]
+    assert observe(BUILDER, observed)["engines"]["syncPaths"] == {"trace": 2, "engineReplica": 3}
+    silent = [PodState(p).ready().build() for p in pods]
+    assert (
+        "syncPaths" not in observe(BUILDER, silent)["engines"]
+        or observe(BUILDER, silent)["engines"]["syncPaths"] is None
+    )
+
+
 def test_weight_version_needs_every_engine() -> None:
     _, _, pods = group_and_pods(BUILDER)
     observed = [PodState(p).ready().weight_version(3).build() for p in pods]

@@ -64,6 +64,9 @@ ANNOTATION_LAST_ROUND: Final = "weightsync.io/last-round"
 #: Written by an engine's agent (pod 0 of the engine) on its own pod: the engine's HTTP base URL, where
 #: sources fetch manifests and the coordinator pauses, verifies and commits.
 ANNOTATION_ENGINE_URL: Final = "weightsync.io/engine-url"
+#: Written by an engine's first pod's agent on its own pod once its manifests are served: JSON, how many of the engine's
+#: ranks each path syncs (``{"trace": 2, "engine-replica": 0}``, docs/engines/engine-replicas.md).
+ANNOTATION_SYNC_PATHS: Final = "weightsync.io/sync-paths"
 #: Written by a trainer pod's agent, and by an engine's first pod's agent, on its own pod: the agent's
 #: HTTP base URL (the coordinator's way to ask that pod's sources to write; where adapters whose
 #: manifests the engine's agent assembles, such as SGLang's, fetch them).

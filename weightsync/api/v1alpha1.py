@@ -623,6 +623,19 @@ class ReplicaCounts(ApiModel):
     ready: int = Field(default=0, ge=0)
 
 
+class SyncPaths(ApiModel):
+    """How many engine ranks each path syncs (docs/engines/engine-replicas.md), as the engines' agents report."""
+
+    trace: int = Field(default=0, ge=0, description="Ranks whose weights sources cut from the trainer's tensors.")
+    engine_replica: int = Field(
+        default=0, ge=0, description="Ranks written from an engine replica: the engine's own loader on the sources."
+    )
+
+
+class EngineCounts(ReplicaCounts):
+    sync_paths: SyncPaths | None = Field(default=None, description="Absent until an engine's agent reported.")
+
+
 class PlanStatus(ApiModel):
     hash: str = Field(default="", max_length=64)
     revision: int = Field(default=0, ge=0, description="Bumped every time the plan changes.")
@@ -697,7 +710,7 @@ class WeightSyncGroupStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     trainers: ReplicaCounts = Field(default_factory=ReplicaCounts)
-    engines: ReplicaCounts = Field(default_factory=ReplicaCounts)
+    engines: EngineCounts = Field(default_factory=EngineCounts)
     plan: PlanStatus | None = None
     weight_version: int | None = Field(default=None, ge=0, description="Newest version every engine fully holds.")
     last_sync: SyncStatus | None = None

@@ -220,13 +220,28 @@ class Region(ApiModel):
 
 
 class Feed(ApiModel):
-    """One trainer (HF-named) tensor an engine replica's ``load_weights`` takes, as the trainer stages it."""
+    """One trainer (HF-named) tensor an engine replica's ``load_weights`` takes, in the checkpoint's format.
+
+    A quantized target's checkpoint holds some weights quantized: ``quantize`` says how the trainer's tensor of this
+    name becomes this feed (``fp8-block``: ``layout/quantize.py``'s ``fp8_block`` in ``block`` blocks), and ``scale``
+    names the feed its ``weight_scale_inv`` goes to; the trainer stages its BF16 tensor and the source quantizes."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str = Field(min_length=1)
     dtype: DType
     shape: tuple[int, ...]
+    quantize: Literal["fp8-block"] | None = None
+    block: tuple[int, int] | None = None
+    scale: str | None = Field(default=None, description="The feed that takes this weight's scale_inv.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.quantize is None) != (self.block is None) or (self.quantize is None) != (self.scale is None):
+            raise ManifestError(f"{self.name}: a quantized feed names its method, block and scale feed together")
+        if self.quantize == "fp8-block" and (self.dtype != "float8_e4m3fn" or len(self.shape) != 2):
+            raise ManifestError(f"{self.name}: an fp8-block feed is a 2-D float8_e4m3fn weight")
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -253,6 +268,17 @@ class EngineReplica(ApiModel):
         names = [f.name for f in self.feeds]
         if len(set(names)) != len(names):
             raise ManifestError(f"engine replica feeds repeat {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        by_name = {f.name: f for f in self.feeds}
+        for feed in self.feeds:
+            if feed.scale is None or feed.block is None:
+                continue
+            scale = by_name.get(feed.scale)
+            grid = tuple(-(-n // b) for n, b in zip(feed.shape, feed.block, strict=True))
+            if scale is None or scale.dtype != "float32" or scale.shape != grid:
+                raise ManifestError(
+                    f"{feed.name}: its scale feed {feed.scale} must be a float32 {list(grid)} (one per "
+                    f"{list(feed.block)} block)"
+                )
         return self
 
 

@@ -84,7 +84,7 @@ def assemble(
                 "tp": int(layout["tp_size"]),
                 "rank": rank,
                 "ep": int(layout.get("ep_size") or 1),
-                "feeds": list(layout["feeds"]),
+                "feeds": quantized_feeds(layout["feeds"], layout.get("quantization"), rank),
             }
         )
         return Manifest(
@@ -100,3 +100,32 @@ def assemble(
         if isinstance(exc, ManifestError):
             raise
         raise ManifestError(f"rank {rank}: the engine-replica layout is not usable: {exc}") from exc
+
+
+#: The suffix of a block-quantized weight's scale in DeepSeek-V3 / Kimi-K2 FP8 checkpoints.
+SCALE_SUFFIX = "_scale_inv"
+
+
+def quantized_feeds(feeds: Sequence[Mapping[str, Any]], quantization: Any, rank: int) -> list[dict[str, Any]]:
+    """``feeds`` with each FP8 weight marked as the source makes it from the trainer's tensor: ``fp8-block`` in the
+    checkpoint's ``weight_block_size``, its scale going to ``<name>_scale_inv`` (``layout/quantize.py``). A quantized
+    feed weightsync cannot make is refused by name: never a guess at a format."""
+    out = [dict(feed) for feed in feeds]
+    fp8 = [feed for feed in out if feed.get("dtype") == "float8_e4m3fn"]
+    if not fp8:
+        return out
+    config = quantization if isinstance(quantization, Mapping) else {}
+    block = config.get("weight_block_size")
+    if config.get("quant_method") != "fp8" or not (isinstance(block, Sequence) and len(block) == 2):
+        raise ManifestError(
+            f"rank {rank}: the checkpoint holds FP8 weights ({fp8[0]['name']}, ...) quantized as "
+            f"{dict(config) or 'its config does not say'}; weightsync makes FP8 block-quantized weights only "
+            "(quant_method fp8 with a weight_block_size)"
+        )
+    names = {str(feed["name"]) for feed in out}
+    for feed in fp8:
+        scale = f"{feed['name']}{SCALE_SUFFIX}"
+        if scale not in names:
+            raise ManifestError(f"rank {rank}: FP8 weight {feed['name']} has no {scale} in the checkpoint")
+        feed.update(quantize="fp8-block", block=[int(block[0]), int(block[1])], scale=scale)
+    return out

@@ -71,6 +71,7 @@ from weightsync_agent.layout.buckets import replica_offsets
 from weightsync_agent.layout.checksums import view
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
 from weightsync_agent.layout.placement import part_view
+from weightsync_agent.layout.quantize import fp8_block
 from weightsync_agent.source.stream import StreamState
 
 log = logging.getLogger("weightsync.agent.replica")
@@ -250,6 +251,12 @@ class ReplicaLayout:
                 slots.append(slot)
                 along[part.at] = slot.cat_start + slot.cat_length
         self.slots: tuple[PartSlot, ...] = tuple(slots)
+        #: A feed layout's quantized weights: name -> (block, the feed that takes its scale_inv).
+        self.quantized: dict[str, tuple[tuple[int, int], str]] = {
+            str(raw["name"]): ((int(raw["block"][0]), int(raw["block"][1])), str(raw["scale"]))
+            for raw in layout
+            if raw.get("quantize") == "fp8-block"
+        }
         by_source: dict[str, list[PartSlot]] = {}
         for slot in self.slots:
             if replica is None:  # an engine replica's slots are the loader's, never a staged tensor's
@@ -312,8 +319,11 @@ class ReplicaLayout:
                 raise ReplicaError(f"{feed['name']}: an engine replica takes no 0-d or empty trainer tensor {shape}")
             nbytes = ITEMSIZE[str(feed["dtype"])] * math.prod(shape)
             whole = {"source": feed["name"], "full_shape": shape, "dim": 0, "start": 0, "length": shape[0]}
-            layout.append({"name": feed["name"], "dtype": feed["dtype"], "shape": shape, "nbytes": nbytes,
-                           "cat_dim": 0, "parts": [whole]})  # fmt: skip
+            entry = {"name": feed["name"], "dtype": feed["dtype"], "shape": shape, "nbytes": nbytes, "cat_dim": 0,
+                     "parts": [whole]}  # fmt: skip
+            if feed.get("quantize"):
+                entry |= {"quantize": feed["quantize"], "block": list(feed["block"]), "scale": feed["scale"]}
+            layout.append(entry)
         return cls(layout)
 
 
@@ -519,7 +529,8 @@ class Replica:
         return int(self.buffer.data_ptr())
 
     def full_names(self) -> set[str]:
-        return set(self.layout.by_source)
+        """The trainer's tensor names this replica takes (a quantized feed's scales come with their weights)."""
+        return set(self.layout.by_source) - {scale for _, scale in self.layout.quantized.values()}
 
     def tensor(self, name: str) -> torch.Tensor:
         """The local tensor ``name`` as the target will hold it.
@@ -915,18 +926,36 @@ class ReplicaSet:
         Every replica checks first; if any refuses, nothing is written anywhere. With ``strict``, a
         name no target tensor is cut from is an error (usually a naming mismatch with the engine).
         """
-        plans = [(replica, replica.check(full_name, full)) for replica in self.every()]
-        if strict and not any(slots for _, slots in plans):
+        plans = [plan for replica in self.every() for plan in self._plans(replica, full_name, full)]
+        if strict and not any(slots for _, slots, _ in plans):
             raise ReplicaError(f"no target tensor of this source is cut from {full_name!r}")
-        plans = [(replica, slots) for replica, slots in plans if slots]
+        plans = [plan for plan in plans if plan[1]]
         with contextlib.ExitStack() as stack:
-            for replica, _ in plans:  # every replica must be free before any is written
+            for replica in {id(r): r for r, _, _ in plans}.values():  # every replica free before any is written
                 stack.enter_context(replica._staging())
-            for replica, slots in plans:
+            for replica, slots, _ in plans:
                 replica._check_restage(slots)
-            for replica, slots in plans:
-                replica._write(slots, full)
-        return sum(len(slots) for _, slots in plans)
+            for replica, slots, tensor in plans:
+                replica._write(slots, tensor)
+        return sum(len(slots) for _, slots, _ in plans)
+
+    @staticmethod
+    def _plans(
+        replica: Replica, name: str, full: torch.Tensor
+    ) -> list[tuple[Replica, tuple[PartSlot, ...], torch.Tensor]]:
+        """What staging ``full`` writes into ``replica``: its parts, or for a quantized feed the FP8 weight and its
+        scale_inv (quantized here, where the trainer stages: on its device)."""
+        quantized = replica.layout.quantized.get(name)
+        if quantized is None:
+            return [(replica, replica.check(name, full), full)]
+        block, scale_name = quantized
+        if not isinstance(full, torch.Tensor) or full.dim() != 2 or not full.is_floating_point():
+            raise ReplicaError(
+                f"cannot stage {name!r}: the engine's FP8 checkpoint quantizes it; stage a 2-D float tensor"
+            )
+        weight, scale = fp8_block(full.detach(), block)
+        weight, scale = weight.cpu(), scale.cpu()
+        return [(replica, replica.check(name, weight), weight), (replica, replica.check(scale_name, scale), scale)]
 
     def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         items = tensors.items() if isinstance(tensors, Mapping) else tensors

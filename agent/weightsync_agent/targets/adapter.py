@@ -9,7 +9,7 @@ declared once, in the contract :mod:`weightsync.api.engines`, which the operator
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -80,6 +80,8 @@ class Readiness:
     ready: bool
     reason: str
     message: str = ""
+    #: How many of the engine's ranks each path syncs (``trace``, ``engine-replica``), when the manifests say.
+    paths: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ behind from its agent, and need not ask every engine every tick.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -111,6 +112,8 @@ class EngineAgent:
                     readiness = Readiness(True, "EngineServing", f"engine at {self.engine_url} answers")
                 if readiness.ready and self.advertise:
                     version = self.adapter.held_version(timeout=self.timeout)
+                    if readiness.paths is not None and self.annotate is not None:
+                        self.annotate({names.ANNOTATION_SYNC_PATHS: json.dumps(dict(readiness.paths), sort_keys=True)})
                 ready, reason, message = readiness.ready, readiness.reason, readiness.message
             except HttpCallError as exc:
                 ready, reason, message = False, "EngineUnavailable", str(exc)

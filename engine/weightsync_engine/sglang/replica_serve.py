@@ -19,8 +19,8 @@ on stdout (``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``):
   "feed": {"file": PATH, "offset": O, "tensors": [[name, offset]...]}}`` builds SGLang's model class for the rank and
   makes every parameter a view of the replica file at ``O + offset`` (the agent's layout, checked name by name
   against the model's), and maps the feed file;
-* ``{"op": "load"}`` runs the model's own ``load_weights`` over every feed tensor: the loader layout lands in the
-  replica file, which the agent then sends.
+* ``{"op": "load", "names": [...]}`` runs the model's own ``load_weights`` over those feed tensors (every one when
+  ``names`` is absent): the loader layout lands in the replica file, which the agent then sends.
 
 EOF ends it. The engine's own output goes to stderr; stdout carries the answers only.
 """
@@ -44,30 +44,53 @@ ROUND_SEED = 20261128
 MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a bind names every parameter and feed
 
 
+#: A quantized checkpoint's scales keep their own dtype (float32), as its quantized weights do.
+SCALE_SUFFIX = "_scale_inv"
+
+
 def checkpoint(sg: Any, model_dir: Path, dtype: Any) -> dict[str, Any]:
-    """Every HF tensor of ``model_dir``'s safetensors, floating ones cast to ``dtype`` (what a trainer stages)."""
+    """Every HF tensor of ``model_dir``'s safetensors as a trainer's feed holds it: the model's plain float weights in
+    ``dtype``, a quantized checkpoint's FP8 weights and their float32 scales as they are."""
     safetensors = __import__("safetensors.torch", fromlist=["load_file"])
+    torch = sg.torch
     order = core.read_checkpoint(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
+    plain = (torch.float16, torch.bfloat16, torch.float32)
     values: dict[str, Any] = {}
-    for path in files:
+    for path in sorted(model_dir.glob("*.safetensors")):
         for name, tensor in safetensors.load_file(str(path)).items():
             if name in order:
-                values[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                cast = tensor.dtype in plain and not name.endswith(SCALE_SUFFIX)
+                values[name] = tensor.to(dtype) if cast else tensor
     return {name: values[name] for name in order}
 
 
 def perturbed(sg: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """The round's weights: each moved by seeded noise (an FP8 weight in its float value, a scale by a positive
+    factor), integers kept."""
     torch = sg.torch
     generator = torch.Generator().manual_seed(ROUND_SEED)
     out = {}
     for name, tensor in values.items():
-        if tensor.is_floating_point():
-            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32).to(tensor.dtype)
-            out[name] = (tensor + 0.05 * noise).contiguous()
-        else:
+        if not tensor.is_floating_point():
             out[name] = tensor.clone()
+            continue
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        if name.endswith(SCALE_SUFFIX):
+            out[name] = (tensor * (1 + 0.05 * noise.abs())).contiguous()
+        elif tensor.dtype == torch.float8_e4m3fn:
+            out[name] = (tensor.float() + 0.05 * noise).clamp(-448, 448).to(tensor.dtype).contiguous()
+        else:
+            out[name] = (tensor + 0.05 * noise.to(tensor.dtype)).contiguous()
     return out
+
+
+def model_dtype(sg: Any, model: Any) -> Any:
+    """The dtype of the model's plain weights: the most common float dtype among its parameters but FP8."""
+    counts: dict[Any, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != sg.torch.float8_e4m3fn:
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=lambda d: counts[d])
 
 
 def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict[str, Any]:
@@ -75,9 +98,9 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
     started = time.monotonic()
     sg = trace_model.import_sglang()
     probe = replica_model.build(sg, model_dir, tp, rank, dtype, ep)
-    model_dtype = next(p.dtype for p in probe.parameters() if p.is_floating_point())
+    plain = model_dtype(sg, probe)
     del probe
-    old = checkpoint(sg, model_dir, model_dtype)
+    old = checkpoint(sg, model_dir, plain)
     found = replica_model.check(sg, model_dir, tp, rank, dtype, old, perturbed(sg, old), ep)
     refused = [
         {"name": name, "reason": "no HF tensor writes it: the engine keeps its own values there"}
@@ -98,7 +121,8 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
         "tp_size": tp,
         "tp_rank": rank,
         "ep_size": ep,
-        "dtype": core.dtype_name(model_dtype),
+        "dtype": core.dtype_name(plain),
+        "quantization": json.loads((model_dir / "config.json").read_text()).get("quantization_config"),
         "tensors": tensors,
         "feeds": feeds,
         "refused": refused,
@@ -159,12 +183,17 @@ class Loader:
         self.model, self.bound, self.buffer, self.feeds = model, bound, buffer, feeds
         return {"ok": True, "parameters": len(bound), "feeds": len(feeds)}
 
-    def load(self) -> dict[str, Any]:
+    def load(self, names: list[str] | None = None) -> dict[str, Any]:
+        """``load_weights`` over the feeds ``names`` (all when None: a layer's, when the source streams)."""
         if self.model is None:
             raise replica_core.ReplicaError("load before bind")
+        chosen = list(self.feeds) if names is None else [str(n) for n in names]
+        unknown = sorted(set(chosen) - set(self.feeds))
+        if unknown:
+            raise replica_core.ReplicaError(f"no feed named {unknown[:5]}")
         started = time.monotonic()
         # A loader may change its input in place: it gets copies; the feed file keeps the trainer's bytes.
-        replica_model.load(self.sg, self.model, ((name, t.clone()) for name, t in self.feeds.items()))
+        replica_model.load(self.sg, self.model, ((name, self.feeds[name].clone()) for name in chosen))
         replica_core.check_bound(self.model, self.buffer, self.bound)
         return {"ok": True, "seconds": round(time.monotonic() - started, 4)}
 
@@ -197,7 +226,7 @@ def serve(stdin: TextIO | None = None) -> int:
             if op == "bind":
                 answer = loader.bind(request)
             elif op == "load":
-                answer = loader.load()
+                answer = loader.load(request.get("names"))
             else:
                 raise ValueError(f"unknown op {op!r} (bind, load)")
         except Exception as exc:  # one answer per request, naming what failed

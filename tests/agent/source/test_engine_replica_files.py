@@ -77,3 +77,32 @@ def test_only_an_engine_replica_is_marked_loaded_and_its_feeds_are_never_empty(t
         replicas.close()
     with pytest.raises(ReplicaError, match="takes no 0-d or empty trainer tensor"):
         ReplicaLayout.of_feeds({"feeds": [{"name": "scale", "dtype": "float32", "shape": []}]})
+
+
+def test_a_bf16_weight_staged_into_an_fp8_feed_is_quantized_with_its_scale(tmp_path: Path) -> None:
+    from weightsync_agent.layout.quantize import fp8_block
+
+    layout = {**LAYOUT, "quantization": {"quant_method": "fp8", "weight_block_size": [2, 2]}}
+    layout["feeds"] = [
+        {"name": Q_A, "dtype": "float8_e4m3fn", "shape": [4, 4]},
+        {"name": Q_A + "_scale_inv", "dtype": "float32", "shape": [2, 2]},
+        {"name": KV_A, "dtype": "float32", "shape": [3, 4]},
+        {"name": NORM, "dtype": "float32", "shape": [4]},
+    ]
+    manifest = assemble(0, 0, layout, "s:1", {FUSED: [1 << 20, 28, 4], NORM: [1 << 21, 4, 4]},
+                        checksum="tensor-sha256-8", model="/m")  # fmt: skip
+    sidecar = ReplicaSet.for_manifests([manifest], shm_dir=tmp_path, pin=False)
+    trainer = ReplicaSet.attach(tmp_path, pin=False)
+    try:
+        assert trainer.full_names() == {Q_A, KV_A, NORM}  # the scale comes with its weight
+        weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        assert trainer.stage(Q_A, weight) == 2
+        [feed] = sidecar.feeds.values()
+        quantized, scale = fp8_block(weight, (2, 2))
+        assert torch.equal(feed.tensor(Q_A).view(torch.uint8), quantized.view(torch.uint8))
+        assert torch.equal(feed.tensor(Q_A + "_scale_inv"), scale)
+        with pytest.raises(ReplicaError, match="quantizes it; stage a 2-D float tensor"):
+            trainer.stage(Q_A, torch.ones(16))
+    finally:
+        trainer.close()
+        sidecar.close(unlink=True)

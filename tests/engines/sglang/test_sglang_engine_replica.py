@@ -21,6 +21,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_testing import sglang_cpu
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
@@ -50,11 +51,15 @@ def spec() -> WeightSyncGroupSpec:
 
 
 @pytest.fixture(scope="module")
-def group(sglang_py: Path, tiny_deepseek_v3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
+def harness(sglang_py: Path, tiny_deepseek_v3: Path, tmp_path_factory: pytest.TempPathFactory) -> SglangEngines:
+    logs = tmp_path_factory.mktemp("sglang-dsv3")
+    return SglangEngines(tiny_deepseek_v3, python=str(sglang_py), dtype="float32", log_dir=logs)
+
+
+@pytest.fixture(scope="module")
+def group(sglang_py: Path, harness: SglangEngines) -> Iterator[LoopbackGroup]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))  # the trainer pod's agent runs SGLang's loader too
-        logs = tmp_path_factory.mktemp("sglang-dsv3")
-        harness = SglangEngines(tiny_deepseek_v3, python=str(sglang_py), dtype="float32", log_dir=logs)
         with LoopbackGroup(spec(), group="sg-dsv3", engines=harness) as running:
             running.start(timeout=300)
             yield running
@@ -67,7 +72,7 @@ def generate(client: EngineClient, prompt: list[int]) -> tuple[list[int], str]:
 
 
 def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_hf(
-    group: LoopbackGroup, sglang_py: Path, tiny_deepseek_v3: Path, tmp_path: Path
+    group: LoopbackGroup, harness: SglangEngines, sglang_py: Path, tiny_deepseek_v3: Path, tmp_path: Path
 ) -> None:
     manifest = group.manifest(0)
     assert {t.path for t in manifest.tensors} == {"engine-replica"}
@@ -93,3 +98,8 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
                 tokens, label = generate(engine, prompt)
                 assert label == str(version)
                 assert tokens == expected["output_ids"], (prompt, expected.get("margins"))
+    # The CPU server attended in SGLang's absorbed MLA form (a gated workaround: docs/engines/sglang-testing.md).
+    server = harness.servers[0]
+    assert sglang_cpu.ABSORBED_MLA in server.workarounds
+    used = {e["workaround"] for e in server.workaround_events() if e["event"] == "used"}
+    assert sglang_cpu.ABSORBED_MLA in used

@@ -108,3 +108,35 @@ def test_the_two_paths_each_have_their_own_rules() -> None:
     traced = TensorEntry.model_validate({**entry, "parts": [part]})
     with pytest.raises(ValueError, match="an engine replica fills every tensor of its rank"):
         Manifest.model_validate({**base, "tensors": [traced], "replica": {**replica.model_dump(), "rank": 0}})
+
+
+FP8_FEEDS = [
+    {"name": "w.weight", "dtype": "float8_e4m3fn", "shape": [300, 200]},
+    {"name": "w.weight_scale_inv", "dtype": "float32", "shape": [3, 2]},
+    {"name": NORM, "dtype": "bfloat16", "shape": [128]},
+]
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def test_an_fp8_checkpoints_weights_are_made_from_the_trainers_tensors_with_their_scales() -> None:
+    replica = build(feeds=FP8_FEEDS, quantization=FP8_CONFIG).replica
+    assert replica is not None
+    weight, scale, norm = replica.feeds
+    assert (weight.quantize, weight.block, weight.scale) == ("fp8-block", (128, 128), "w.weight_scale_inv")
+    assert scale.quantize is None and norm.quantize is None
+
+
+@pytest.mark.parametrize(
+    ("feeds", "quantization", "message"),
+    [
+        (FP8_FEEDS, None, "weightsync makes FP8 block-quantized weights only"),
+        (FP8_FEEDS, {"quant_method": "fp8"}, "weightsync makes FP8 block-quantized weights only"),
+        (FP8_FEEDS[:1], FP8_CONFIG, r"FP8 weight w\.weight has no w\.weight_scale_inv"),
+        ([FP8_FEEDS[0], {**FP8_FEEDS[1], "shape": [2, 2]}], FP8_CONFIG, r"must be a float32 \[3, 2\]"),
+    ],
+)
+def test_a_quantized_format_weightsync_cannot_make_is_refused(
+    feeds: list[dict[str, Any]], quantization: Any, message: str
+) -> None:
+    with pytest.raises(ManifestError, match=message):
+        build(feeds=feeds, quantization=quantization)

@@ -39,7 +39,7 @@ GROUP = {
         "phase": "Ready",
         "weightVersion": 2,
         "trainers": {"desired": 2, "ready": 2},
-        "engines": {"desired": 2, "ready": 1},
+        "engines": {"desired": 2, "ready": 1, "syncPaths": {"trace": 1, "engineReplica": 2}},
         "plan": {"hash": "abc123"},
         "conditions": [
             {
@@ -71,6 +71,7 @@ def test_status_shows_the_group_and_its_last_round_with_phases_pause_and_slowest
     assert "ml/demo" in shown and "phase Ready" in shown and "version 2" in shown
     assert "trainers 2/2 ready, engines 1/2 ready, plan abc123" in shown
     assert "AllReady" in shown and "every pod is ready" in shown
+    assert "engine ranks synced: 1 by the trace (cut from the trainer's tensors), 2 through an engine replica" in shown
     assert "v2 Succeeded at 2030-01-01T12:00:02Z in 0.750 s, 5.0 MB" in shown
     assert "engines paused 0.050 s" in shown
     assert "phases: prepare 0.010 s · begin 0.020 s · write 0.500 s · verify 0.100 s · commit 0.050 s" in shown
@@ -81,6 +82,7 @@ def test_status_shows_the_group_and_its_last_round_with_phases_pause_and_slowest
 def test_status_of_a_group_that_never_synced_says_so() -> None:
     shown = text(status_view({"metadata": {"name": "g", "namespace": "n"}, "status": {}}))
     assert "n/g" in shown and "phase -" in shown and "none yet" in shown
+    assert "engine ranks synced" not in shown  # no engine reported yet
 
 
 def test_rounds_lists_newest_first_with_each_rounds_phases_and_reason() -> None:

@@ -82,7 +82,7 @@ def round_lines(sync: Mapping[str, Any]) -> list[Text]:
 
 
 def status_view(obj: Mapping[str, Any]) -> RenderableType:
-    """A WeightSyncGroup's state: phase, pods, plan, conditions and its last round."""
+    """A WeightSyncGroup's state: phase, pods, how engine ranks are synced, plan, conditions and its last round."""
     meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
     trainers, engines = status.get("trainers") or {}, status.get("engines") or {}
     plan = status.get("plan") or {}
@@ -97,6 +97,15 @@ def status_view(obj: Mapping[str, Any]) -> RenderableType:
             f"engines {engines.get('ready', 0)}/{engines.get('desired', 0)} ready, plan {plan.get('hash', '-')}"
         ),
     ]
+    paths = engines.get("syncPaths")
+    if paths:
+        traced, replicated = paths.get("trace", 0), paths.get("engineReplica", 0)
+        parts.append(
+            Text(
+                f"engine ranks synced: {traced} by the trace (cut from the trainer's tensors), {replicated} through "
+                "an engine replica (the engine's own loader on the sources)"
+            )
+        )
     conditions = status.get("conditions") or []
     if conditions:
         table = Table("condition", "status", "reason", "message", box=None, pad_edge=False)

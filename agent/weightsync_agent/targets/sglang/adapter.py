@@ -122,7 +122,8 @@ class SglangAdapter:
         paths = [f"{len(manifests) - replicated} rank(s) traced"] if replicated < len(manifests) else []
         if replicated:
             paths.append(f"{replicated} rank(s) through an engine replica (SGLang's load_weights on the sources)")
-        return Readiness(True, "EngineServing", f"SGLang at {self.client.base_url}: {', '.join(paths)}")
+        counts = {"trace": len(manifests) - replicated, "engine-replica": replicated}
+        return Readiness(True, "EngineServing", f"SGLang at {self.client.base_url}: {', '.join(paths)}", counts)
 
     # --- The round ---------------------------------------------------------------------------------
 

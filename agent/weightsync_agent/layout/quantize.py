@@ -4,7 +4,9 @@ An RL trainer is BF16; an FP8 rollout engine loads what its FP8 checkpoint holds
 ``float8_e4m3fn`` weight and a float32 ``<name>_scale_inv`` of shape ``[ceil(out/B0), ceil(in/B1)]`` (``config.json``
 ``quantization_config``: ``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [B0, B1]}``, 128 x 128 in the
 published checkpoints), with ``w ~ fp8 x scale_inv`` per block. The source quantizes the trainer's tensors into that
-format and hands them to the engine's own loader (an engine replica, ``replica_core``), as a checkpoint would.
+format and hands them to the engine's own loader (an engine replica, docs/engines/engine-replicas.md), as a checkpoint
+would: the trainer's client quantizes where it stages (on the trainer's GPU, ``bench/quantize_bench.py``), and the
+tests make FP8 checkpoints with it.
 
 Deterministic by construction, so that the same BF16 in gives the same bytes out on CPU and GPU:
 ``scale_inv = amax(|block|) / 448`` in float32 (1 for an all-zero block: any value dequantizes zeros to zero), and
@@ -12,12 +14,12 @@ Deterministic by construction, so that the same BF16 in gives the same bytes out
 rounded (IEEE round-to-nearest-even) on both. No fused multiply-add, no reciprocal (``bench/quantize_bench.py``
 compares the bytes on the GPU machine).
 
-Standalone, like the rest of this root: ``torch`` is passed in.
+Imports only ``torch``: the GPU machine's benchmark loads it without the rest of weightsync.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
 #: The largest finite ``float8_e4m3fn`` value.
 FP8_MAX = 448.0
@@ -25,7 +27,7 @@ FP8_MAX = 448.0
 BLOCK = (128, 128)
 
 
-def fp8_block(torch: Any, weight: Any, block: tuple[int, int] = BLOCK) -> tuple[Any, Any]:
+def fp8_block(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 weight, float32 scale_inv)`` of a 2-D ``weight`` (any float dtype, any device) in ``block`` blocks;
     edge blocks are the remainders (no padding in the outputs)."""
     if weight.dim() != 2:
@@ -46,7 +48,7 @@ def fp8_block(torch: Any, weight: Any, block: tuple[int, int] = BLOCK) -> tuple[
     return quantized, scale_inv.contiguous()
 
 
-def dequantize(torch: Any, quantized: Any, scale_inv: Any, block: tuple[int, int] = BLOCK) -> Any:
+def dequantize(quantized: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """The float32 weight ``quantized x scale_inv`` per block (what an engine computes with)."""
     rows, cols = quantized.shape
     expanded = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:rows, :cols]

@@ -1,4 +1,4 @@
-"""FP8 block quantization (weightsync_engine.quantize): the DeepSeek-V3 checkpoint format, deterministic, bounded
+"""FP8 block quantization (weightsync_agent.layout.quantize): the DeepSeek-V3 checkpoint format, deterministic, bounded
 error, and properties over random shapes (hypothesis)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync_engine.quantize import FP8_MAX, dequantize, fp8_block
+from weightsync_agent.layout.quantize import FP8_MAX, dequantize, fp8_block
 
 
 def digest(*tensors: torch.Tensor) -> str:
@@ -22,7 +22,7 @@ def digest(*tensors: torch.Tensor) -> str:
 
 def test_the_checkpoint_format_of_a_deepseek_linear() -> None:
     weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    quantized, scale_inv = fp8_block(torch, weight)
+    quantized, scale_inv = fp8_block(weight)
     assert (quantized.dtype, list(quantized.shape)) == (torch.float8_e4m3fn, [300, 200])
     assert (scale_inv.dtype, list(scale_inv.shape)) == (torch.float32, [3, 2])  # ceil(300/128), ceil(200/128)
     block = weight[128:256, 0:128].float()
@@ -32,23 +32,23 @@ def test_the_checkpoint_format_of_a_deepseek_linear() -> None:
 
 def test_the_same_bf16_gives_the_same_bytes() -> None:
     weight = torch.randn(256, 384, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    assert digest(*fp8_block(torch, weight)) == digest(*fp8_block(torch, weight.clone()))
+    assert digest(*fp8_block(weight)) == digest(*fp8_block(weight.clone()))
     other = weight.clone()
     other[5, 7] += 1
-    assert digest(*fp8_block(torch, weight)) != digest(*fp8_block(torch, other))
+    assert digest(*fp8_block(weight)) != digest(*fp8_block(other))
 
 
 def test_a_zero_block_is_zeros_and_a_finite_scale() -> None:
     weight = torch.zeros(128, 256, dtype=torch.bfloat16)
     weight[:, 128:] = 1.0
-    quantized, scale_inv = fp8_block(torch, weight)
+    quantized, scale_inv = fp8_block(weight)
     assert torch.equal(scale_inv, torch.tensor([[1.0, 1.0 / FP8_MAX]]))  # float32
-    assert torch.equal(dequantize(torch, quantized, scale_inv), weight.float())
+    assert torch.equal(dequantize(quantized, scale_inv), weight.float())
 
 
 def test_only_2d_weights() -> None:
     with pytest.raises(ValueError, match="2-D weight"):
-        fp8_block(torch, torch.zeros(2, 3, 4))
+        fp8_block(torch.zeros(2, 3, 4))
 
 
 @settings(max_examples=40, deadline=None)
@@ -63,9 +63,9 @@ def test_dequantized_is_within_e4m3s_rounding_of_the_weight(
     rows: int, cols: int, block: tuple[int, int], seed: int, magnitude: float
 ) -> None:
     weight = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude).to(torch.bfloat16)
-    quantized, scale_inv = fp8_block(torch, weight, block)
+    quantized, scale_inv = fp8_block(weight, block)
     assert torch.isfinite(quantized.float()).all() and torch.isfinite(scale_inv).all()
-    error = (dequantize(torch, quantized, scale_inv, block) - weight.float()).abs()
+    error = (dequantize(quantized, scale_inv, block) - weight.float()).abs()
     scale = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
     # e4m3 keeps 3 mantissa bits: relative half-ulp 1/16 of the value, and subnormals' absolute 2^-10 step.
     bound = weight.float().abs() / 16 + scale * 2.0**-10
@@ -77,5 +77,5 @@ def test_dequantized_is_within_e4m3s_rounding_of_the_weight(
 def test_the_same_bytes_on_cpu_and_gpu(rows: int, cols: int) -> None:
     """A division by a Python number is a reciprocal multiplication on CUDA: the quantizer divides by tensors."""
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    gpu = [t.cpu() for t in fp8_block(torch, weight.cuda())]
-    assert digest(*fp8_block(torch, weight)) == digest(*gpu)
+    gpu = [t.cpu() for t in fp8_block(weight.cuda())]
+    assert digest(*fp8_block(weight)) == digest(*gpu)
