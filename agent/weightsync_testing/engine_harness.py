@@ -102,11 +102,24 @@ def crash(server: ServerT) -> ServerT:
 class SglangEngines:
     """Stock SGLang servers on a model directory (CPU, the pinned venv; weightsync_testing.sglang_server)."""
 
-    def __init__(self, model_dir: Path, *, python: str, dtype: str = "float32", log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        python: str,
+        dtype: str = "float32",
+        log_dir: Path | None = None,
+        extra_args: Sequence[str] = (),
+        no_forward: bool = False,
+    ) -> None:
+        """``no_forward``: the server never runs a forward (no warm-up, ready at ``/model_info`` without ``/health``):
+        a model whose kernels this machine lacks (an FP8 checkpoint on CPU) can still take rounds."""
         self.model_dir = model_dir
         self.python = python
         self.dtype = dtype
         self.log_dir = log_dir
+        self.extra_args = [*extra_args, *(["--skip-server-warmup"] if no_forward else [])]
+        self.no_forward = no_forward
         self.servers: dict[int, SglangProcess] = {}
 
     def start(self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0,
@@ -121,8 +134,9 @@ class SglangEngines:
             python=self.python,
             dtype=self.dtype,
             log_dir=self.log_dir,
-            healthy=healthy,
+            healthy=healthy and not self.no_forward,
             admin_api_key=token,
+            extra_args=self.extra_args,
             extra_env=mooncake_port_env(spec),  # SGLang's own Mooncake engine reads them, as in its pod
         )
         self.servers[engine] = server

@@ -238,7 +238,9 @@ class LoopbackGroup:
                 except AgentError:
                     pass
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"agent of trainer pod {pod} not built after {timeout:.0f} s")
+                    logs = [(f"trainer pod {pod}", agent), *((f"engine {e}", a) for e, a in self.engine_agents.items())]
+                    tails = "".join(f"\n--- agent of {who}:\n{a.log_text()[-1500:]}" for who, a in logs)
+                    raise TimeoutError(f"agent of trainer pod {pod} not built after {timeout:.0f} s{tails}")
                 time.sleep(0.2)
 
     def committed(self) -> int:

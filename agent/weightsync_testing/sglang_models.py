@@ -157,6 +157,53 @@ def ensure_tiny_model(
     return out
 
 
+#: What a DeepSeek-V3 FP8 checkpoint block-quantizes: every decoder layer's attention and MLP projection (experts
+#: and the shared expert too), never the router, the embeddings, the norms or the head.
+FP8_QUANTIZED = r"^model\.layers\.\d+\.(self_attn|mlp)\..*\.weight$"
+FP8_NOT_QUANTIZED = "mlp.gate.weight"  # the router
+
+
+def ensure_fp8_model(model_dir: Path, block: tuple[int, int] = (16, 16)) -> Path:
+    """``model_dir`` as a DeepSeek-V3-style FP8 block checkpoint (the format Kimi-K2 and DeepSeek-V3 ship): each
+    projection quantized by weightsync's own quantizer (``layout/quantize.py``) in ``block`` blocks with its float32
+    ``weight_scale_inv``, everything else bfloat16, and ``quantization_config`` in ``config.json``. Made once beside
+    ``model_dir`` (this process: torch and safetensors). ``block``: the tiny models' sizes are multiples of 16, not
+    of the published 128 (SGLang checks that a block divides each quantized weight)."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from weightsync_agent.layout.quantize import fp8_block
+
+    out = model_dir.with_name(f"{model_dir.name}-fp8b{block[0]}x{block[1]}")
+    if (out / STAMP).is_file():
+        return out
+    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=model_dir.parent))
+    try:
+        shutil.copytree(model_dir, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", STAMP))
+        quantized = re.compile(FP8_QUANTIZED)
+        state: dict[str, Any] = {}
+        for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
+            bf16 = tensor.to(torch.bfloat16)
+            if tensor.dim() == 2 and quantized.match(name) and not name.endswith(FP8_NOT_QUANTIZED):
+                state[name], state[f"{name}_scale_inv"] = fp8_block(bf16, block)
+            else:
+                state[name] = bf16
+        save_file(state, str(work / "model.safetensors"))
+        config = json.loads((work / "config.json").read_text())
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": list(block)}  # fmt: skip
+        config["torch_dtype"] = config["dtype"] = "bfloat16"
+        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (work / STAMP).write_text(json.dumps({"fp8_of": model_dir.name, "block": list(block)}) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        work.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def hf_greedy(
     python: str | Path, model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[dict[str, Any]]:

@@ -14,13 +14,16 @@ pieces (merged or not) does not change it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 
+import torch
 import xxhash
 
 from weightsync_agent.layout.buckets import Bucket, replica_offsets
 from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.layout.quantize import SCALE_SUFFIX
 from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_cpu_hash, sglang_gpu_hash
 
 _PyBUF_READ = 0x100
@@ -86,9 +89,78 @@ def tensor_checksum(scheme: str, address: int, nbytes: int) -> str:
     return hasher(view(address, nbytes) if nbytes else b"")
 
 
+#: The checksum of a block-FP8 weight's scale: none of its own; the engine compares it through its weight.
+COMPARED_WITH_WEIGHT = ""
+
+
+def fp8_pairs(manifest: Manifest) -> dict[str, str]:
+    """Block-FP8 weights and their scales (``<name>_scale_inv``, float32), weight name -> scale name: what SGLang's
+    weight checker hashes together, as the dequantized weight (``utils/weight_checker.py``: a ``(weight,
+    weight_scale_inv)`` pair of an FP8 block-quantized module; the scale gets no checksum of its own)."""
+    by_name = manifest.by_name()
+    pairs = {}
+    for tensor in manifest.tensors:
+        scale = by_name.get(f"{tensor.name}{SCALE_SUFFIX}")
+        fp8 = tensor.dtype == "float8_e4m3fn" and len(tensor.shape) >= 2  # fused experts: [experts, out, in]
+        if fp8 and scale is not None and scale.dtype == "float32" and len(scale.shape) == len(tensor.shape):
+            pairs[tensor.name] = scale.name
+    return pairs
+
+
+def dequantized_bytes(weight: torch.Tensor, scale: torch.Tensor) -> bytes:
+    """What SGLang's checker hashes for a block-FP8 weight (``Fp8BlockComparable.dequantize`` in 0.5.23): the weight
+    times its scale repeated over square blocks of ``in // scale columns`` (over the last two dims: fused experts
+    keep their leading one), in float32, cast to bfloat16."""
+    rows, cols = weight.shape[-2:]
+    block = cols // scale.shape[-1]
+    if not block or cols % scale.shape[-1]:
+        raise ValueError(
+            f"cannot infer the FP8 block of a {list(weight.shape)} weight from a {list(scale.shape)} scale"
+        )
+    repeated = scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :rows, :cols]
+    dequantized = (weight.to(torch.float32) * repeated).to(torch.bfloat16).contiguous()
+    return dequantized.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_jobs(manifest: Manifest, replica_address: int) -> list[Callable[[], str]]:
+    """Per tensor, in manifest order, a call computing the hash ``manifest.checksum`` names over the replica's bytes
+    (a pool runs them side by side); a block-FP8 weight's over its dequantized value, its scale's
+    :data:`COMPARED_WITH_WEIGHT` (:func:`fp8_pairs`)."""
+    ranges = dict(zip((t.name for t in manifest.tensors), tensor_ranges(manifest, replica_address), strict=True))
+    pairs = fp8_pairs(manifest)
+    scales = set(pairs.values())
+    by_name = manifest.by_name()
+    scheme = manifest.checksum
+    jobs: list[Callable[[], str]] = []
+    for tensor in manifest.tensors:
+        address, nbytes = ranges[tensor.name]
+        if tensor.name in scales:
+            jobs.append(lambda: COMPARED_WITH_WEIGHT)
+        elif tensor.name in pairs:
+            scale = by_name[pairs[tensor.name]]
+            weight_at, scale_at = (address, nbytes, tensor.shape), (*ranges[scale.name], scale.shape)
+            jobs.append(functools.partial(_dequantized_checksum, scheme, weight_at, scale_at))
+        else:
+            jobs.append(functools.partial(tensor_checksum, scheme, address, nbytes))
+    return jobs
+
+
 def tensor_checksums(manifest: Manifest, replica_address: int) -> list[str]:
-    """Per tensor, in manifest order, the hash ``manifest.checksum`` names, over the replica's bytes."""
-    return [tensor_checksum(manifest.checksum, a, n) for a, n in tensor_ranges(manifest, replica_address)]
+    """:func:`tensor_jobs`, run here."""
+    return [job() for job in tensor_jobs(manifest, replica_address)]
+
+
+def _dequantized_checksum(
+    scheme: str, weight_at: tuple[int, int, tuple[int, ...]], scale_at: tuple[int, int, tuple[int, ...]]
+) -> str:
+    weight = _typed(weight_at[0], weight_at[1], torch.float8_e4m3fn, weight_at[2])
+    scale = _typed(scale_at[0], scale_at[1], torch.float32, scale_at[2])
+    return TENSOR_HASHES[scheme](dequantized_bytes(weight, scale))
+
+
+def _typed(address: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A copy of ``nbytes`` at ``address`` as a ``dtype`` tensor of ``shape`` (replica offsets need not be aligned)."""
+    return torch.frombuffer(bytearray(view(address, nbytes)), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def target_checksum(bucket: Bucket) -> str:

@@ -262,6 +262,11 @@ class EngineReplica(ApiModel):
     rank: int = Field(ge=0, description="The TP rank it is built for (ranks of one shape hold different bytes).")
     ep: int = Field(default=1, ge=1)
     feeds: tuple[Feed, ...] = Field(min_length=1)
+    kept: tuple[str, ...] = Field(
+        default=(),
+        description="Parameters no checkpoint tensor writes: the engine keeps its own values, as in its own load; "
+        "not in the replica, never written.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -25,6 +25,8 @@ import torch
 FP8_MAX = 448.0
 #: The published checkpoints' block.
 BLOCK = (128, 128)
+#: A block-quantized weight's scale in the checkpoint and in the engine: ``<weight name>_scale_inv``.
+SCALE_SUFFIX = "_scale_inv"
 
 
 def fp8_block(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from weightsync_agent.layout.manifest import (
     Region,
     TensorEntry,
 )
+from weightsync_agent.layout.quantize import SCALE_SUFFIX
 from weightsync_agent.layout.traced_manifest import TraceRefusedError, published_entry
 
 
@@ -52,8 +53,9 @@ def assemble(
             f"rank {rank}: neither the trace nor an engine replica can sync {len(refused)} parameter(s): {listed}{more}"
         )
     entries = {str(t["name"]): t for t in layout.get("tensors") or []}
-    published = set(weights_info)
-    if published != set(entries):
+    kept = {str(name) for name in layout.get("kept") or []}
+    published = set(weights_info) - kept
+    if published != set(entries) or not kept <= set(weights_info):
         raise ManifestError(
             f"rank {rank}: the engine publishes {sorted(published - set(entries))[:5]} which its engine replica "
             f"lacks, and the replica has {sorted(set(entries) - published)[:5]} which the engine does not publish: "
@@ -85,6 +87,7 @@ def assemble(
                 "rank": rank,
                 "ep": int(layout.get("ep_size") or 1),
                 "feeds": quantized_feeds(layout["feeds"], layout.get("quantization"), rank),
+                "kept": sorted(kept),
             }
         )
         return Manifest(
@@ -100,10 +103,6 @@ def assemble(
         if isinstance(exc, ManifestError):
             raise
         raise ManifestError(f"rank {rank}: the engine-replica layout is not usable: {exc}") from exc
-
-
-#: The suffix of a block-quantized weight's scale in DeepSeek-V3 / Kimi-K2 FP8 checkpoints.
-SCALE_SUFFIX = "_scale_inv"
 
 
 def quantized_feeds(feeds: Sequence[Mapping[str, Any]], quantization: Any, rank: int) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ from typing import Literal, Protocol
 
 from weightsync.plan import Plan, Target
 from weightsync_agent.layout.buckets import Bucket, plan_buckets
-from weightsync_agent.layout.checksums import source_checksum, tensor_checksum, tensor_ranges
+from weightsync_agent.layout.checksums import source_checksum, tensor_jobs
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.source.replica import IncompleteReplicaError, Replica, ReplicaBusyError, ReplicaSet
 from weightsync_agent.source.report import SourceReport, Throughput
@@ -524,8 +524,7 @@ class _Run:
             if manifest.checksum != "bucket-xxh3":  # the engine's own hash, one job per tensor
                 layout = (fingerprint, manifest.checksum)
                 if layout not in self._tensor_hashing:
-                    ranges = tensor_ranges(manifest, address)
-                    self._tensor_hashing[layout] = [pool.submit(tensor_checksum, layout[1], a, n) for a, n in ranges]
+                    self._tensor_hashing[layout] = [pool.submit(job) for job in tensor_jobs(manifest, address)]
                 continue
             for bucket in self.source.buckets[target]:
                 self._checksum_job(target, bucket, address)
@@ -575,8 +574,7 @@ class _Run:
                 layout = (self.result.targets[target].fingerprint, manifest.checksum)
                 if layout not in self._tensor_hashing:
                     pool = self.source.hash_pool()
-                    ranges = tensor_ranges(manifest, address)
-                    self._tensor_hashing[layout] = [pool.submit(tensor_checksum, layout[1], a, n) for a, n in ranges]
+                    self._tensor_hashing[layout] = [pool.submit(job) for job in tensor_jobs(manifest, address)]
                 continue
             for bucket in self.source.buckets[target][: self._next[target]]:
                 self._checksum_job(target, bucket, address, until)

@@ -34,8 +34,9 @@ LOADER = "sglang.srt.model_loader.loader"
 
 def build(sg: types.SimpleNamespace, model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> Any:
     """SGLang's model class for TP rank ``rank`` of ``tp`` (``--ep-size ep``) on CPU, as the trace builds it (its
-    workarounds)."""
-    model, _ = trace_model.build_model(sg, model_dir, tp, rank, dtype, Workarounds(), ep=ep)
+    workarounds); a quantized checkpoint's with its quantization config (an FP8 checkpoint's FP8 weights and
+    ``weight_scale_inv``)."""
+    model, _ = trace_model.build_model(sg, model_dir, tp, rank, dtype, Workarounds(), ep=ep, quantized=True)
     return model
 
 

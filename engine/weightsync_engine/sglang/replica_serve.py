@@ -7,7 +7,8 @@ Run with the ENGINE's Python through the engine root's entry point (``trace.py``
 
 ``--replica-layout`` (the engine pod's agent, where the trace refused a rank): runs :func:`replica_model.check` for
 the rank with the checkpoint's own values as the engine's and a seeded perturbation of them as the round's, and
-prints one JSON object: ``tensors`` (the loader layout: every parameter in ``named_parameters()`` order), ``feeds``
+prints one JSON object: ``tensors`` (the loader layout: every parameter in ``named_parameters()`` order but those
+no checkpoint tensor writes, listed in ``kept``: the engine keeps its own values there, as in its own load), ``feeds``
 (the HF tensors ``load_weights`` takes, in checkpoint order, in the engine's dtype), ``refused`` (every parameter,
 buffer or attribute the path cannot bring to the engine's own load's bytes, with the reason: never synced) and
 ``rederived`` (what SGLang's end of session re-derives, for the docs and the status).
@@ -102,11 +103,8 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
     del probe
     old = checkpoint(sg, model_dir, plain)
     found = replica_model.check(sg, model_dir, tp, rank, dtype, old, perturbed(sg, old), ep)
+    kept = set(found["unwritten"])
     refused = [
-        {"name": name, "reason": "no HF tensor writes it: the engine keeps its own values there"}
-        for name in found["unwritten"]
-    ]
-    refused += [
         {
             "name": difference,
             "reason": "differs from SGLang's own load after the session's end: derived in load_weights, which "
@@ -114,7 +112,10 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
         }
         for difference in found["differences"]
     ]
-    tensors = [{k: entry[k] for k in ("name", "dtype", "shape", "nbytes")} for entry in found["layout"]]
+    # A parameter no checkpoint tensor writes (an FP8 model's KV-cache k_scale/v_scale) keeps the engine's own values,
+    # as it does in SGLang's own load of the checkpoint: it is not in the replica and never written.
+    fields = ("name", "dtype", "shape", "nbytes")
+    tensors = [{k: entry[k] for k in fields} for entry in found["layout"] if entry["name"] not in kept]
     feeds = [{"name": n, "dtype": core.dtype_name(t.dtype), "shape": list(t.shape)} for n, t in old.items()]
     return {
         "sglang": sg.version,
@@ -126,6 +127,7 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
         "tensors": tensors,
         "feeds": feeds,
         "refused": refused,
+        "kept": sorted(kept),
         "rederived": sorted({d.split(":")[0] for d in found["before_end"]}),
         "seconds": round(time.monotonic() - started, 2),
     }
@@ -147,7 +149,8 @@ class Loader:
             self.sg, Path(spec["model"]), int(spec["tp"]), int(spec["rank"]), str(spec["dtype"]), int(spec["ep"])
         )
         given = [(str(name), int(offset)) for name, offset in request["tensors"]]
-        params = list(model.named_parameters())
+        kept = {str(name) for name in spec.get("kept", ())}
+        params = [(n, p) for n, p in model.named_parameters() if n not in kept]
         if [name for name, _ in given] != [name for name, _ in params]:
             have, want = [n for n, _ in params], [n for n, _ in given]
             extra, lacking = sorted(set(want) - set(have))[:5], sorted(set(have) - set(want))[:5]

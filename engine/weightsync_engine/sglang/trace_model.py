@@ -94,6 +94,7 @@ def import_sglang() -> types.SimpleNamespace:
         ModelConfig=m["model_config"].ModelConfig,
         LoadConfig=m["load_config"].LoadConfig,
         initialize_model=m["loader"]._initialize_model,
+        quantization_config=m["loader"]._get_quantization_config,
         set_default_torch_dtype=m["loader_utils"].set_default_torch_dtype,
         Derived=m["arg_utils"].Derived,
         Parallel=m["parallel_fields"].Parallel,
@@ -224,12 +225,14 @@ def build_model(
     layers: int | None = None,
     device: str = "cpu",
     ep: int = 1,
+    quantized: bool = False,
 ) -> tuple[Any, Any]:
     """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig).
 
     ``layers`` overrides ``num_hidden_layers`` (SGLang's own ``json_model_override_args``); ``device="meta"``
     builds names, shapes and dtypes without memory; ``ep`` is SGLang's ``--ep-size`` (experts split over ``ep``
-    of the ``tp`` ranks, as SGLang publishes the MoE groups from it)."""
+    of the ``tp`` ranks, as SGLang publishes the MoE groups from it); ``quantized``: build a quantized checkpoint's
+    model with its quantization config, as SGLang's loader does (the engine replica; the trace refuses them)."""
     torch = sg.torch
     sg.reset_context()
     override = json.dumps({"num_hidden_layers": layers}) if layers is not None else "{}"
@@ -246,11 +249,12 @@ def build_model(
     sg.initialize_dp_attention_flags(args)
     fake_parallel_groups(sg, tp, rank, workarounds)
     config = sg.ModelConfig.from_server_args(args)
-    if config.quantization:
+    if config.quantization and not quantized:
         raise TraceError(f"quantized checkpoints ({config.quantization}) are not traced yet")
     load_config = sg.LoadConfig(load_format="dummy")
+    quant_config = sg.quantization_config(config, load_config) if config.quantization else None
     with vllm_placeholder(workarounds), sg.set_default_torch_dtype(config.dtype), torch.device(device):
-        model = sg.initialize_model(config, load_config, None)
+        model = sg.initialize_model(config, load_config, quant_config)
     _finish_vllm_note(model, workarounds)
     _finish_groups_note(workarounds)
     if getattr(model, "secondary_weights", ()):
@@ -263,6 +267,17 @@ def run(model_dir: Path, tp: int, rank: int, dtype: str, reduce_layers: bool = T
     sources = read_checkpoint(model_dir)
     sg = import_sglang()
     imported = time.monotonic()
+    quantization = (json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}).get(
+        "quant_method"
+    )
+    if quantization:
+        # Its weights are not cuts of the trainer's tensors: refused as a whole, so that an engine replica (which
+        # quantizes as the checkpoint does) takes the rank.
+        reason = f"a quantized checkpoint ({quantization}): its weights are not cuts of the trainer's tensors"
+        traced = {"tensors": [], "refused": [{"name": "(every parameter)", "reason": reason}],
+                  "seconds": {"build": 0.0, "trace": 0.0}}  # fmt: skip
+        return core.run_output("sglang_version", sg.version, tp, rank, traced, Workarounds(), started=started,
+                               imported=imported)  # fmt: skip
     workarounds = Workarounds()
 
     def build(build_dtype: str, layers: int | None, device: str) -> tuple[Any, str]:

@@ -7,24 +7,32 @@ engine-replica manifest; the source's agent runs SGLang's loader over what the t
 into SGLang's live weights over Mooncake. Checked: the manifest's path per parameter, SGLang's own
 ``/weights_checker`` (the round's verification), the version, and greedy generation against an HF ``transformers``
 forward of the trainer's weights (which is right only if SGLang's end of session re-derived ``w_kc``/``w_vc``).
+
+And the same model as an FP8 block checkpoint (DeepSeek-V3's and Kimi-K2's rollout format) from a BF16 trainer: the
+source quantizes the trainer's tensors into the checkpoint's format and SGLang's loader takes them; verified by
+SGLang's ``/weights_checker`` (on this CPU, SGLang has no FP8 kernel to generate with: docs/engines/engine-replicas.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
+from weightsync_agent.layout.checksums import dequantized_bytes
+from weightsync_agent.layout.quantize import fp8_block
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing import sglang_cpu
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
+from weightsync_testing.sglang_models import ensure_fp8_model, hf_greedy, trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
 
 pytest.importorskip("safetensors.torch")
@@ -103,3 +111,57 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
     assert sglang_cpu.ABSORBED_MLA in server.workarounds
     used = {e["workaround"] for e in server.workaround_events() if e["event"] == "used"}
     assert sglang_cpu.ABSORBED_MLA in used
+
+
+@pytest.fixture(scope="module")
+def fp8_group(
+    sglang_py: Path, tiny_deepseek_v3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LoopbackGroup]:
+    """The same model served as an FP8 block checkpoint. SGLang on a CPU without AMX loads and post-processes FP8
+    weights but has no kernel to compute with them (its FP8 GEMM is Triton's, which needs a GPU driver): the server
+    never runs a forward here (no warm-up, ready without /health), and rounds need none."""
+    fp8 = ensure_fp8_model(tiny_deepseek_v3)
+    logs = tmp_path_factory.mktemp("sglang-dsv3-fp8")
+    engines = SglangEngines(fp8, python=str(sglang_py), dtype="bfloat16", log_dir=logs, no_forward=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))
+        with LoopbackGroup(spec(), group="sg-dsv3-fp8", engines=engines) as running:
+            running.start(timeout=300)
+            yield running
+
+
+def test_bf16_trainer_tensors_sync_into_an_fp8_block_target_quantized_on_the_source(
+    fp8_group: LoopbackGroup, tiny_deepseek_v3: Path
+) -> None:
+    """A BF16 trainer stages its tensors; the source quantizes them as the target's checkpoint stores them (FP8 e4m3
+    weights, float32 ``weight_scale_inv`` per block) into the engine replica's feed, SGLang's loader fuses them, and
+    the round lands: SGLang's own /weights_checker verified every FP8 weight and scale before the commit."""
+    manifest = fp8_group.manifest(0)
+    assert manifest.replica is not None
+    quantized = {f.name: f for f in manifest.replica.feeds if f.quantize == "fp8-block"}
+    assert (
+        quantized["model.layers.1.self_attn.o_proj.weight"].scale == "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    )
+    assert "model.embed_tokens.weight" not in quantized and "model.layers.1.mlp.gate.weight" not in quantized
+    by_name = manifest.by_name()
+    assert by_name["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"].dtype == "float8_e4m3fn"
+    assert by_name["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight_scale_inv"].dtype == "float32"
+    # The KV-cache scales no checkpoint writes stay SGLang's own, as in its own load.
+    assert "model.layers.0.self_attn.attn_mqa.k_scale" in manifest.replica.kept
+    engine = fp8_group.engines[0].client(timeout=60)
+    with fp8_group.clients() as clients:
+        for version in (1, 2):
+            bf16 = {name: t.to(torch.bfloat16) for name, t in trained_state(tiny_deepseek_v3, version).items()}
+            outcomes = publish_all(clients, bf16, version)
+            reasons = [getattr(getattr(o, "round", None), "reason", str(o)) for o in outcomes]
+            assert all(getattr(o, "ok", False) for o in outcomes), reasons
+            assert engine.weight_version() == str(version)
+    # Independently of the round's own verification: what SGLang holds is weightsync's quantization of the trainer's
+    # last tensors. SGLang's checker hashes an FP8 weight with its scale, dequantized to bfloat16 (the scale gets no
+    # checksum of its own); this weight is one SGLang's end of session leaves as loaded.
+    _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
+    held = answer["ranks"][0]["checksums"]
+    name = "model.layers.1.self_attn.o_proj.weight"
+    weight, scale = fp8_block(bf16[name], (16, 16))
+    assert held[name] == hashlib.sha256(dequantized_bytes(weight, scale)).digest()[:8].hex()
+    assert f"{name}_scale_inv" not in held

@@ -140,3 +140,13 @@ def test_a_quantized_format_weightsync_cannot_make_is_refused(
 ) -> None:
     with pytest.raises(ManifestError, match=message):
         build(feeds=feeds, quantization=quantization)
+
+
+def test_parameters_no_checkpoint_tensor_writes_are_kept_by_the_engine_and_never_written() -> None:
+    """An FP8 model's KV-cache ``k_scale``: the engine publishes it, its own load leaves it at its own value."""
+    published = {**PUBLISHED, "attn.k_scale": [1 << 22, 1, 4]}
+    manifest = assemble(0, 1, layout(kept=["attn.k_scale"]), "s:9", published, checksum="tensor-sha256-8", model="/m")
+    assert "attn.k_scale" not in {t.name for t in manifest.tensors}
+    assert manifest.replica is not None and manifest.replica.kept == ("attn.k_scale",)
+    with pytest.raises(ManifestError, match="which its engine replica lacks"):  # kept by no one: not a kept name
+        assemble(0, 1, layout(), "s:9", published, checksum="tensor-sha256-8", model="/m")

@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 from weightsync.api.engines import ENGINE_KINDS, Capabilities
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout import replica_manifest
+from weightsync_agent.layout.checksums import COMPARED_WITH_WEIGHT
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.targets.adapter import (
     AdapterSettings,
@@ -187,8 +188,12 @@ class SglangAdapter:
         held = self._sums.for_rank(version, rank, lambda: self._engine_checksums(timeout)).get(rank)
         if held is None:
             return TargetVerdict(ok=False, error=f"/weights_checker answered no checksums for TP rank {rank}")
-        mismatched = [i for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
-                      if held.get(t.name) != want]  # fmt: skip
+        # A block-FP8 weight's scale has no checksum of its own (SGLang compares it through its weight).
+        mismatched = [
+            i
+            for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
+            if held.get(t.name) != want and not (want == COMPARED_WITH_WEIGHT and t.name not in held)
+        ]
         if mismatched:
             names = [manifest.tensors[i].name for i in mismatched[:5]]
             return TargetVerdict(ok=False, mismatched=mismatched, error=f"parameters {names} differ")
