@@ -86,25 +86,22 @@ TINY: dict[str, Any] = {
     "d_model": 128,
     "rotary_dim": 16,
 }
-#: Per model type, what its tiny config also needs to build on CPU (SGLang's CPU rope for MLA asserts YaRN scaling).
+
+
+def _sibling(name: str) -> Any:
+    """A module beside this file, loaded by path: the engine venv runs this file with no weightsync installed."""
+    spec = importlib.util.spec_from_file_location(f"_weightsync_{name}", Path(__file__).with_name(f"{name}.py"))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{name}.py is not beside {__file__}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_DEEPSEEK_CONFIG: dict[str, Any] = _sibling("sglang_models").DEEPSEEK_CONFIG
+#: Per model type, what its tiny config also needs to build on CPU.
 FAMILY: dict[str, dict[str, Any]] = {
-    model_type: {
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 128,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        # What DeepSeek's own config class (remote code) carries and transformers' port lacks.
-        "moe_layer_freq": 1,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "ep_size": 1,
-    }
-    for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+    model_type: dict(_DEEPSEEK_CONFIG) for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 }
 # DeepSeek-V2 routes as its checkpoints' configs say (no aux-loss-free bias, which V3 introduced).
 FAMILY["deepseek_v2"] |= {"topk_method": "group_limited_greedy", "scoring_func": "softmax"}

@@ -67,6 +67,24 @@ MOE_SHAPE: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
 }
+#: What a DeepSeek config needs to build on CPU beside its shape: YaRN rope scaling (SGLang's CPU rope for MLA asserts
+#: it), and what DeepSeek's own config class (remote code) carries, transformers' port lacks, and SGLang reads. The
+#: coverage survey's tiny configs use it too (sglang_coverage.FAMILY).
+DEEPSEEK_CONFIG: dict[str, Any] = {
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "ep_size": 1,
+}
 # deepseek_v3: Kimi-K2's architecture shrunk: MLA with q-LoRA (q_lora_rank 64, kv_lora_rank 32, rope 16 + nope 16,
 # v 16), layer 0 dense, layer 1 a MoE of 4 routed experts (MLP 64, 2 per token, aux-loss-free sigmoid routing with
 # its e_score_correction_bias) and 1 shared expert; YaRN rope scaling (SGLang's CPU MLA rope asserts it).
@@ -86,20 +104,7 @@ DEEPSEEK_V3_SHAPE: dict[str, Any] = {
     "topk_group": 1,
     "routed_scaling_factor": 2.5,
     "norm_topk_prob": True,
-    # What DeepSeek's own config class (remote code) carries, transformers' port lacks, and SGLang reads.
-    "moe_layer_freq": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "ep_size": 1,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 128,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    **DEEPSEEK_CONFIG,
 }
 # Random weights drawn with this std (HF's default 0.02 gives near-uniform logits, so greedy argmax would
 # hinge on rounding noise; 0.25 keeps the top logit well separated while staying far from overflow).
