@@ -28,7 +28,7 @@ from weightsync_agent.layout.manifest import (
     TensorEntry,
 )
 from weightsync_agent.layout.quantize import SCALE_SUFFIX
-from weightsync_agent.layout.traced_manifest import TraceRefusedError, published_entry
+from weightsync_agent.layout.traced_manifest import check_refused, published_entry
 
 
 def assemble(
@@ -45,13 +45,7 @@ def assemble(
     """Rank ``rank``'s manifest from its engine-replica ``layout`` and what the engine published (``weights_info``:
     per parameter ``[address, numel, element_size]``); ``model``: the model directory the engine loaded (a source
     builds the engine replica from its config). Raises ManifestError, TraceRefusedError if the layout refused."""
-    refused = layout.get("refused") or []
-    if refused:
-        listed = "; ".join(f"{r['name']}: {r['reason']}" for r in refused[:5])
-        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
-        raise TraceRefusedError(
-            f"rank {rank}: neither the trace nor an engine replica can sync {len(refused)} parameter(s): {listed}{more}"
-        )
+    check_refused(layout, f"rank {rank}: neither the trace nor an engine replica can sync {{count}} parameter(s)")
     entries = {str(t["name"]): t for t in layout.get("tensors") or []}
     kept = {str(name) for name in layout.get("kept") or []}
     published = set(weights_info) - kept

@@ -34,11 +34,7 @@ def assemble(
 ) -> Manifest:
     """Rank ``rank``'s manifest from its trace and what the engine published (``weights_info``: per parameter
     ``[address, numel, element_size]``); ``checksum``: what the engine verifies with. Raises ManifestError."""
-    refused = trace.get("refused") or []
-    if refused:
-        listed = "; ".join(f"{r['name']}: {r['reason']}" for r in refused[:5])
-        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
-        raise TraceRefusedError(f"rank {rank}: {len(refused)} parameter(s) cannot be synced: {listed}{more}")
+    check_refused(trace, f"rank {rank}: {{count}} parameter(s) cannot be synced")
     traced = {str(t["name"]): t for t in trace.get("tensors") or []}
     published = set(weights_info)
     unwritten = sorted(published - set(traced))
@@ -92,6 +88,16 @@ def assemble(
         )
     except ValidationError as exc:
         raise ManifestError(f"rank {rank}: {exc}") from exc
+
+
+def check_refused(found: Mapping[str, Any], what: str) -> None:
+    """TraceRefusedError if ``found`` (a trace, an engine-replica layout) refused anything: ``what`` (its ``{count}``
+    filled in), then the first five refusals, each with its reason."""
+    refused = found.get("refused") or []
+    if refused:
+        listed = "; ".join(f"{r['name']}: {r['reason']}" for r in refused[:5])
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        raise TraceRefusedError(f"{what.format(count=len(refused))}: {listed}{more}")
 
 
 def published_entry(entry: Any, name: str, rank: int) -> tuple[int, int, int]:
