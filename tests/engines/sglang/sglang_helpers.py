@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_testing.sglang_models import hf_greedy, with_weights
 from weightsync_testing.sglang_server import SglangProcess, launch_sglang
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -76,3 +78,22 @@ def generate(server: SglangProcess, prompts: list[list[int]], max_new_tokens: in
     assert status == 200, answer
     assert isinstance(answer, list) and len(answer) == len(prompts)
     return answer
+
+
+#: Prompts (token ids) and length of the greedy generations the round tests compare with an HF forward.
+ROUND_PROMPTS = [[1, 17, 42, 99, 250, 7], [3, 300, 12, 5]]
+ROUND_TOKENS = 8
+
+
+def assert_generates_like_hf(
+    engine: EngineClient, python: Path, model_dir: Path, weights: dict[str, Any], version: int, scratch: Path
+) -> None:
+    """The engine, labelled ``version``, decodes :data:`ROUND_PROMPTS` greedily as HF ``transformers`` does with
+    ``weights`` in ``model_dir``'s architecture (the reference runs in the engine's venv)."""
+    reference = hf_greedy(python, with_weights(model_dir, weights, scratch / f"v{version}"), ROUND_PROMPTS,
+                          ROUND_TOKENS)  # fmt: skip
+    for prompt, expected in zip(ROUND_PROMPTS, reference, strict=True):
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": ROUND_TOKENS, "temperature": 0.0}}
+        _, answer = engine.request("POST", "/generate", body=body, timeout=60)
+        assert str(answer["meta_info"]["weight_version"]) == str(version)
+        assert [int(i) for i in answer["output_ids"]] == expected["output_ids"], (prompt, expected.get("margins"))

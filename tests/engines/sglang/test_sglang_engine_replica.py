@@ -22,24 +22,22 @@ from typing import Any
 
 import pytest
 import torch
+from sglang_helpers import assert_generates_like_hf
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.layout.checksums import dequantized_bytes
 from weightsync_agent.layout.quantize import fp8_block
 from weightsync_agent.rounds.remote import AgentClient
-from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing import sglang_cpu
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import ensure_fp8_model, hf_greedy, trained_state, with_weights
+from weightsync_testing.sglang_models import ensure_fp8_model, trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
 pytest.importorskip("safetensors.torch")
 
 TEMPLATE: dict[str, Any] = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
-PROMPTS = [[1, 17, 42, 99, 250, 7], [3, 300, 12, 5]]
-NEW_TOKENS = 8
 
 
 def spec() -> WeightSyncGroupSpec:
@@ -73,12 +71,6 @@ def group(sglang_py: Path, harness: SglangEngines) -> Iterator[LoopbackGroup]:
             yield running
 
 
-def generate(client: EngineClient, prompt: list[int]) -> tuple[list[int], str]:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}}
-    _, answer = client.request("POST", "/generate", body=body, timeout=60)
-    return [int(i) for i in answer["output_ids"]], str(answer["meta_info"]["weight_version"])
-
-
 def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_hf(
     group: LoopbackGroup, harness: SglangEngines, sglang_py: Path, tiny_deepseek_v3: Path, tmp_path: Path
 ) -> None:
@@ -100,12 +92,7 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
             assert loader["loaded"] is False  # the version is committed: the next one loads again
             if version == 2:
                 continue  # the first round proved the engine re-derives MLA's w_kc/w_vc; this one the reload
-            reference = hf_greedy(sglang_py, with_weights(tiny_deepseek_v3, full, tmp_path / f"v{version}"),
-                                  PROMPTS, NEW_TOKENS)  # fmt: skip
-            for prompt, expected in zip(PROMPTS, reference, strict=True):
-                tokens, label = generate(engine, prompt)
-                assert label == str(version)
-                assert tokens == expected["output_ids"], (prompt, expected.get("margins"))
+            assert_generates_like_hf(engine, sglang_py, tiny_deepseek_v3, full, version, tmp_path)
     # The CPU server attended in SGLang's absorbed MLA form (a gated workaround: docs/engines/sglang-testing.md).
     server = harness.servers[0]
     assert sglang_cpu.ABSORBED_MLA in server.workarounds

@@ -19,19 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sglang_helpers import assert_generates_like_hf
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import trained_state, with_weights
+from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
 pytest.importorskip("safetensors.torch")
 
 TEMPLATE: dict[str, Any] = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
-PROMPTS = [[1, 17, 42, 99, 250, 7], [3, 300, 12, 5]]
-NEW_TOKENS = 8
 
 
 @pytest.fixture
@@ -60,12 +58,6 @@ def spec(tp: int, engines: int = 1, trainers: int = 2, timeout: int = 60) -> Wei
     )
 
 
-def generate(client: EngineClient, prompt: list[int]) -> tuple[list[int], str]:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}}
-    _, answer = client.request("POST", "/generate", body=body, timeout=60)
-    return [int(i) for i in answer["output_ids"]], str(answer["meta_info"]["weight_version"])
-
-
 @pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
 def group(
     request: pytest.FixtureRequest, engine_python: str, model_dir: Path, tmp_path: Path
@@ -79,8 +71,6 @@ def group(
 def test_live_rounds_into_stock_sglang_verify_and_generate_like_hf(
     group: LoopbackGroup, engine_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
-    from weightsync_testing.sglang_models import hf_greedy
-
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=60)
     try:
@@ -103,12 +93,7 @@ def test_live_rounds_into_stock_sglang_verify_and_generate_like_hf(
                 want = hashlib.sha256(shard.contiguous().numpy().tobytes()).digest()[:8].hex()
                 assert held[(rank, "model.embed_tokens.weight")] == want, rank
 
-            reference = hf_greedy(engine_python, with_weights(model_dir, full, tmp_path / f"v{version}"),
-                                  PROMPTS, NEW_TOKENS)  # fmt: skip
-            for prompt, expected in zip(PROMPTS, reference, strict=True):
-                tokens, label = generate(engine, prompt)
-                assert label == str(version)
-                assert tokens == expected["output_ids"], (prompt, expected.get("margins"))
+            assert_generates_like_hf(engine, Path(engine_python), model_dir, full, version, tmp_path)
     finally:
         for client in clients:
             client.close()
