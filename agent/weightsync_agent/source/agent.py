@@ -37,6 +37,8 @@ ManifestFetcher = Callable[[int, int], Manifest]  # (engine, rank) -> manifest
 
 #: A regular round over every engine, whatever plan the source runs.
 ALL = RoundScope()
+#: How long a source waits before it starts an engine replica's loader again after one failed to start.
+LOADER_RETRY_SECONDS = 60.0
 
 
 class SourceAgent:
@@ -62,6 +64,9 @@ class SourceAgent:
         self.replicas: dict[int, ReplicaSet] = {}
         #: Per rank, the loader of each engine replica among its replicas (source/engine_loader.py).
         self.loaders: dict[int, list[EngineLoader]] = {}
+        #: An engine replica whose loader failed to start (fingerprint -> when, why): not tried again for
+        #: LOADER_RETRY_SECONDS (each try imports the engine and builds its model).
+        self._loader_failed: dict[str, tuple[float, str]] = {}
         self.held: dict[int, int | None] = dict.fromkeys(self.ranks)  # committed version the replica holds
         self.ready_version: dict[int, int] = {}
         #: The round each rank last prepared (the coordinator's round id): a publish naming another is refused.
@@ -98,6 +103,11 @@ class SourceAgent:
         if old is not None:
             self._drop_replicas(rank)
         self.held[rank] = None
+        for fingerprint in fingerprints & set(self._loader_failed):
+            failed_at, why = self._loader_failed[fingerprint]
+            wait = LOADER_RETRY_SECONDS - (time.monotonic() - failed_at)
+            if wait > 0:
+                raise ReplicaError(f"{why} (tried again in {wait:.0f} s)")
         replicas = ReplicaSet.for_manifests(
             layouts, shm_dir=self.replica_root(rank), pin=self.pin, digest_grain=digest_grain
         )
@@ -106,7 +116,12 @@ class SourceAgent:
         try:
             for replica in replicas:
                 if replica.layout.replica is not None:
-                    loaders.append(EngineLoader(replica, replicas.feed_for(replica)))
+                    try:
+                        loaders.append(EngineLoader(replica, replicas.feed_for(replica)))
+                    except ReplicaError as exc:
+                        self._loader_failed[replica.fingerprint] = (time.monotonic(), str(exc))
+                        raise
+                    self._loader_failed.pop(replica.fingerprint, None)
         except BaseException:
             for loader in loaders:
                 loader.close()

@@ -43,12 +43,22 @@ class EngineLoader:
         self._answers: queue.Queue[str | None] = queue.Queue()
         self._lock = threading.Lock()
         command = [engine_python(), str(trace_script()), str(spec["engine"]), "--replica-serve"]
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
-        )
+        try:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+            )
+        except OSError as exc:
+            raise ReplicaError(f"{self.name}: cannot start the engine's Python {command[0]}: {exc}") from exc
         self._stderr: list[str] = []
         threading.Thread(target=self._read, args=(self.process.stdout, self._answers), daemon=True).start()
         threading.Thread(target=self._drain, daemon=True).start()
+        try:
+            self._start(replica, feed, spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, replica: Replica, feed: Replica, spec: dict[str, Any]) -> None:
         self._answer(START_SECONDS)  # the engine imported
         self._call(
             {

@@ -9,7 +9,9 @@ import pytest
 import torch
 import xxhash
 
+from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.layout.replica_manifest import assemble
+from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.replica import FEED_SUFFIX, REPLICA_SUFFIX, ReplicaError, ReplicaLayout, ReplicaSet
 
 FUSED = "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"
@@ -106,3 +108,17 @@ def test_a_bf16_weight_staged_into_an_fp8_feed_is_quantized_with_its_scale(tmp_p
     finally:
         trainer.close()
         sidecar.close(unlink=True)
+
+
+def test_a_loader_that_cannot_start_is_named_and_not_started_again_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each start imports the engine and builds its model: after a failure the source waits before the next try,
+    and leaves no replica files behind."""
+    monkeypatch.setenv(ENV_ENGINE_PYTHON, str(tmp_path / "no-such-python"))
+    sources = SourceAgent("g", [0], make_transport=lambda: None, replica_root=lambda r: tmp_path / f"rank{r}")  # type: ignore[arg-type,return-value]
+    with pytest.raises(ReplicaError, match=r"cannot start the engine's Python .*no-such-python"):
+        sources.replica_set(0, [MANIFEST])
+    with pytest.raises(ReplicaError, match=r"cannot start the engine's Python .* \(tried again in \d+ s\)"):
+        sources.replica_set(0, [MANIFEST])
+    assert not list((tmp_path / "rank0").glob("*")) and 0 not in sources.replicas
