@@ -67,6 +67,9 @@ Recall = Callable[[], int | None]  # the committed version this coordinator's po
 #: for the round their rank 0 runs ask within seconds); older ones are forgotten, so a training run of a million
 #: rounds holds 64 results, not a million.
 HISTORY = 64
+#: How long a trainer rank's ask waits for a retry of its version before a failed round that finished before the ask
+#: is its answer (``Coordinator.wait``): every rank asks at about the same time, rank 0's among them.
+RETRY_GRACE_SECONDS = 5.0
 
 #: Engines asked for their version per catch-up tick although nothing says they are behind (in turn, so each is
 #: asked every ``engines / SWEEP_PER_TICK`` ticks): catches an engine restarted with no agent to report it.
@@ -143,6 +146,10 @@ class Coordinator:
         #: Engine version asks (``held_version`` calls) since start: what catching up costs the engines.
         self.asked = 0
         self._round = threading.Lock()
+        #: The version of the regular round in progress (None: none), and when each kept result finished (this
+        #: process's clock): what tells a rank's ask that a retry of its version is coming.
+        self._running: int | None = None
+        self._finished_at: dict[int, float] = {}
         self._cond = threading.Condition()
 
     # --- Rounds ----------------------------------------------------------------------------------
@@ -150,47 +157,58 @@ class Coordinator:
     def run_round(self, version: int) -> RoundResult:
         """Sync ``version`` to every engine (trainer rank 0 calls this through its publish)."""
         with self._round:
-            if self.committed is not None and version <= self.committed:
-                return self._finish(
-                    self._refused(version, f"version {version} is not newer than committed {self.committed}"),
-                    "regular",
-                )
-            plan = self.own_sources.plan
-            if plan is None:
-                return self._finish(self._refused(version, "the sources are not built yet"), "regular")
-            refused = refusal(plan.layout.adapter, plan.transfer.request)
-            if refused is not None:
-                return self._finish(self._refused(version, refused.message), "regular")
-            unknown = self._recover(plan)
-            if unknown is not None:
-                return self._finish(self._refused(version, unknown), "regular")
-            if self.committed is not None and version <= self.committed:  # learnt just now from the engines
-                return self._finish(
-                    self._refused(version, f"version {version} is not newer than committed {self.committed}"),
-                    "regular",
-                )
-            mode = self._mode_for(plan)
-            self._agents = {}
-            round_id = new_round_id()
+            with self._cond:
+                self._running = version
             try:
-                engines = self.engines(plan, range(plan.layout.engines))
-                scope = RoundScope.of(plan.hash, round_id=round_id)
-                sources = mode.round_sources(self, plan, engines, scope)
-                driver = self._driver(mode.round_plan(plan), engines, sources, None)
-            except NOT_STARTED as exc:
-                return self._finish(self._refused(version, str(exc)), "regular")
-            try:
-                result = driver.run(version, round_id)
+                return self._run_round(version)
             finally:
-                driver.close()
-            if result.committed:  # also a round whose resume failed: every engine holds v
-                self.committed = version
-                mode.committed(self, plan, version)
-                self._learnt(range(plan.layout.engines), str(version))
-            else:
-                mode.failed()
-                self._doubt(range(plan.layout.engines))
-            return self._finish(result, "regular")
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def _run_round(self, version: int) -> RoundResult:
+        """:meth:`run_round`'s round, under its lock."""
+        if self.committed is not None and version <= self.committed:
+            return self._finish(
+                self._refused(version, f"version {version} is not newer than committed {self.committed}"),
+                "regular",
+            )
+        plan = self.own_sources.plan
+        if plan is None:
+            return self._finish(self._refused(version, "the sources are not built yet"), "regular")
+        refused = refusal(plan.layout.adapter, plan.transfer.request)
+        if refused is not None:
+            return self._finish(self._refused(version, refused.message), "regular")
+        unknown = self._recover(plan)
+        if unknown is not None:
+            return self._finish(self._refused(version, unknown), "regular")
+        if self.committed is not None and version <= self.committed:  # learnt just now from the engines
+            return self._finish(
+                self._refused(version, f"version {version} is not newer than committed {self.committed}"),
+                "regular",
+            )
+        mode = self._mode_for(plan)
+        self._agents = {}
+        round_id = new_round_id()
+        try:
+            engines = self.engines(plan, range(plan.layout.engines))
+            scope = RoundScope.of(plan.hash, round_id=round_id)
+            sources = mode.round_sources(self, plan, engines, scope)
+            driver = self._driver(mode.round_plan(plan), engines, sources, None)
+        except NOT_STARTED as exc:
+            return self._finish(self._refused(version, str(exc)), "regular")
+        try:
+            result = driver.run(version, round_id)
+        finally:
+            driver.close()
+        if result.committed:  # also a round whose resume failed: every engine holds v
+            self.committed = version
+            mode.committed(self, plan, version)
+            self._learnt(range(plan.layout.engines), str(version))
+        else:
+            mode.failed()
+            self._doubt(range(plan.layout.engines))
+        return self._finish(result, "regular")
 
     def catch_up(self) -> RoundResult | None:
         """Bring engines that answer with another version than the committed one up to it."""
@@ -240,22 +258,33 @@ class Coordinator:
             if engine not in self._held or self._held[engine] != held:
                 self._suspects.add(engine)
 
-    def wait(self, version: int, timeout: float, *, seen: str | None = None) -> RoundResult | None:
-        """The latest result of round ``version``, waiting up to ``timeout`` for one; ``seen``: the id of a round of
-        ``version`` the asker heard about already (a failed round it retries), whose result is not an answer.
+    def wait(
+        self, version: int, timeout: float, *, seen: str | None = None, asked_at: float | None = None
+    ) -> RoundResult | None:
+        """The result of round ``version`` for a trainer rank that asks now, waiting up to ``timeout``; ``seen``: the
+        id of a round of ``version`` the rank heard about already (a failed round it retries), which is no answer;
+        ``asked_at`` (``time.time()`` here, when the ask arrived; default now).
 
-        Round ids, not times: a rank that asks only after rank 0's round failed fast (before it staged) must hear that
-        result, and the coordinator's clock is not the asking pod's."""
+        A failed round that finished before the ask is the answer only if no round of ``version`` runs or starts
+        within :data:`RETRY_GRACE_SECONDS` of it: rank 0's round can fail before another rank even staged (a refusal
+        waits for no rank), and then that failure is the rank's answer; but when every rank retries a failed
+        version, rank 0's new round may start just after another rank asked, and that round is the answer."""
+        asked_at = time.time() if asked_at is None else asked_at
         end = time.monotonic() + timeout
         with self._cond:
             while True:
                 done = self.finished.get(version)
                 if done is not None and (done.round_id != seen or self._final_refusal(version, done)):
-                    return done
+                    fresh = self._finished_at.get(version, 0.0) >= asked_at
+                    settled = done.committed or self._final_refusal(version, done)
+                    idle = self._running != version and time.time() >= asked_at + RETRY_GRACE_SECONDS
+                    if fresh or settled or idle:
+                        return done
                 left = end - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)
+                grace = asked_at + RETRY_GRACE_SECONDS - time.time()
+                self._cond.wait(min(left, grace) if grace > 0 else left)
 
     def _final_refusal(self, version: int, result: RoundResult) -> bool:
         """A refused round of a version not newer than the committed one is final: no round of it runs again, so a
@@ -451,9 +480,11 @@ class Coordinator:
         with self._cond:
             if kind == "regular":
                 self.finished[result.version] = result
+                self._finished_at[result.version] = time.time()
                 self.finished.move_to_end(result.version)
                 while len(self.finished) > HISTORY:
-                    self.finished.popitem(last=False)
+                    gone, _ = self.finished.popitem(last=False)
+                    self._finished_at.pop(gone, None)
             self._cond.notify_all()
         for hook in list(self.on_finish):
             hook()

@@ -26,6 +26,7 @@ from weightsync_agent.http.bounds import MAX_WAITERS, parse_body
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.server import auth_middleware, bounded_app, error_middleware, error_response, json_object
 from weightsync_agent.layout.manifest import ManifestError
+from weightsync_agent.rounds.coordinator import RETRY_GRACE_SECONDS
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import WireError, placements_from_json, round_result_to_json, source_report_to_json
 from weightsync_agent.sidecar.requests import (
@@ -145,11 +146,18 @@ def _round_routes(runtime: AgentRuntime, waiters: Waiters) -> list[web.RouteDef]
         if coordinator is None:
             raise LookupError("this agent is not the coordinator (trainer rank 0's agent is)")
 
+        asked_at = time.time()
+
         def poll() -> RoundResult | None:
-            return coordinator.wait(asked.version, 0.0, seen=asked.seen)
+            return coordinator.wait(asked.version, 0.0, seen=asked.seen, asked_at=asked_at)
 
         try:
-            result = await waiters.wait(poll, asked.poll_seconds)
+            # No pulse marks the end of the retry grace: ask again once it is over (a little after: the event loop's
+            # clock is not time.time()).
+            grace = RETRY_GRACE_SECONDS + 0.1
+            result = await waiters.wait(poll, min(asked.poll_seconds, grace))
+            if result is None and asked.poll_seconds > grace:
+                result = await waiters.wait(poll, asked.poll_seconds - grace)
         except TooManyWaitersError as exc:
             return error_response(429, str(exc))
         return web.json_response({"pending": True} if result is None else round_result_to_json(result))

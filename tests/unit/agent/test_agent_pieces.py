@@ -21,6 +21,7 @@ from weightsync_agent.directory import DirectoryError, FileDirectory, StaticDire
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.server import BackgroundServer
 from weightsync_agent.layout.manifest import Manifest
+from weightsync_agent.rounds import coordinator as coordinator_module
 from weightsync_agent.rounds.coordinator import HISTORY, Coordinator
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import (
@@ -146,18 +147,28 @@ def test_the_coordinator_refuses_versions_that_are_not_newer() -> None:
     assert time.monotonic() - started < 1.0
 
 
-def test_a_rank_hears_a_round_that_failed_before_it_asked_and_a_retry_waits_for_the_next() -> None:
+def test_a_rank_hears_a_round_that_failed_before_it_asked_unless_a_retry_of_it_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Rank 0's round of v1 can fail before rank 1 even staged v1 (a refusal waits for no rank): rank 1 asking
-    afterwards gets that result, not a timeout; asking again (a retry) it waits for the next round of v1."""
+    afterwards gets that result once no retry of v1 came within the grace, not a timeout; when every rank retries,
+    rank 0's new round is the answer, and a rank that heard a result waits for the next round of its version."""
+    monkeypatch.setattr(coordinator_module, "RETRY_GRACE_SECONDS", 0.3)
     coordinator = _coordinator("sglang", staging="staged")  # refused at once: the adapter cannot stage
     first = coordinator.run_round(1)
     assert first.result == "Failed" and first.round_id
-    assert coordinator.wait(1, 0.0) == first  # asked after it finished, on another pod's clock
+    assert coordinator.wait(1, 0.0) is None  # within the grace: a retry may be on its way
+    started = time.monotonic()
+    assert coordinator.wait(1, 10.0) == first  # none came: the failure is the answer
+    assert 0.2 < time.monotonic() - started < 5.0
     assert coordinator.wait(1, 0.2, seen=first.round_id) is None  # a retry does not take the old answer
-    with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(coordinator.wait, 1, 30.0, seen=first.round_id)
+    with ThreadPoolExecutor(2) as pool:
+        fresh_ask = pool.submit(coordinator.wait, 1, 30.0)  # a rank asking just before rank 0 retries
+        retried = pool.submit(coordinator.wait, 1, 30.0, seen=first.round_id)
+        time.sleep(0.05)
         second = coordinator.run_round(1)
-        assert waiting.result(timeout=30) == second and second.round_id != first.round_id
+        assert fresh_ask.result(timeout=30) == second == retried.result(timeout=30)
+        assert second.round_id != first.round_id
 
 
 def test_the_coordinator_keeps_the_last_rounds_only_and_wakes_its_listeners() -> None:
