@@ -197,7 +197,7 @@ class SourceAgent:
                     error = first_buckets_staged(source, gate, deadline)
                     if error is not None:
                         return SourceReport(source=rank, ok=False, error=error)
-        except (SourceConfigError, TimeoutError, ReplicaError) as exc:
+        except (SourceConfigError, TimeoutError, ReplicaError, ReplicaBusyError) as exc:
             return SourceReport(source=rank, ok=False, error=str(exc))
         return SourceReport(source=rank, ok=True)
 
