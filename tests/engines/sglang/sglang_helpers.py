@@ -85,6 +85,13 @@ ROUND_PROMPTS = [[1, 17, 42, 99, 250, 7], [3, 300, 12, 5]]
 ROUND_TOKENS = 8
 
 
+def engine_generate(engine: EngineClient, prompt: list[int]) -> tuple[list[int], str]:
+    """Greedy tokens of ``prompt`` (:data:`ROUND_TOKENS` of them) and the weight version the engine labels them with."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": ROUND_TOKENS, "temperature": 0.0}}
+    _, answer = engine.request("POST", "/generate", body=body, timeout=60)
+    return [int(i) for i in answer["output_ids"]], str(answer["meta_info"]["weight_version"])
+
+
 def assert_generates_like_hf(
     engine: EngineClient, python: Path, model_dir: Path, weights: dict[str, Any], version: int, scratch: Path
 ) -> None:
@@ -93,7 +100,6 @@ def assert_generates_like_hf(
     reference = hf_greedy(python, with_weights(model_dir, weights, scratch / f"v{version}"), ROUND_PROMPTS,
                           ROUND_TOKENS)  # fmt: skip
     for prompt, expected in zip(ROUND_PROMPTS, reference, strict=True):
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": ROUND_TOKENS, "temperature": 0.0}}
-        _, answer = engine.request("POST", "/generate", body=body, timeout=60)
-        assert str(answer["meta_info"]["weight_version"]) == str(version)
-        assert [int(i) for i in answer["output_ids"]] == expected["output_ids"], (prompt, expected.get("margins"))
+        tokens, label = engine_generate(engine, prompt)
+        assert label == str(version)
+        assert tokens == expected["output_ids"], (prompt, expected.get("margins"))

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang_rounds import NEW_TOKENS, PROMPTS, TEMPLATE, generate
+from sglang_helpers import assert_generates_like_hf
+from test_sglang_rounds import TEMPLATE
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
@@ -42,7 +43,7 @@ from weightsync_agent.targets.sglang.adapter import SglangAdapter
 from weightsync_agent.transport.custom_group import CustomGroupSender
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import trained_state, with_weights
+from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
 EMBED = "model.embed_tokens.weight"
@@ -83,8 +84,6 @@ def group(request: pytest.FixtureRequest, sglang_py: Path, tiny_llama: Path, tmp
 def test_broadcast_rounds_into_stock_sglang_verify_and_generate_like_hf(
     group: LoopbackGroup, sglang_py: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    from weightsync_testing.sglang_models import hf_greedy
-
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=60)
     tp = group.plan.layout.ranks_per_engine
@@ -108,12 +107,7 @@ def test_broadcast_rounds_into_stock_sglang_verify_and_generate_like_hf(
                 q, k, v = (full[f"{layer}{p}_proj.weight"].chunk(tp, dim=0)[rank] for p in "qkv")
                 assert held[(rank, layer + "qkv_proj.weight")] == sha8(torch.cat([q, k, v])), rank
 
-            reference = hf_greedy(str(sglang_py), with_weights(tiny_llama, full, tmp_path / f"v{version}"),
-                                  PROMPTS, NEW_TOKENS)  # fmt: skip
-            for prompt, expected in zip(PROMPTS, reference, strict=True):
-                tokens, label = generate(engine, prompt)
-                assert label == str(version)
-                assert tokens == expected["output_ids"], (prompt, expected.get("margins"))
+            assert_generates_like_hf(engine, sglang_py, tiny_llama, full, version, tmp_path)
         # What ran: every SGLang TP rank joined one custom group over gloo, once, from SGLang's own route.
         server = group.harness.servers[0]  # type: ignore[attr-defined]
         joins = [line for line in server.log_path.read_text().splitlines() if "init custom process group" in line]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang_rounds import NEW_TOKENS, PROMPTS, generate, spec
+from sglang_helpers import ROUND_PROMPTS, assert_generates_like_hf, engine_generate
+from test_sglang_rounds import spec
 
 from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
@@ -32,7 +33,7 @@ from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.http_gate import GatedEngines, publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import trained_state, with_weights
+from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
 TARGET = "model.norm.weight"
@@ -166,7 +167,8 @@ class Load:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.versions.append(generate(self.engine, PROMPTS[len(self.versions) % len(PROMPTS)])[1])
+                prompt = ROUND_PROMPTS[len(self.versions) % len(ROUND_PROMPTS)]
+                self.versions.append(engine_generate(self.engine, prompt)[1])
             except Exception as exc:  # recorded: the test asserts there is none
                 self.errors.append(repr(exc))
 
@@ -184,8 +186,6 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
 ) -> None:
     """Under a steady /generate load: no request errors or is lost across pauses, and every answer carries a
     committed version, never the label of a partly written engine."""
-    from weightsync_testing.sglang_models import hf_greedy
-
     clients = [group.client(rank) for rank in range(2)]
     engine = group.engines[0].client(timeout=60)
     try:
@@ -210,9 +210,7 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
 
         full = trained_state(tiny_llama, 3)
         assert engine.weight_version() == "3"
-        reference = hf_greedy(sglang_py, with_weights(tiny_llama, full, tmp_path / "v3"), PROMPTS, NEW_TOKENS)
-        for prompt, expected in zip(PROMPTS, reference, strict=True):
-            assert generate(engine, prompt) == (expected["output_ids"], "3")
+        assert_generates_like_hf(engine, sglang_py, tiny_llama, full, 3, tmp_path)
     finally:
         for client in clients:
             client.close()
@@ -224,8 +222,6 @@ def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_ro
 def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
     group: LoopbackGroup, sglang_py: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    from weightsync_testing.sglang_models import hf_greedy
-
     clients = [group.client(rank) for rank in range(group.spec.trainer.replicas)]
     engine = group.engines[0].client(timeout=60)
     try:
@@ -246,9 +242,7 @@ def test_a_session_left_open_does_not_wedge_rounds_and_a_joiner_catches_up(
             assert time.monotonic() < deadline, f"joiner still at {joiner.weight_version()}"
             time.sleep(1)
         assert engine.weight_version() == "1"
-        reference = hf_greedy(sglang_py, with_weights(tiny_llama, full, tmp_path / "v1"), PROMPTS, NEW_TOKENS)
-        for prompt, expected in zip(PROMPTS, reference, strict=True):
-            assert generate(joiner, prompt) == (expected["output_ids"], "1")
+        assert_generates_like_hf(joiner, sglang_py, tiny_llama, full, 1, tmp_path)
     finally:
         for client in clients:
             client.close()
