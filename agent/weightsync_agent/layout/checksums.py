@@ -23,7 +23,7 @@ import xxhash
 
 from weightsync_agent.layout.buckets import Bucket, replica_offsets
 from weightsync_agent.layout.manifest import Manifest
-from weightsync_agent.layout.quantize import SCALE_SUFFIX
+from weightsync_agent.layout.quantize import SCALE_SUFFIX, dequantize
 from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_cpu_hash, sglang_gpu_hash
 
 _PyBUF_READ = 0x100
@@ -111,14 +111,13 @@ def dequantized_bytes(weight: torch.Tensor, scale: torch.Tensor) -> bytes:
     """What SGLang's checker hashes for a block-FP8 weight (``Fp8BlockComparable.dequantize`` in 0.5.23): the weight
     times its scale repeated over square blocks of ``in // scale columns`` (over the last two dims: fused experts
     keep their leading one), in float32, cast to bfloat16."""
-    rows, cols = weight.shape[-2:]
+    cols = weight.shape[-1]
     block = cols // scale.shape[-1]
     if not block or cols % scale.shape[-1]:
         raise ValueError(
             f"cannot infer the FP8 block of a {list(weight.shape)} weight from a {list(scale.shape)} scale"
         )
-    repeated = scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :rows, :cols]
-    dequantized = (weight.to(torch.float32) * repeated).to(torch.bfloat16).contiguous()
+    dequantized = dequantize(weight, scale, (block, block)).to(torch.bfloat16).contiguous()
     return dequantized.view(torch.uint8).numpy().tobytes()
 
 

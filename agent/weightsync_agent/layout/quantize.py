@@ -51,7 +51,8 @@ def fp8_block(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[tor
 
 
 def dequantize(quantized: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
-    """The float32 weight ``quantized x scale_inv`` per block (what an engine computes with)."""
-    rows, cols = quantized.shape
-    expanded = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:rows, :cols]
+    """The float32 weight ``quantized x scale_inv`` per block (what an engine computes with), over the last two dims
+    (fused experts keep their leading one)."""
+    rows, cols = quantized.shape[-2:]
+    expanded = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
     return quantized.float() * expanded
