@@ -4,11 +4,12 @@ A worker process takes whole *groups*: the tests that share one expensive thing 
 - ``cluster``: every test on the session's local cluster (the ``control_plane`` fixture: etcd, kube-apiserver,
   controller manager, scheduler, kwok, the chart and the operator), in file order, because the fault tests stop and
   restart its components;
-- ``sglang`` / ``vllm``: a stock engine tier, whose session server (~1 GB, 20-30 s to start) serves its tests;
+- ``sglang`` / ``vllm``: the modules of a stock engine tier that use its session server (~1 GB, 20-30 s to start);
 - any other module: its own group, so its module-scoped fixtures (agents, engines, child processes) start once.
+  The engine modules that start servers of their own are such groups, so the two tiers spread over the workers.
 
-The three long groups go first (collection order, with ``--no-loadscope-reorder``), so one worker starts the
-cluster while the other starts an engine tier, and the short modules fill in behind them.
+The cluster and the tiers go first, then the engine modules (collection order, with ``--no-loadscope-reorder``),
+so the long groups start early and the short modules fill in behind them.
 
 Workers pick ports side by side: they share one ledger (``weightsync.ports``), so no two processes of the run
 are ever handed the same port between its pick and its server's bind.
@@ -23,20 +24,41 @@ from pathlib import Path
 import pytest
 
 from weightsync.ports import ENV_LEDGER
+from weightsync_testing.server_process import SHARED_SERVER, join_retired
 
 TESTS = Path(__file__).resolve().parent
-#: The groups that hold a whole tier, longest first (docs/testing.md has their times).
+#: The groups that go first, longest first (docs/testing.md has their times): the cluster, then each stock engine
+#: tier's modules that share its session server.
 TIERS = ("cluster", "sglang", "vllm")
 
 
-def group_of(path: Path, fixturenames: list[str]) -> str:
-    """The xdist group of a test in file ``path`` using ``fixturenames``."""
+def uses_a_shared_server(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture marked ``SHARED_SERVER`` (an engine tier's session server:
+    ``engine_tier.shared_server``)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        definitions = info.name2fixturedefs.get(name, ()) if info is not None else ()
+        if definitions and getattr(definitions[-1].func, SHARED_SERVER, False):
+            return True
+    return False
+
+
+def group_of(path: Path, fixturenames: list[str], shares_server: bool) -> str:
+    """The xdist group of a test in file ``path`` using ``fixturenames``; ``shares_server``: its module uses its
+    engine tier's session server."""
     if "control_plane" in fixturenames:
         return "cluster"
     relative = path.resolve().relative_to(TESTS)
-    if relative.parts[0] == "engines" and relative.parts[1] in TIERS:
+    if relative.parts[0] == "engines" and relative.parts[1] in TIERS and shares_server:
         return relative.parts[1]  # the engine tier's directory
     return relative.as_posix()
+
+
+def rank_of(group: str) -> int:
+    """The tiers first, then the engine modules (each starts servers of its own: minutes), then the rest."""
+    if group in TIERS:
+        return TIERS.index(group)
+    return len(TIERS) + (0 if group.startswith("engines/") else 1)
 
 
 _own_ledger: list[str] = []
@@ -62,10 +84,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test with its group (before xdist reads the marks) and put the tiers' groups first."""
+    """Mark every test with its group (before xdist reads the marks) and put the long groups first."""
+    sharing = {Path(item.path) for item in items if uses_a_shared_server(item)}
     rank: dict[str, int] = {}
     for item in items:
-        group = group_of(Path(item.path), list(getattr(item, "fixturenames", ())))
+        path = Path(item.path)
+        group = group_of(path, list(getattr(item, "fixturenames", ())), path in sharing)
         item.add_marker(pytest.mark.xdist_group(group))
-        rank[item.nodeid] = TIERS.index(group) if group in TIERS else len(TIERS)
+        rank[item.nodeid] = rank_of(group)
     items.sort(key=lambda item: rank[item.nodeid])  # stable: file order within a group
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    join_retired()  # the servers whose shutdown a teardown left running (server_process.retire)

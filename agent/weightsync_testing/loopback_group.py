@@ -37,6 +37,7 @@ from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_agent.targets.registry import adapter_class
 from weightsync_testing.engine_harness import EngineHarness, ReferenceEngines, StartedEngine
 from weightsync_testing.reference_engine.launch import stop_process
+from weightsync_testing.server_process import retire, stop_side_by_side
 
 
 @dataclass
@@ -293,16 +294,27 @@ class LoopbackGroup:
         self.engines[engine] = started
         return started
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop the agents, then the engines side by side. ``wait=False`` (leaving the ``with`` block): the engines
+        stop in the background (``retire``: a stock server's shutdown mostly waits), for runs that start nothing
+        on their ports again."""
         for agent in [*self.agents.values(), *self.engine_agents.values()]:
             agent.stop()
-        for engine in self.engines.values():
-            engine.stop()
-        if self._own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        stops = [engine.stop for engine in self.engines.values()]
+        workdir = self.workdir if self._own_workdir else None
+
+        def stop_engines() -> None:
+            stop_side_by_side(*stops)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+        if wait:
+            stop_engines()
+        else:
+            retire(stop_engines)
 
     def __enter__(self) -> LoopbackGroup:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.stop()
+        self.stop(wait=False)

@@ -9,12 +9,14 @@ process group is killed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +24,43 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar, Self, TypeVar
+
+#: The attribute that marks a fixture function yielding a test tier's session server (tests/conftest.py groups
+#: the modules that use it into one worker).
+SHARED_SERVER = "weightsync_shared_server"
+
+#: Shutdowns still running in the background (:func:`retire`).
+_retiring: list[threading.Thread] = []
+
+
+def retire(*stops: Callable[[], None]) -> None:
+    """Run the ``stops`` (servers' shutdowns) side by side on a background thread and return at once.
+
+    A stock server's shutdown mostly waits: SGLang notices SIGTERM on a 5-second poll, then its children exit;
+    a test's teardown need not wait for that while the next test starts its own servers (docs/testing.md, "Time").
+    Only for servers nothing will start again on the same port. :func:`join_retired` (the test session's end,
+    and the interpreter's exit) waits for every one, so no server outlives the run."""
+
+    thread = threading.Thread(target=stop_side_by_side, args=stops, name="retire-servers", daemon=True)
+    thread.start()
+    _retiring.append(thread)
+
+
+def stop_side_by_side(*stops: Callable[[], None]) -> None:
+    """Run the ``stops`` on threads of their own and return when all are done (a group's engines stop in the
+    time of the slowest, not of their sum)."""
+    threads = [threading.Thread(target=stop, daemon=True) for stop in stops]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+@atexit.register
+def join_retired() -> None:
+    """Wait until every server handed to :func:`retire` has stopped."""
+    while _retiring:
+        _retiring.pop().join()
 
 
 class ServerStartError(RuntimeError):

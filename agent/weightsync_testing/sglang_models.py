@@ -23,6 +23,7 @@ hidden / heads), so its head count follows ``head_dim``: 8 heads / 4 KV heads at
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib
 import json
@@ -31,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,23 @@ def default_cache() -> Path:
 # ---------------------------------------------------------------- project side
 
 
+def made_once(out: Path, make: Callable[[Path], None]) -> None:
+    """Make directory ``out`` (``make`` fills a fresh directory beside it, which then takes its name) unless it
+    holds its :data:`STAMP`; under a lock beside it, so test workers asking at once make it once and none of them
+    replaces it under another that reads it."""
+    with open(out.with_name(f".{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / STAMP).is_file():
+            return
+        work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        try:
+            make(work)
+            shutil.rmtree(out, ignore_errors=True)
+            work.rename(out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def ensure_tiny_model(
     python: str | Path,
     arch: str = "llama",
@@ -145,20 +163,16 @@ def ensure_tiny_model(
     if shape:
         variant += "-" + hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
     out = root / f"tiny-{arch}{variant}-s{seed}-{dtype}-v{MAKER_VERSION}"
-    if (out / STAMP).is_file():
-        return out
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
-    try:
+
+    def make(work: Path) -> None:
         args = ["make", "--arch", arch, "--seed", str(seed), "--dtype", dtype, "--out", str(work)]
         args += ["--head-dim", str(head_dim)]
         if shape:
             args += ["--shape", json.dumps(shape)]
         _run_engine_side(python, args, timeout)
-        shutil.rmtree(out, ignore_errors=True)
-        work.rename(out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    made_once(out, make)
     return out
 
 
@@ -182,10 +196,8 @@ def ensure_fp8_model(model_dir: Path, block: tuple[int, int] = (16, 16)) -> Path
     from weightsync_agent.layout.quantize import fp8_block
 
     out = model_dir.with_name(f"{model_dir.name}-fp8b{block[0]}x{block[1]}")
-    if (out / STAMP).is_file():
-        return out
-    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=model_dir.parent))
-    try:
+
+    def make(work: Path) -> None:
         shutil.copytree(model_dir, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", STAMP))
         quantized = re.compile(FP8_QUANTIZED)
         state: dict[str, Any] = {}
@@ -202,10 +214,8 @@ def ensure_fp8_model(model_dir: Path, block: tuple[int, int] = (16, 16)) -> Path
         config["torch_dtype"] = config["dtype"] = "bfloat16"
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (work / STAMP).write_text(json.dumps({"fp8_of": model_dir.name, "block": list(block)}) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        work.rename(out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    made_once(out, make)
     return out
 
 

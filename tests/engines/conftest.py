@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_tier import SESSION_SERVERS
+from engine_tier import SESSION_SERVERS, leave_tier
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     for tier, servers in SESSION_SERVERS.items():
         if servers and (nextitem is None or tier not in Path(nextitem.path).resolve().parents):
-            while servers:
-                servers.pop().stop()
+            leave_tier(tier)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import pytest
 
 from weightsync_testing.engine_env import EngineEnv, EngineEnvError, EngineEnvUnavailable
+from weightsync_testing.server_process import SHARED_SERVER, retire
 
 
 class Stoppable(Protocol):
@@ -17,6 +18,7 @@ class Stoppable(Protocol):
 
 
 S = TypeVar("S", bound=Stoppable)
+F = TypeVar("F", bound=Callable[..., object])
 
 #: Per tier directory, the session servers to stop once the run leaves it.
 SESSION_SERVERS: dict[Path, list[Stoppable]] = {}
@@ -38,9 +40,27 @@ def engine_python(env: EngineEnv) -> Path:
 
 
 def session_server(tier: Path, server: S) -> Iterator[S]:
-    """Yield ``server`` for the session, stopped when the run leaves ``tier`` (or at the end, whichever is first)."""
-    SESSION_SERVERS.setdefault(tier.resolve(), []).append(server)
+    """Yield ``server`` for the session, stopped (in the background: ``retire``) when the run leaves ``tier`` or at
+    the end, whichever is first."""
+    servers = SESSION_SERVERS.setdefault(tier.resolve(), [])
+    servers.append(server)
     try:
         yield server
     finally:
-        server.stop()
+        if server in servers:
+            servers.remove(server)
+            retire(server.stop)
+
+
+def leave_tier(tier: Path) -> None:
+    """Stop (in the background) the session servers of ``tier``: the run has left it."""
+    servers = SESSION_SERVERS.get(tier, [])
+    retire(*(server.stop for server in servers))
+    servers.clear()
+
+
+def shared_server(fixture: F) -> F:
+    """Mark a tier's session-server fixture function (under ``@pytest.fixture``): the modules using it run in one
+    worker (tests/conftest.py), so the server starts once."""
+    fixture.__dict__[SHARED_SERVER] = True
+    return fixture

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_tier import engine_python, session_server
+from engine_tier import engine_python, session_server, shared_server
 from sglang_helpers import start
 
 from weightsync_testing.sglang_env import SGLANG
@@ -40,6 +40,7 @@ def tiny_qwen3(sglang_py: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+@shared_server
 def server(sglang_py: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangProcess]:
     """A TP=1 stock SGLang server on the tiny Llama (float32), with an admin key."""
     yield from session_server(HERE, start(sglang_py, tiny_llama, tmp_path_factory.mktemp("sglang-tp1"), tp=1))

@@ -43,6 +43,7 @@ from weightsync_agent.targets.sglang.adapter import SglangAdapter
 from weightsync_agent.transport.custom_group import CustomGroupSender
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.server_process import retire
 from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_all
 
@@ -218,4 +219,4 @@ def test_a_failed_broadcast_round_never_relabels_and_the_next_repairs(
     finally:
         if source is not None:
             source.close()
-        server.stop()
+        retire(server.stop)

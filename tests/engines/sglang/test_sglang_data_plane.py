@@ -17,6 +17,7 @@ from sglang_helpers import ADMIN_KEY
 from weightsync.api import names
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.listening import free_block, listening_ports
+from weightsync_testing.server_process import retire
 from weightsync_testing.sglang_server import launch_sglang
 
 
@@ -59,4 +60,4 @@ def test_stock_sglangs_mooncake_listens_inside_the_range_from_its_environment(
         assert rpc_port in inside and len(inside) == 2, f"want the RPC and the TCP data port in range, got {inside}"
         assert not [p for p in ports if 15000 <= p <= 17000], f"a Mooncake port left the range: {sorted(ports)}"
     finally:
-        server.stop()
+        retire(server.stop)

@@ -10,6 +10,7 @@ import pytest
 from sglang_helpers import expected_numels, generate, start, transfer_info
 
 from weightsync_testing import sglang_cpu
+from weightsync_testing.server_process import retire
 from weightsync_testing.sglang_models import hf_greedy
 from weightsync_testing.sglang_server import SglangProcess
 
@@ -22,7 +23,7 @@ def tp2(sglang_py: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFact
     try:
         yield proc
     finally:
-        proc.stop()
+        retire(proc.stop)
 
 
 def test_tp2_publishes_two_sessions_with_rank_shards(tp2: SglangProcess, tiny_qwen3: Path) -> None:

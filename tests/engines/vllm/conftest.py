@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_tier import engine_python, session_server
+from engine_tier import engine_python, session_server, shared_server
 from vllm_helpers import start
 
 from weightsync_testing.sglang_models import ensure_tiny_model
@@ -36,6 +36,7 @@ def tiny_llama32(vllm_py: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+@shared_server
 def vllm_server(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """A stock vLLM server (CPU, float32, dev mode) on the tiny Llama, with an API key."""
     yield from session_server(HERE, start(vllm_py, tiny_llama32, tmp_path_factory.mktemp("vllm")))

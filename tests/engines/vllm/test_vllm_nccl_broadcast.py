@@ -36,6 +36,7 @@ from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
 from weightsync_agent.targets.registry import make_adapter
 from weightsync_agent.targets.vllm.nccl_adapter import VllmNcclAdapter
 from weightsync_agent.transport.nccl_uid_group import mint, rendezvous_of
+from weightsync_testing.server_process import retire
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
@@ -49,7 +50,7 @@ def nccl_server(vllm_py: Path, tiny_llama32: Path, tmp_path_factory: pytest.Temp
     try:
         yield server
     finally:
-        server.stop()
+        retire(server.stop)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from checkpoints import safetensors_bytes
 from vllm_helpers import API_KEY, LINEAR, apply_round, assert_nonlinear_checksums, complete, ok
 
 from weightsync_testing.engine_harness import engine_root_dir
+from weightsync_testing.server_process import retire
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
@@ -57,7 +58,7 @@ def probe_server(
     try:
         yield server
     finally:
-        server.stop()
+        retire(server.stop)
 
 
 def events(log: Path) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_agent.transport.base import TransferState
 from weightsync_agent.transport.mooncake import MooncakeTransport
 from weightsync_testing.engine_harness import engine_root_dir
+from weightsync_testing.server_process import retire
 from weightsync_testing.sglang_models import ensure_tiny_model, hf_greedy
 from weightsync_testing.vllm_server import VllmProcess, launch_vllm
 
@@ -72,7 +73,7 @@ def server(
     try:
         yield process
     finally:
-        process.stop()
+        retire(process.stop)
 
 
 def test_a_round_over_mooncake_replaces_the_served_weights(
