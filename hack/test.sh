@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command (README, CI): set up, lint, type-check, run every test, two worker processes side by side
+# The test command (README, CI): set up, lint, type-check, run every test, three worker processes side by side
 # (pytest-xdist; tests/conftest.py keeps what shares a cluster or an engine server in one process; docs/testing.md).
 # WEIGHTSYNC_TEST_WORKERS=N changes the number of workers (1: no parallel workers). Arguments go to pytest.
 # Before pytest it builds (once; cached, ~2 min and ~6 GB the first time) the pinned venv of the stock SGLang
@@ -29,12 +29,14 @@ engine_venv() {
 }
 engine_venv sglang tests/engines/sglang WEIGHTSYNC_SGLANG_PYTHON WEIGHTSYNC_REQUIRE_SGLANG
 engine_venv vllm tests/engines/vllm WEIGHTSYNC_VLLM_PYTHON WEIGHTSYNC_REQUIRE_VLLM
-workers=${WEIGHTSYNC_TEST_WORKERS:-2}
+# Three workers on two cores: the engine tests mostly wait (servers starting, rounds, HF references), so two
+# workers left 43 % of the CPU idle; three took the warm run from 33 min 37 s to 24 min 44 s (docs/testing.md).
+workers=${WEIGHTSYNC_TEST_WORKERS:-3}
 parallel=()
 if ((workers > 1)); then
   parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
-  # Two workers' engines, traces and torch references share two cores: OpenMP threads that spin while they wait
-  # (libgomp's default) burn the other worker's CPU. Two 2-thread torch processes side by side took 12.0 s
+  # Workers' engines, traces and torch references share two cores: OpenMP threads that spin while they wait
+  # (libgomp's default) burn the other workers' CPU. Two 2-thread torch processes side by side took 12.0 s
   # spinning and 5.8 s passive (one alone: 2.8 s); docs/testing.md.
   export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 fi

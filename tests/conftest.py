@@ -1,4 +1,4 @@
-"""How the suite runs in parallel (``./hack/test.sh``: ``pytest -n 2 --dist loadgroup``; docs/testing.md).
+"""How the suite runs in parallel (``./hack/test.sh``: ``pytest -n 3 --dist loadgroup``; docs/testing.md).
 
 A worker process takes whole *groups*: the tests that share one expensive thing run in one process, once:
 - ``cluster``: every test on the session's local cluster (the ``control_plane`` fixture: etcd, kube-apiserver,

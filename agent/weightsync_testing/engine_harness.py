@@ -12,7 +12,7 @@ import contextlib
 import importlib.util
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -111,9 +111,12 @@ class SglangEngines:
         log_dir: Path | None = None,
         extra_args: Sequence[str] = (),
         no_forward: bool = False,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         """``no_forward``: the server never runs a forward (no warm-up, ready at ``/model_info`` without ``/health``):
-        a model whose kernels this machine lacks (an FP8 checkpoint on CPU) can still take rounds."""
+        a model whose kernels this machine lacks (an FP8 checkpoint on CPU) can still take rounds. ``extra_env``: more
+        of the servers' environment (a test fault: ``sglang_cpu.fault_env``)."""
+        self.extra_env = dict(extra_env or {})
         self.model_dir = model_dir
         self.python = python
         self.dtype = dtype
@@ -137,7 +140,7 @@ class SglangEngines:
             healthy=healthy and not self.no_forward,
             admin_api_key=token,
             extra_args=self.extra_args,
-            extra_env=mooncake_port_env(spec),  # SGLang's own Mooncake engine reads them, as in its pod
+            extra_env={**mooncake_port_env(spec), **self.extra_env},  # SGLang's Mooncake reads the ports, as in its pod
         )
         self.servers[engine] = server
         return StartedEngine(server.url, server.stop, {ENV_ENGINE_PYTHON: self.python}, token)

@@ -6,7 +6,7 @@ Two sides in one file:
   making it once by running this file with an engine venv's python (SGLang's or vLLM's); :func:`hf_greedy`
   runs the HF reference forward the same way. The project venv has no ``transformers``; each engine venv has
   the exact version its engine pins.
-* **engine-venv side** (``python sglang_models.py make|greedy ...``): builds the model with
+* **engine-venv side** (``python sglang_models.py make|greedy|logprobs ...``): builds the model with
   ``transformers`` from a config, seeded random weights, and a byte-level BPE tokenizer trained locally with
   ``tokenizers`` on a built-in corpus (no download; the CI machine cannot reach Hugging Face).
 
@@ -232,6 +232,14 @@ def hf_greedy(
     return answer
 
 
+def hf_prompt_logprobs(python: str | Path, model_dir: Path, input_ids: Sequence[int]) -> list[float]:
+    """HF ``transformers``' logprob of each of ``input_ids`` after the first (teacher forcing, eager attention, the
+    checkpoint's dtype), in the engine venv: what a trainer's forward gives its canary (the semantic gate)."""
+    args = ["logprobs", "--model", str(model_dir), "--input-ids", ",".join(str(i) for i in input_ids)]
+    answer: list[float] = json.loads(_run_engine_side(python, args, 300.0).strip().splitlines()[-1])
+    return answer
+
+
 def trained_state(model_dir: Path, step: int) -> dict[str, Any]:
     """A trainer's weights after ``step`` steps, as the engine tests publish them: the checkpoint's tensors (torch, in
     this process), each moved by a perturbation seeded with ``step``, in name order."""
@@ -388,6 +396,17 @@ def _greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> l
     return results
 
 
+def _prompt_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
+    torch: Any = importlib.import_module("torch")
+    transformers: Any = importlib.import_module("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+    return [float(x) for x in chosen.squeeze(1)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -402,11 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     greedy.add_argument("--model", type=Path, required=True)
     greedy.add_argument("--input-ids", required=True, help="prompts separated by ';', token ids by ','")
     greedy.add_argument("--max-new-tokens", type=int, default=8)
+    logprobs = sub.add_parser("logprobs", help="HF logprob of each prompt token after the first; one JSON line")
+    logprobs.add_argument("--model", type=Path, required=True)
+    logprobs.add_argument("--input-ids", required=True, help="token ids separated by ','")
     args = parser.parse_args(argv)
     if args.command == "make":
         args.out.mkdir(parents=True, exist_ok=True)
         _make(args.arch, args.seed, args.dtype, args.out, args.head_dim, args.shape)
         print(args.out)
+    elif args.command == "logprobs":
+        print(json.dumps(_prompt_logprobs(args.model, [int(i) for i in args.input_ids.split(",") if i])))
     else:
         prompts = [[int(i) for i in p.split(",") if i] for p in args.input_ids.split(";")]
         print(json.dumps(_greedy(args.model, prompts, args.max_new_tokens)))

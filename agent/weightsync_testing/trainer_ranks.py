@@ -9,18 +9,25 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from weightsync_agent.client import WeightSyncClient
+from weightsync_agent.rounds.canary import Canary
 
 
 def publish_all(
-    clients: Sequence[WeightSyncClient], full: Mapping[str, torch.Tensor], version: int, *, timeout: float = 180.0
+    clients: Sequence[WeightSyncClient],
+    full: Mapping[str, torch.Tensor],
+    version: int,
+    *,
+    timeout: float = 180.0,
+    canary: Canary | None = None,
 ) -> list[object]:
-    """Each rank's outcome (or the exception its publish raised), in rank order."""
+    """Each rank's outcome (or the exception its publish raised), in rank order; ``canary``: rank 0's."""
     outcomes: list[object] = [None] * len(clients)
 
     def rank(index: int) -> None:
         clients[index].stage_many(full)
         try:
-            outcomes[index] = clients[index].publish(version, check=False)
+            gate = canary if index == 0 else None
+            outcomes[index] = clients[index].publish(version, check=False, canary=gate)
         except Exception as exc:  # recorded: the caller asserts on it
             outcomes[index] = exc
 

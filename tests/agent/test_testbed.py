@@ -64,15 +64,15 @@ def test_every_link_and_the_bridge_carry_the_testbed_mtu(mtu: int) -> None:
     reason = _skip_reason()
     if reason:
         pytest.skip(f"no network namespaces here: {reason}")
-    with build_testbed(testbed_layout(), parse_rate("1gbit"), mtu) as testbed:
+    with build_testbed(small_testbed(), parse_rate("1gbit"), mtu) as testbed:
         assert _mtu([], testbed.bridge) == mtu
         for link in testbed.links.values():
             assert _mtu([], link.host_if) == mtu, link.host_if
             assert _mtu(["-n", link.namespace], link.ns_if) == mtu, link.ns_if
-        assert report_header("A", testbed_layout(), Options(mtu=mtu), 1)["mtu"] == mtu
+        assert report_header("A", small_testbed(), Options(mtu=mtu), 1)["mtu"] == mtu
 
 
-def testbed_layout() -> Layout:
+def small_testbed() -> Layout:
     return Layout(trainers=1, engines=1, tp=2)
 
 

@@ -665,6 +665,9 @@ class SyncPhases(ApiModel):
     verify: float | None = Field(default=None, ge=0, description="The targets' verification (all attempts).")
     commit: float | None = Field(default=None, ge=0, description="Committing the version on every engine.")
     resume: float | None = Field(default=None, ge=0, description="Resuming the engines (live rounds).")
+    gate: float | None = Field(
+        default=None, ge=0, description="Scoring the trainer's canary on every engine (rounds with a canary)."
+    )
 
 
 class PeerSync(ApiModel):

@@ -54,6 +54,7 @@ from weightsync.plan import Plan, Target
 from weightsync_agent.config import AgentConfig, AgentConfigError, replica_dir, trainer_token_file
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.modes.registry import make_mode
+from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundDriver, RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_agent.source.control import SourceControl
@@ -76,7 +77,9 @@ class ClientError(RuntimeError):
 class Publisher(Protocol):
     """Turns a staged replica into a version on the targets. ``ok`` means committed everywhere."""
 
-    def publish(self, version: int, deadline: float) -> Outcome: ...
+    def publish(self, version: int, deadline: float, canary: Canary | None = None) -> Outcome:
+        """``canary``: gate the engines' label on it (``rounds/canary.py``); a publisher without engines refuses it."""
+        ...
 
     def close(self) -> None: ...
 
@@ -94,7 +97,9 @@ class InProcessPublisher:
     def __init__(self, source: Source) -> None:
         self.source = source
 
-    def publish(self, version: int, deadline: float) -> PublishResult:
+    def publish(self, version: int, deadline: float, canary: Canary | None = None) -> PublishResult:
+        if canary is not None:
+            raise ClientError("an in-process source has no engines to score a canary: publish through a round")
         return self.source.publish(version, deadline)
 
     def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> PublishResult:
@@ -143,8 +148,8 @@ class RoundPublisher:
         #: This process's own source as the driver sees it; a stream hands it the gate.
         self.control = control
 
-    def publish(self, version: int, deadline: float) -> RoundOutcome:
-        return RoundOutcome(self.driver.run(version))
+    def publish(self, version: int, deadline: float, canary: Canary | None = None) -> RoundOutcome:
+        return RoundOutcome(self.driver.run(version, canary=canary))
 
     def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> RoundOutcome:
         """The round starts now: its prepare waits for this rank's first complete bucket (so engines are paused no
@@ -182,11 +187,12 @@ class SidecarPublisher:
         sidecar reads the stream's progress and end from the replica files the client marks (``mark_stream``)."""
         return self.publish(version, deadline)
 
-    def publish(self, version: int, deadline: float) -> RoundOutcome:
+    def publish(self, version: int, deadline: float, canary: Canary | None = None) -> RoundOutcome:
         timeout = max(1.0, deadline - time.monotonic())
         token = None if self.replica_folder is None else read_trainer_token(self.replica_folder)
+        agent = AgentClient(self.agent_url, token=token)
         try:
-            return RoundOutcome(AgentClient(self.agent_url, token=token).publish(version, self.source_rank, timeout))
+            return RoundOutcome(agent.publish(version, self.source_rank, timeout, canary=canary))
         except AgentError as exc:
             raise PublishError(_Unreachable(str(exc))) from exc
 
@@ -426,8 +432,12 @@ class WeightSyncClient:
 
     # --- Publishing ----------------------------------------------------------------------------
 
-    def publish(self, version: int, *, timeout: float | None = None, check: bool = True) -> Outcome:
+    def publish(
+        self, version: int, *, timeout: float | None = None, check: bool = True, canary: Canary | None = None
+    ) -> Outcome:
         """Publish the staged replica as ``version``; on success the next version must restage everything.
+        ``canary`` (trainer rank 0): the semantic gate's prompt and this trainer's logprobs for it
+        (``weightsync_agent.rounds.canary``); the engines' label moves only if each scores it within its tolerance.
 
         Raises :class:`PublishError` (naming targets and buckets) when ``check`` and the result is not
         ok, IncompleteReplicaError when something is not staged, ClientError when there is no publisher
@@ -437,7 +447,10 @@ class WeightSyncClient:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self.replicas.flush_digests()  # staging's bucket digests are filed before any publisher reads them
         self.replicas.mark_stream(version, None)  # a plain publish, even of a version whose stream failed
-        return self._settled(version, publisher.publish(version, deadline), check)
+        outcome = (
+            publisher.publish(version, deadline, canary) if canary is not None else publisher.publish(version, deadline)
+        )
+        return self._settled(version, outcome, check)
 
     @contextlib.contextmanager
     def stream(self, version: int, *, timeout: float | None = None, check: bool = True) -> Iterator[Stream]:

@@ -48,6 +48,7 @@ from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.credential import ApiKey
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
+from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult, new_round_id
 from weightsync_agent.rounds.remote import AgentClient, AgentError, HttpSourceControl
 from weightsync_agent.source.agent import SourceAgent
@@ -143,6 +144,8 @@ class Coordinator:
         self._held: dict[int, str | None] = {}
         self._suspects: set[int] = set()
         self._sweep = 0
+        #: The canary of the committed version (None: it had none): a catch-up to it passes the same gate.
+        self._canary: Canary | None = None
         #: Engine version asks (``held_version`` calls) since start: what catching up costs the engines.
         self.asked = 0
         self._round = threading.Lock()
@@ -154,19 +157,20 @@ class Coordinator:
 
     # --- Rounds ----------------------------------------------------------------------------------
 
-    def run_round(self, version: int) -> RoundResult:
-        """Sync ``version`` to every engine (trainer rank 0 calls this through its publish)."""
+    def run_round(self, version: int, canary: Canary | None = None) -> RoundResult:
+        """Sync ``version`` to every engine (trainer rank 0 calls this through its publish); ``canary``: the
+        semantic gate's, kept for the catch-ups of that version."""
         with self._round:
             with self._cond:
                 self._running = version
             try:
-                return self._run_round(version)
+                return self._run_round(version, canary)
             finally:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
 
-    def _run_round(self, version: int) -> RoundResult:
+    def _run_round(self, version: int, canary: Canary | None) -> RoundResult:
         """:meth:`run_round`'s round, under its lock."""
         if self.committed is not None and version <= self.committed:
             return self._finish(
@@ -198,11 +202,12 @@ class Coordinator:
         except NOT_STARTED as exc:
             return self._finish(self._refused(version, str(exc)), "regular")
         try:
-            result = driver.run(version, round_id)
+            result = driver.run(version, round_id, canary)
         finally:
             driver.close()
         if result.committed:  # also a round whose resume failed: every engine holds v
             self.committed = version
+            self._canary = canary
             mode.committed(self, plan, version)
             self._learnt(range(plan.layout.engines), str(version))
         else:
@@ -236,7 +241,7 @@ class Coordinator:
                 log.warning("catch-up of engines %s not possible yet: %s", lagging, exc)
                 return None
             try:
-                result = driver.run(version, round_id)
+                result = driver.run(version, round_id, self._canary)  # the committed version's canary
             finally:
                 driver.close()
             if not result.started:

@@ -3,6 +3,10 @@
     (live: pause engines) -> begin v -> every source writes its targets -> targets verify -> commit v
     -> (live: resume)
 
+With a canary (the semantic gate, ``rounds/canary.py``; live rounds only), the commit is split around it:
+
+    ... -> targets verify -> apply v (no label) -> resume -> every engine scores the canary -> label v
+
 The invariant: **no engine reports version v unless it fully holds verified v.** Engines commit only
 after their own verification passed, and a target's commit is what changes the version it reports. Any
 failure or timeout aborts the round with a reason that names the peer and the bucket:
@@ -32,14 +36,16 @@ from typing import Literal, TypeVar
 from weightsync.api.engines import Staging
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
+from weightsync_agent.rounds.canary import Canary, gaps, judge
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.report import SourceReport, Throughput
-from weightsync_agent.targets.adapter import EngineRound, TargetVerdict
+from weightsync_agent.targets.adapter import EngineRound, GatedRound, TargetVerdict
 
 T = TypeVar("T")
 
-#: A round's phases, in the order they run (``pause`` and ``resume`` only in live rounds).
-PHASES = ("prepare", "pause", "begin", "write", "verify", "commit", "resume")
+#: A round's phases, in the order they run (``pause`` and ``resume`` only in live rounds, ``gate`` only with a
+#: canary, where it runs after the resume and before the label, which adds to ``commit``).
+PHASES = ("prepare", "pause", "begin", "write", "verify", "commit", "resume", "gate")
 
 
 class RoundError(RuntimeError):
@@ -49,6 +55,11 @@ class RoundError(RuntimeError):
         super().__init__(message)
         self.peer = peer
         self.bucket = bucket
+
+
+class GateError(RoundError):
+    """The semantic gate failed, or a step after the gate's resume did: not retried (writing the same bytes again
+    reads the same way, and the engines served meanwhile); the engines are paused again, their label unmoved."""
 
 
 @dataclass(frozen=True)
@@ -171,24 +182,32 @@ class RoundDriver:
         self._phases: dict[str, float] = {}
         self._paused: tuple[float, float | None] | None = None  # (pause began, resume ended) of a live round
         self._reports: dict[int, SourceReport] = {}
+        self._gate_resumed = False  # the gate resumed the engines before the label (the run must not again)
+        #: Per engine, the largest logprob gap of its last passing canary score.
+        self.gate_gaps: dict[int, float] = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- The round -----------------------------------------------------------------------------------
 
-    def run(self, version: int, round_id: str | None = None) -> RoundResult:
+    def run(self, version: int, round_id: str | None = None, canary: Canary | None = None) -> RoundResult:
         """Run round ``version``; ``round_id`` (minted here when not given) goes with every engine call, so an
-        engine refuses a call from another round, such as a late abort of an earlier round of the same version."""
+        engine refuses a call from another round, such as a late abort of an earlier round of the same version.
+        ``canary``: gate the label on it (every engine must score it within its tolerance)."""
         self.round_id = round_id or new_round_id()
         self._written = False  # whether any source may have written in this round
         self._phases, self._paused, self._reports = {}, None, {}
+        self._gate_resumed, self.gate_gaps = False, {}
         started = self.clock()
         started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         attempts = 0
         moved = 0
         reason: str | None = None
         pausing = self.staging == "live"
+        ungated = self._ungated(canary)
+        if ungated is not None:
+            return self._result(version, "Failed", started, started_at, 0, 0, f"round not started: {ungated}")
         with self._timed("prepare"):
             not_ready = self._prepare(version, started + self.timeout)
         if not_ready is not None:  # nothing is paused until every source can write v
@@ -210,7 +229,10 @@ class RoundDriver:
         while attempts <= self.retries:
             attempts += 1
             try:
-                moved = self._attempt(version, started)
+                moved = self._attempt(version, started, canary)
+            except GateError as exc:
+                return self._result(version, "Failed", started, started_at, self._moved(), attempts, str(exc),
+                                    paused=True)  # fmt: skip
             except RoundError as exc:
                 reason = str(exc)
                 if self.staging == "staged":
@@ -218,7 +240,7 @@ class RoundDriver:
                     break
                 continue  # live: the replicas still hold v; write again
             try:
-                if pausing:
+                if pausing and not self._gate_resumed:
                     with self._timed("resume"):
                         self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
                     self._resumed()
@@ -254,7 +276,18 @@ class RoundDriver:
                 return f"source {source} is not ready: {report.error}"
         return None
 
-    def _attempt(self, version: int, started: float) -> int:
+    def _ungated(self, canary: Canary | None) -> str | None:
+        """Why this round cannot take ``canary``'s gate, or None (also when there is no canary)."""
+        if canary is None:
+            return None
+        if self.staging != "live":
+            return "the semantic gate (a canary) needs targetStaging: live"
+        unable = [index for index, engine in self.engines.items() if not isinstance(engine, GatedRound)]
+        if unable:
+            return f"engines {unable} cannot score a canary (their adapter has no semantic gate)"
+        return None
+
+    def _attempt(self, version: int, started: float, canary: Canary | None = None) -> int:
         deadline = started + self.timeout
         with self._timed("write"):
             reports = self._publish(version, deadline)
@@ -262,9 +295,52 @@ class RoundDriver:
         if self.verify:
             with self._timed("verify"):
                 self._verify(version, reports, deadline)
+        if canary is not None:
+            self._gate(version, canary)
         with self._timed("commit"):
             self._each_engine("commit", lambda e: e.commit(version, self.call_timeout, round_id=self._rid))
-        return sum(r.bytes for r in reports.values())
+        return self._moved()
+
+    def _moved(self) -> int:
+        return sum(r.bytes for r in self._reports.values())
+
+    def _gate(self, version: int, canary: Canary) -> None:
+        """Apply ``version`` unlabelled, resume, and have every engine score ``canary``; on any failure from the
+        resume on, pause the engines again and raise :class:`GateError` (the commit that follows only labels)."""
+        with self._timed("commit"):
+            self._each_engine("apply", lambda e: _gated(e).apply(version, self.call_timeout, round_id=self._rid))
+        try:
+            with self._timed("resume"):
+                self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
+            self._gate_resumed = True
+            self._resumed()
+            with self._timed("gate"):
+                failures = self._scores_off(canary)
+            if failures:
+                raise GateError(f"the semantic gate failed for version {version}: {'; '.join(failures)}")
+        except RoundError as exc:
+            # Paused again, and the round closed as written: the applied weights are no version's (an engine that
+            # tracks dirty weights, as the reference engine does, serves none until a round lands).
+            self._pause_quietly()
+            self._abort_quietly(version)
+            raise GateError(str(exc), peer=exc.peer) from exc
+
+    def _scores_off(self, canary: Canary) -> list[str]:
+        """Each engine's failure to score ``canary`` within its tolerance (none: the gate passes)."""
+        futures = {
+            index: self.pool.submit(_gated(engine).score, canary.input_ids, self.call_timeout, round_id=self._rid)
+            for index, engine in self.engines.items()
+        }
+        deadline = self.clock() + self.call_timeout
+        failures = []
+        for index, future in futures.items():
+            scored = self._result_by(future, deadline, f"engine {index} canary")
+            why = judge(canary, scored)
+            if why is not None:
+                failures.append(f"engine {index}: {why}")
+            else:
+                self.gate_gaps[index] = max(gaps(canary, scored), default=0.0)
+        return failures
 
     @contextlib.contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
@@ -368,6 +444,12 @@ class RoundDriver:
         assert self.round_id is not None, "engine calls happen only inside run()"
         return self.round_id
 
+    def _pause_quietly(self) -> None:
+        rid = self._rid  # bound now, as below
+        with self._timed("pause"):
+            self._each_engine_quietly(lambda e: e.pause(self.call_timeout, round_id=rid))
+        self._paused = (self.clock() if self._paused is None else self._paused[0], None)
+
     def _resume_quietly(self) -> None:
         rid = self._rid  # bound now: a late call must name its own round, not whichever runs when it lands
         with self._timed("resume"):
@@ -435,6 +517,11 @@ def _may_have_written(future: Future[SourceReport]) -> bool:
     if not future.done() or future.cancelled() or future.exception() is not None:
         return True
     return future.result().wrote
+
+
+def _gated(engine: EngineRound) -> GatedRound:
+    assert isinstance(engine, GatedRound), "checked before the round started (_ungated)"
+    return engine
 
 
 def new_round_id() -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 from weightsync_agent.http.client import HttpCallError, JsonHttpClient
 from weightsync_agent.http.credential import ApiKey
+from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.wire import (
     WireError,
@@ -71,8 +72,10 @@ class AgentClient:
             raise AgentError(f"agent {self.base_url}: /v1/state answered {state!r}")
         return state
 
-    def publish(self, version: int, rank: int, timeout: float) -> RoundResult:
-        body = {"version": version, "rank": rank, "timeoutSeconds": timeout}
+    def publish(self, version: int, rank: int, timeout: float, *, canary: Canary | None = None) -> RoundResult:
+        body: dict[str, object] = {"version": version, "rank": rank, "timeoutSeconds": timeout}
+        if canary is not None:
+            body["canary"] = canary.to_json()
         data = self._call("POST", "/v1/publish", body, timeout=timeout + 2 * SLACK_SECONDS)
         try:
             return round_result_from_json(data)

@@ -22,6 +22,7 @@ from weightsync_agent.http.bounds import (
     RequestSeconds,
     Version,
 )
+from weightsync_agent.rounds.canary import Canary
 
 #: A ``<engine>/<rank>`` key of a placement map, and the 16 hex digits of a placement (``Manifest.placement``).
 TargetKey = Annotated[str, Field(max_length=32, pattern=r"^[0-9]{1,10}/[0-9]{1,10}$")]
@@ -35,6 +36,8 @@ class PublishRequest(RequestModel):
     version: Version
     rank: Rank
     timeout_seconds: RequestSeconds | None = Field(default=None, alias="timeoutSeconds")
+    #: The semantic gate's prompt and the trainer's logprobs for ``version`` (rank 0's publish only).
+    canary: Canary | None = None
 
 
 class SourceCallRequest(RequestModel):

@@ -131,7 +131,7 @@ def _trainer_routes(runtime: AgentRuntime) -> list[web.RouteDef]:
     async def publish(request: web.Request) -> web.Response:
         asked = parse_body(PublishRequest, await json_object(request))
         timeout = runtime.round_timeout if asked.timeout_seconds is None else asked.timeout_seconds
-        result = await _blocking(request, runtime.publish, asked.rank, asked.version, timeout)
+        result = await _blocking(request, runtime.publish, asked.rank, asked.version, timeout, asked.canary)
         return web.json_response(round_result_to_json(result))
 
     return [web.get("/v1/state", state), web.post("/v1/publish", publish)]

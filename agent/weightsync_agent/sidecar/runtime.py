@@ -34,6 +34,7 @@ from weightsync_agent.http.credential import Credential
 from weightsync_agent.layout.manifest import Manifest, ManifestError
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
+from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.coordinator import Coordinator
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
@@ -271,12 +272,15 @@ class AgentRuntime:
             raise LookupError("this agent runs no trainer ranks")
         return self.sources
 
-    def publish(self, rank: int, version: int, timeout: float) -> RoundResult:
-        """Trainer rank ``rank`` staged ``version``: rank 0 runs the round; the others wait for it."""
+    def publish(self, rank: int, version: int, timeout: float, canary: Canary | None = None) -> RoundResult:
+        """Trainer rank ``rank`` staged ``version``: rank 0 runs the round (gated on ``canary`` when given); the
+        others wait for it."""
+        if canary is not None and rank != 0:
+            raise ValueError(f"a canary goes with trainer rank 0's publish (the coordinator's), not rank {rank}'s")
         sources = self.sources_or_fail()
         sources.mark_ready(rank, version)
         if self.coordinator is not None and rank == 0:
-            return self.coordinator.run_round(version)
+            return self.coordinator.run_round(version, canary)
         with self._heard_lock:
             seen = self._heard.get((rank, version))
         result = self._wait_for_round(version, timeout, seen=seen)

@@ -67,6 +67,8 @@ class SourceAgent:
         #: An engine replica whose loader failed to start (fingerprint -> when, why): not tried again for
         #: LOADER_RETRY_SECONDS (each try imports the engine and builds its model).
         self._loader_failed: dict[str, tuple[float, str]] = {}
+        #: (rank, loader name) -> the version its engine replica was last loaded for.
+        self._loaded_for: dict[tuple[int, str], int] = {}
         self.held: dict[int, int | None] = dict.fromkeys(self.ranks)  # committed version the replica holds
         self.ready_version: dict[int, int] = {}
         #: The round each rank last prepared (the coordinator's round id): a publish naming another is refused.
@@ -133,6 +135,7 @@ class SourceAgent:
     def _drop_replicas(self, rank: int) -> None:
         for loader in self.loaders.pop(rank, []):
             loader.close()
+            self._loaded_for.pop((rank, loader.name), None)
         replicas = self.replicas.pop(rank, None)
         if replicas is not None:
             replicas.close(unlink=True)
@@ -191,7 +194,7 @@ class SourceAgent:
             else:
                 self.wait_ready(rank, version, deadline)
                 with self._locks[rank]:
-                    self._load_engine_replicas(rank, deadline)
+                    self._load_engine_replicas(rank, version, deadline)
                 gate = self._stream(rank, version)
                 if gate is not None:  # a streamed version: ready at its first complete buckets
                     error = first_buckets_staged(source, gate, deadline)
@@ -219,7 +222,7 @@ class SourceAgent:
                     self._check_holds(rank, source, version)
                 else:
                     self.wait_ready(rank, version, deadline)
-                    self._load_engine_replicas(rank, deadline)
+                    self._load_engine_replicas(rank, version, deadline)
                     gate = self._stream(rank, version)
                 if gate is not None and gate.state == "aborted":
                     raise SourceConfigError(f"source {rank}: {gate.reason}; version {version} was not sent")
@@ -263,14 +266,16 @@ class SourceAgent:
             )
         return source, None if scope.engines is None else [t for t in source.targets if scope.covers(t[0])]
 
-    def _load_engine_replicas(self, rank: int, deadline: float) -> None:
-        """Fill ``rank``'s engine replicas from what the trainer staged (the caller holds the rank's lock): each
-        one's loader runs the engine's ``load_weights`` over its feed once every feed tensor is staged. A replica
-        already loaded since the last commit (its slots are staged) is left as it is."""
+    def _load_engine_replicas(self, rank: int, version: int, deadline: float) -> None:
+        """Fill ``rank``'s engine replicas from what the trainer staged for ``version`` (the caller holds the rank's
+        lock): each one's loader runs the engine's ``load_weights`` over its feed once every feed tensor is staged.
+        A replica already loaded for ``version`` is left as it is (a retry, or the publish after its prepare); any
+        other version loads again, also after a failed round, whose feed stays staged: the replica then holds
+        what the feed holds, as a traced replica holds what was staged last."""
         for loader in self.loaders.get(rank, []):
-            if loader.replica.is_complete():
-                continue
             feed = loader.feed
+            if loader.replica.is_complete() and self._loaded_for.get((rank, loader.name)) == version:
+                continue
             while not feed.is_complete():  # a streamed version: the trainer is still staging
                 if time.monotonic() >= deadline:
                     missing = feed.missing()
@@ -282,7 +287,8 @@ class SourceAgent:
             with feed.publishing():  # nothing is staged while the engine's loader reads the feed
                 seconds = loader.load(max(deadline - time.monotonic(), 1.0))
             loader.replica.mark_loaded()
-            log.info("source %d: %s loaded in %.3f s", rank, loader.name, seconds)
+            self._loaded_for[(rank, loader.name)] = version
+            log.info("source %d: %s loaded for version %d in %.3f s", rank, loader.name, version, seconds)
 
     def _stream(self, rank: int, version: int) -> ReplicaGate | None:
         """The trainer process streams ``version`` into ``rank``'s replicas (its client marked the shared files)."""

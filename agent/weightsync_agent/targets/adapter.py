@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from weightsync.api.engines import Capabilities, Staging, SyncModeName
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
@@ -134,6 +134,22 @@ class EngineRound(Protocol):
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
         """Close round ``version`` without committing. ``written=False``: no source was asked to write in it, so
         the engine's live weights are as they were before its begin (it may serve again)."""
+        ...
+
+
+@runtime_checkable
+class GatedRound(Protocol):
+    """An engine that can take the semantic gate (``rounds/canary.py``): apply a version without labelling it, then
+    score a prompt with the applied weights. After :meth:`apply` in a round, that round's ``commit`` only labels."""
+
+    def apply(self, version: int, timeout: float, *, round_id: str) -> None:
+        """Make the written ``version`` what the engine computes with (its own post-processing included), keeping
+        the label it reports."""
+        ...
+
+    def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
+        """The logprob the engine gives each of ``input_ids`` after the first (teacher forcing); the engine must be
+        serving (resumed)."""
         ...
 
 

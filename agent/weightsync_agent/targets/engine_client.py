@@ -149,6 +149,27 @@ class EngineClient(JsonHttpClient):
             raise HttpCallError("/generate", 200, "answer has no output_ids", answer)
         return [int(i) for i in ids]
 
+    def prompt_logprobs(self, input_ids: Sequence[int], timeout: float | None = None) -> list[float | None]:
+        """The logprob the engine gives each of ``input_ids`` after the first (SGLang's ``/generate`` with
+        ``return_logprob`` from position 0, one new token that is not used)."""
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        answer = _object(self._post("/generate", body, timeout), "/generate")
+        meta = answer.get("meta_info")
+        entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        if not isinstance(entries, list) or len(entries) != len(input_ids):
+            raise HttpCallError("/generate", 200, f"no input_token_logprobs for the {len(input_ids)} input ids")
+        scored: list[float | None] = []
+        for position, (entry, want) in enumerate(zip(entries[1:], input_ids[1:], strict=True), start=1):
+            if not isinstance(entry, list) or len(entry) < 2 or entry[1] != want:
+                raise HttpCallError("/generate", 200, f"input_token_logprobs[{position}] is not for token {want}")
+            scored.append(float(entry[0]) if isinstance(entry[0], int | float) else None)
+        return scored
+
     # ---------------------------------------------------------------------- weightsync extension routes
 
     def supports_weightsync(self, timeout: float | None = None) -> bool:
@@ -200,6 +221,11 @@ class EngineClient(JsonHttpClient):
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise HttpCallError("/weightsync/verify", 200, f"unexpected answer: {exc!r}", answer) from exc
+
+    def apply(self, version: str | int, timeout: float | None = None, *, round_id: str | None = None) -> dict[str, Any]:
+        """The semantic gate's apply: the verified weights may serve; the label stays (docs/agent.md)."""
+        body = _with_round({"version": str(version)}, round_id)
+        return _object(self._post("/weightsync/apply", body, timeout), "/weightsync/apply")
 
     def commit(
         self, version: str | int, timeout: float | None = None, *, round_id: str | None = None

@@ -159,6 +159,7 @@ class Round:
     verify: bool = True  # False: the group set transfer.verify false; commit needs no checksums
     round_id: str | None = None  # the coordinator's id for the round; calls naming another are refused
     dirty_before: bool = False  # live_dirty before this round's begin (restored by an abort with nothing written)
+    applied: bool = False  # the semantic gate's apply ran: the written weights may serve, unlabelled
 
 
 class ReferenceEngine:
@@ -467,8 +468,20 @@ class ReferenceEngine:
         if int(version) < int(held) or (int(version) == int(held) and not self.live_dirty):
             raise EngineError(409, f"version {version} is not newer than the version this engine holds ({held})")
 
-    def commit(self, version: str, round_id: str | None = None) -> dict[str, Any]:
+    def apply(self, version: str, round_id: str | None = None) -> dict[str, Any]:
+        """The semantic gate's apply (docs/agent.md): the open live round's verified weights may serve (generation can
+        continue, to score the canary) while the label stays; the round stays open for its commit, the label. An
+        abort after it marks the weights dirty again (they are a version nobody labelled)."""
         current = self._open_round(version, round_id)
+        if current.staged:
+            raise EngineError(409, "a staged round's weights serve only from its commit: the gate needs live staging")
+        self._check_committable(current)
+        current.applied = True
+        self.live_dirty = False
+        return {"success": True, "weight_version": self.weight_version}
+
+    def _check_committable(self, current: Round) -> None:
+        version = current.version
         self._check_newer(version)
         if current.reception is not None and current.reception.running:
             raise EngineError(409, f"version {version} is still being received over the broadcast group")
@@ -481,6 +494,10 @@ class ReferenceEngine:
                 unverified_ranks=unverified,
                 failed_ranks=failed,
             )
+
+    def commit(self, version: str, round_id: str | None = None) -> dict[str, Any]:
+        current = self._open_round(version, round_id)
+        self._check_committable(current)
         # No await from here to the end: forward runs on the same event loop, so it sees all or nothing.
         if current.staged:
             for memory in self.memory:
@@ -526,6 +543,8 @@ class ReferenceEngine:
             )
         if not written and current.reception is None:
             self.live_dirty = current.dirty_before
+        if written and current.applied:
+            self.live_dirty = True  # the gate applied them, then failed: they serve no more until a round lands
         self.round = None
         self._close_windows()
         # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
@@ -790,6 +809,11 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
         )
         return web.json_response(result)
 
+    async def apply(request: web.Request) -> web.Response:
+        body = await _body(request)
+        async with engine.exclusive():
+            return web.json_response(engine.apply(_version(body.get("version")), _round_id(body)))
+
     async def commit(request: web.Request) -> web.Response:
         body = await _body(request)
         version = _version(body.get("version"))
@@ -882,6 +906,7 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
             web.post("/weightsync/begin", begin),
             web.post("/weightsync/verify", verify),
             web.post("/weightsync/commit", commit),
+            web.post("/weightsync/apply", apply),
             web.post("/weightsync/abort", abort),
             web.post("/weightsync/forward", forward),
             web.get("/weightsync/checksums", checksums),

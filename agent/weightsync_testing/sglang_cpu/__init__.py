@@ -21,6 +21,16 @@ REGISTER_PER_PARAMETER = "register_per_parameter"  # with the transfer-engine fl
 NO_PYNCCL = "no_pynccl"  # TP >= 2
 ABSORBED_MLA = "absorbed_mla_on_torch_native"  # MLA models (DeepSeek-V2/V3, Kimi-K2)
 
+#: Test faults (not workarounds): armed by name, fired while a trigger file exists (the semantic gate's tests).
+ENV_FAULTS = "WEIGHTSYNC_SGLANG_TEST_FAULTS"
+ENV_FAULT_TRIGGER = "WEIGHTSYNC_SGLANG_FAULT_TRIGGER"
+SKIP_POST_LOAD = "skip_post_load_on_trigger"  # a session ends without post_load_weights (stale derived weights)
+
+
+def fault_env(fault: str, trigger: Path) -> dict[str, str]:
+    """The server environment arming test fault ``fault``, fired while file ``trigger`` exists."""
+    return {ENV_FAULTS: fault, ENV_FAULT_TRIGGER: str(trigger)}
+
 
 def workarounds_for(tp: int, *, transfer_engine: bool = True, mla: bool = False) -> list[str]:
     """The workarounds a CPU server with this TP size needs; ``mla``: the model attends with MLA."""

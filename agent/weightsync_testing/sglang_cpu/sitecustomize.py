@@ -35,12 +35,16 @@ from typing import Any
 
 ENV_ENABLE = "WEIGHTSYNC_SGLANG_CPU_WORKAROUNDS"
 ENV_LOG = "WEIGHTSYNC_SGLANG_WORKAROUND_LOG"
+#: Test faults to arm (comma-separated, :data:`FAULTS`), and the file whose existence fires them.
+ENV_FAULTS = "WEIGHTSYNC_SGLANG_TEST_FAULTS"
+ENV_FAULT_TRIGGER = "WEIGHTSYNC_SGLANG_FAULT_TRIGGER"
 MARKER = "weightsync-sglang-cpu-workaround:"
 
 ROTARY_MODULE = "sglang.srt.layers.rotary_embedding.base"
 REGISTER_MODULE = "sglang.srt.model_loader.remote_instance_weight_loader_utils"
 PARALLEL_MODULE = "sglang.srt.distributed.parallel_state"
 MLA_DISPATCH_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
+RUNNER_UPDATER_MODULE = "sglang.srt.model_executor.model_runner_components.weight_updater"
 PLACEHOLDER_MODULE = "_weightsync_vllm_custom_ops"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -236,6 +240,38 @@ WORKAROUNDS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
 }
 
 
+# ---------------------------------------------------------------- test faults (never workarounds)
+
+
+def skip_post_load_on_trigger(module: ModuleType) -> None:
+    """A TEST FAULT, armed only by ``WEIGHTSYNC_SGLANG_TEST_FAULTS`` (the semantic gate's tests): while the file named
+    by ``WEIGHTSYNC_SGLANG_FAULT_TRIGGER`` exists, a weight-update session ends without the model's
+    ``post_load_weights``, as an engine whose post-processing step was skipped. For MLA (DeepSeek-V3, Kimi-K2),
+    ``w_kc``/``w_vc`` then stay derived from the previous weights while every written parameter is new: byte
+    verification passes, generation reads a model that is neither version.
+
+    How: ``WeightUpdater.end_weight_update`` (the model runner's, ``run_post_load``) is wrapped; each time it fires
+    it records a ``used`` line."""
+    name, target = "skip_post_load_on_trigger", f"{RUNNER_UPDATER_MODULE}:WeightUpdater.end_weight_update"
+    updater = module.WeightUpdater
+    original = updater.end_weight_update
+
+    def end_weight_update(self: Any, *, run_post_load: bool) -> None:
+        trigger = os.environ.get(ENV_FAULT_TRIGGER, "")
+        if run_post_load and trigger and os.path.exists(trigger):
+            record(name, "used", target)
+            run_post_load = False
+        original(self, run_post_load=run_post_load)
+
+    updater.end_weight_update = end_weight_update
+    record(name, "applied", target)
+
+
+FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+    "skip_post_load_on_trigger": (RUNNER_UPDATER_MODULE, skip_post_load_on_trigger),
+}
+
+
 # ---------------------------------------------------------------- post-import hooks
 
 
@@ -287,15 +323,22 @@ def _run_shadowed_sitecustomize() -> None:
     spec.loader.exec_module(shadowed)
 
 
-def install(names: list[str]) -> None:
+def install(names: list[str], faults: list[str] = []) -> None:  # noqa: B006 (never mutated)
     unknown = [n for n in names if n not in WORKAROUNDS]
     if unknown:
         raise RuntimeError(f"{ENV_ENABLE}: unknown workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
+    unknown = [n for n in faults if n not in FAULTS]
+    if unknown:
+        raise RuntimeError(f"{ENV_FAULTS}: unknown test fault(s) {unknown}; known: {sorted(FAULTS)}")
     hooks = {WORKAROUNDS[n][0]: WORKAROUNDS[n][1] for n in names}
+    hooks.update({FAULTS[n][0]: FAULTS[n][1] for n in faults})
     sys.meta_path.insert(0, _PostImportFinder(hooks))
 
 
+def _names(variable: str) -> list[str]:
+    return [n.strip() for n in os.environ.get(variable, "").split(",") if n.strip()]
+
+
 _run_shadowed_sitecustomize()
-_enabled = [n.strip() for n in os.environ.get(ENV_ENABLE, "").split(",") if n.strip()]
-if _enabled:
-    install(_enabled)
+if _names(ENV_ENABLE) or _names(ENV_FAULTS):
+    install(_names(ENV_ENABLE), _names(ENV_FAULTS))

@@ -25,14 +25,17 @@ import torch
 from sglang_helpers import assert_generates_like_hf
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_agent.client.trainer import RoundOutcome
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.layout.checksums import dequantized_bytes
 from weightsync_agent.layout.quantize import fp8_block
+from weightsync_agent.rounds.canary import Canary
+from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_testing import sglang_cpu
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import ensure_fp8_model, trained_state
+from weightsync_testing.sglang_models import ensure_fp8_model, hf_prompt_logprobs, trained_state, with_weights
 from weightsync_testing.trainer_ranks import publish_all
 
 pytest.importorskip("safetensors.torch")
@@ -57,9 +60,19 @@ def spec() -> WeightSyncGroupSpec:
 
 
 @pytest.fixture(scope="module")
-def harness(sglang_py: Path, tiny_deepseek_v3: Path, tmp_path_factory: pytest.TempPathFactory) -> SglangEngines:
+def skip_post_load(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """While this file exists, the server's weight-update sessions end without ``post_load_weights`` (a test fault,
+    armed in the server below; docs/engines/sglang-testing.md)."""
+    return tmp_path_factory.mktemp("fault") / "skip-post-load"
+
+
+@pytest.fixture(scope="module")
+def harness(
+    sglang_py: Path, tiny_deepseek_v3: Path, skip_post_load: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SglangEngines:
     logs = tmp_path_factory.mktemp("sglang-dsv3")
-    return SglangEngines(tiny_deepseek_v3, python=str(sglang_py), dtype="float32", log_dir=logs)
+    fault = sglang_cpu.fault_env(sglang_cpu.SKIP_POST_LOAD, skip_post_load)
+    return SglangEngines(tiny_deepseek_v3, python=str(sglang_py), dtype="float32", log_dir=logs, extra_env=fault)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +111,69 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
     assert sglang_cpu.ABSORBED_MLA in server.workarounds
     used = {e["workaround"] for e in server.workaround_events() if e["event"] == "used"}
     assert sglang_cpu.ABSORBED_MLA in used
+
+
+#: The semantic gate's canary prompt (the tiny model's vocabulary is 512), and the largest logprob difference a true
+#: sync shows between SGLang on CPU (float32, absorbed MLA) and HF's eager forward (measured: docs/agent.md).
+CANARY_IDS = [1, 17, 42, 99, 250, 7, 3, 300, 12, 5, 480, 64, 33, 2, 411, 128]
+CANARY_TOLERANCE = 1e-3
+
+
+def trainer_canary(sglang_py: Path, model: Path, weights: dict[str, Any], scratch: Path) -> Canary:
+    """The canary a trainer holding ``weights`` publishes: its own forward's logprobs (HF ``transformers`` here)."""
+    logprobs = hf_prompt_logprobs(sglang_py, with_weights(model, weights, scratch), CANARY_IDS)
+    return Canary.model_validate({"inputIds": CANARY_IDS, "logprobs": logprobs, "tolerance": CANARY_TOLERANCE})
+
+
+def test_the_semantic_gate_passes_true_syncs_and_catches_what_byte_verification_cannot(
+    group: LoopbackGroup,
+    harness: SglangEngines,
+    sglang_py: Path,
+    tiny_deepseek_v3: Path,
+    skip_post_load: Path,
+    tmp_path: Path,
+) -> None:
+    """Rank 0 publishes each version with a canary scored by its own forward; SGLang scores it after its end of
+    session and before the label. Two faults whose bytes verify: the trainer staged one layer of the previous
+    version (a skipped layer), and SGLang's end of session skipped ``post_load_weights`` (MLA's ``w_kc``/``w_vc``
+    stale). Each fails the round at the gate, unlabelled and paused; the next true sync passes and serves."""
+    engine = group.engines[0].client(timeout=60)
+
+    def publish(version: int, staged: dict[str, Any], truth: dict[str, Any]) -> RoundResult:
+        canary = trainer_canary(sglang_py, tiny_deepseek_v3, truth, tmp_path / f"v{version}")
+        with group.clients() as clients:
+            [outcome] = publish_all(clients, staged, version, canary=canary)
+        assert isinstance(outcome, RoundOutcome), outcome
+        return outcome.round
+
+    previous = trained_state(tiny_deepseek_v3, 3)
+    passed = publish(3, previous, previous)
+    assert passed.result == "Succeeded", passed.reason
+    assert engine.weight_version() == "3" and passed.phases["gate"] > 0
+    print(f"\ngate: {passed.phases['gate']:.3f} s of a {passed.duration_seconds:.3f} s round")
+
+    truth = trained_state(tiny_deepseek_v3, 4)
+    skipped = {n: previous[n] if n.startswith("model.layers.1.") else t for n, t in truth.items()}
+    failed = publish(4, skipped, truth)
+    assert failed.result == "Failed" and not failed.committed and failed.engines_paused
+    assert "the semantic gate failed for version 4: engine 0: token" in (failed.reason or ""), failed.reason
+    assert engine.weight_version() == "3"  # the bytes verified; the label did not move
+
+    skip_post_load.touch()
+    try:
+        truth = trained_state(tiny_deepseek_v3, 5)
+        stale = publish(5, truth, truth)
+    finally:
+        skip_post_load.unlink()
+    assert stale.result == "Failed" and "the semantic gate failed for version 5" in (stale.reason or ""), stale.reason
+    assert engine.weight_version() == "3"
+    fired = [e for e in harness.servers[0].workaround_events() if e["workaround"] == sglang_cpu.SKIP_POST_LOAD]
+    assert [e["event"] for e in fired] == ["applied", "used"]  # armed at start, fired in version 5's session only
+
+    truth = trained_state(tiny_deepseek_v3, 6)
+    repaired = publish(6, truth, truth)
+    assert repaired.result == "Succeeded", repaired.reason
+    assert engine.weight_version() == "6" and engine.health(30)  # serving again, labelled
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ own commit, which it refuses unless every rank verified (docs/reference-engine.m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -84,6 +85,13 @@ class ReferenceAdapter:
         )
         return TargetVerdict(ok=answer.ok, mismatched=answer.mismatched, error=answer.error)
 
+    def apply(self, version: int, timeout: float, *, round_id: str) -> None:
+        self.client.apply(version, timeout=timeout, round_id=round_id)
+
+    def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
+        logits = self.client.forward(input_ids, timeout=timeout)
+        return [_log_softmax_at(row, token) for row, token in zip(logits, input_ids[1:], strict=False)]
+
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
         self.client.commit(version, timeout=timeout, round_id=round_id)
 
@@ -140,3 +148,9 @@ def reference_adapter(
         engine, url, ranks, bucket_bytes, verify=verify, call_timeout=call_timeout, api_key=token
     )
     return ReferenceAdapter(settings)
+
+
+def _log_softmax_at(row: Sequence[float], token: int) -> float:
+    """``log_softmax(row)[token]``, stable (the largest logit is subtracted first)."""
+    top = max(row)
+    return row[token] - top - math.log(sum(math.exp(x - top) for x in row))

@@ -87,6 +87,7 @@ class SglangAdapter:
         self.client = EngineClient(settings.url, timeout=settings.call_timeout, api_key=settings.api_key)
         self.name = f"engine {settings.engine} (SGLang at {self.client.base_url})"
         self._manifests: dict[int, Manifest] = {}
+        self._applied: str | None = None  # the round whose apply ended the session (its commit only labels)
         self._sums: PassChecksums[dict[int, dict[str, str]]] = PassChecksums()  # tp rank -> name -> hash, per pass
         self._traces: dict[int, dict[str, Any]] = {}
         self._layouts: dict[int, dict[str, Any]] = {}
@@ -199,16 +200,33 @@ class SglangAdapter:
             return TargetVerdict(ok=False, mismatched=mismatched, error=f"parameters {names} differ")
         return TargetVerdict(ok=True)
 
+    def apply(self, version: int, timeout: float, *, round_id: str) -> None:
+        """End the weight-update session (SGLang's post-processing runs there) and keep the label: the semantic gate
+        scores the canary between this and :meth:`commit`."""
+        self._check_round("/end_weight_update", round_id)
+        self._check_newer(version, timeout)
+        self._post("/end_weight_update", {}, timeout)
+        self._applied = round_id
+
+    def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
+        self._check_round("/generate", round_id)
+        return self.client.prompt_logprobs(input_ids, timeout=timeout)
+
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
         self._check_round("/end_weight_update", round_id)
+        self._check_newer(version, timeout)
+        # The version moves only here, after every rank verified; end first, so post-processing has run (in this
+        # round's apply, when the semantic gate ran).
+        if self._applied != round_id:
+            self._post("/end_weight_update", {}, timeout)
+        self.client.update_weight_version(str(version), abort_all_requests=False, timeout=timeout)
+
+    def _check_newer(self, version: int, timeout: float) -> None:
         held = self.client.weight_version(timeout=timeout)
         if held is not None and held.isdigit() and version <= int(held):
             raise HttpCallError(
                 "/update_weight_version", 409, f"version {version} is not newer than the version SGLang holds ({held})"
             )
-        # The version moves only here, after every rank verified; end first, so post-processing has run.
-        self._post("/end_weight_update", {}, timeout)
-        self.client.update_weight_version(str(version), abort_all_requests=False, timeout=timeout)
 
     def resume(self, timeout: float, *, round_id: str) -> None:
         self._check_round("/continue_generation", round_id)
