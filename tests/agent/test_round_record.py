@@ -68,7 +68,7 @@ def test_a_live_round_records_every_phase_in_order_and_its_pause_window() -> Non
     engines, sources = rig(plan)
     result = RoundDriver(plan, engines, sources, staging="live").run(1)
     assert result.result == "Succeeded"
-    assert list(result.phases) == list(PHASES)
+    assert list(result.phases) == [p for p in PHASES if p != "gate"]  # the gate runs only with a canary
     for phase in ("pause", "begin", "commit", "resume"):
         assert result.phases[phase] >= STEP, (phase, result.phases)
     assert sum(result.phases.values()) <= result.duration_seconds + 1e-6

@@ -30,10 +30,11 @@ from vllm_helpers import KEY_PREFIX, PLAIN_LINEARS_PLUGIN, GatedVllmEngines, com
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import RoundOutcome
+from weightsync_agent.rounds.canary import Canary
 from weightsync_testing.http_gate import publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import hf_greedy, trained_state, with_weights
-from weightsync_testing.trainer_ranks import publish_ok, trainer_clients
+from weightsync_testing.sglang_models import hf_greedy, hf_prompt_logprobs, trained_state, with_weights
+from weightsync_testing.trainer_ranks import publish_all, publish_ok, trainer_clients
 from weightsync_testing.vllm_server import VllmProcess
 
 pytest.importorskip("safetensors.torch")
@@ -156,6 +157,48 @@ def test_live_rounds_write_vllms_own_parameters_and_every_one_verifies(
             assert rpc["results"][0] == {KEY_PREFIX + name: value for name, value in checksums(server).items()}
     said = "".join(a.log_text() for a in [*group.agents.values(), *group.engine_agents.values()])
     assert "no weightsync worker extension" not in said  # verified through the extension, not the fallback
+
+
+#: The semantic gate's canary prompt, and the largest logprob difference a true sync shows between vLLM on CPU
+#: (float32) and HF's eager forward (docs/agent.md, "The semantic gate").
+CANARY_IDS = [1, 5, 9, 100, 200, 300, 301, 302, 17, 42, 99, 250, 7, 3, 12, 480]
+CANARY_TOLERANCE = 1e-3
+
+
+def test_the_semantic_gate_labels_true_syncs_and_stops_a_skipped_layer(
+    group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, tmp_path: Path
+) -> None:
+    """Rank 0 publishes each version with a canary its own forward scored (HF here); vLLM finishes the update,
+    resumes, scores it through ``/v1/completions`` (``prompt_logprobs``), and only then is labelled. A version whose
+    layer 1 the trainer staged from the previous step verifies parameter for parameter and fails at the gate: vLLM
+    keeps its label, paused; the next true sync passes and serves."""
+    server = harness_of(group).servers[0]
+
+    def canary(weights: Mapping[str, torch.Tensor], name: str) -> Canary:
+        logprobs = hf_prompt_logprobs(vllm_py, with_weights(tiny_llama32, dict(weights), tmp_path / name), CANARY_IDS)
+        return Canary.model_validate({"inputIds": CANARY_IDS, "logprobs": logprobs, "tolerance": CANARY_TOLERANCE})
+
+    label = held(group)
+    base = int(label) if label is not None and label.isdigit() else 0
+    with trainer_clients(group.client, 2) as clients:
+        one = trained_state(tiny_llama32, 50)
+        [passed, _] = publish_all(clients, one, base + 1, canary=canary(one, "one"))
+        assert isinstance(passed, RoundOutcome) and passed.ok, passed.summary()
+        assert "gate" in passed.round.phases and held(group) == str(base + 1)
+
+        two = trained_state(tiny_llama32, 51)
+        skipped = {n: one[n] if n.startswith("model.layers.1.") else t for n, t in two.items()}
+        [failed, _] = publish_all(clients, skipped, base + 2, canary=canary(two, "two"))
+        assert isinstance(failed, RoundOutcome) and not failed.ok, failed.summary()
+        assert f"the semantic gate failed for version {base + 2}: engine 0: token" in (failed.round.reason or "")
+        assert held(group) == str(base + 1)
+        assert server.request("GET", "/is_paused")[1] == {"is_paused": True}
+
+        three = trained_state(tiny_llama32, 52)
+        [repaired, _] = publish_all(clients, three, base + 3, canary=canary(three, "three"))
+        assert isinstance(repaired, RoundOutcome) and repaired.ok, repaired.summary()
+        assert held(group) == str(base + 3)
+        assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
 
 
 class ForeignWriter:
