@@ -46,6 +46,12 @@ CASES: tuple[tuple[int, int], ...] = ((1, 0), (2, 1), (8, 7))
 #: (TP size, rank, EP size) checked through the engine replica for MoE architectures (SGLang's ``--ep-size``: the
 #: 8 experts split over 2 or 8 ranks).
 EP_CASES: tuple[tuple[int, int, int], ...] = ((2, 1, 2), (8, 7, 8))
+#: Model types that ship FP8 block checkpoints (DeepSeek-V3, Kimi-K2, Qwen3 and Qwen3-MoE's FP8 releases): also checked
+#: as an FP8 block target from BF16 trainer tensors, quantized by weightsync's quantizer, at every case above.
+FP8_FAMILIES = ("deepseek_v3", "kimi_k2", "qwen3", "qwen3_moe")
+#: The tiny models' FP8 block: it must divide every quantized weight at every case (the MoE experts' 64 rows over 8
+#: TP ranks are 8); the published checkpoints use 128 x 128.
+FP8_BLOCK = (8, 8)
 #: Config keys that make an architecture MoE (its expert count).
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 #: Overrides applied to an architecture's default config, only for keys the config has.
@@ -98,7 +104,8 @@ def _sibling(name: str) -> Any:
     return module
 
 
-_DEEPSEEK_CONFIG: dict[str, Any] = _sibling("sglang_models").DEEPSEEK_CONFIG
+_MODELS: Any = _sibling("sglang_models")
+_DEEPSEEK_CONFIG: dict[str, Any] = _MODELS.DEEPSEEK_CONFIG
 #: Per model type, what its tiny config also needs to build on CPU.
 FAMILY: dict[str, dict[str, Any]] = {
     model_type: dict(_DEEPSEEK_CONFIG) for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
@@ -187,7 +194,10 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         "ranks: SGLang's own `load_weights` on the source, its parameters written into an engine that held other",
         "weights, SGLang's own end-of-session processing; every parameter, buffer and tensor attribute must then equal",
         "SGLang's own full load, bit for bit. MoE architectures are also checked with expert parallelism "
-        f"({', '.join(f'TP {t} rank {r} EP {e}' for t, r, e in EP_CASES)}) through the engine replica.",
+        f"({', '.join(f'TP {t} rank {r} EP {e}' for t, r, e in EP_CASES)}) through the engine replica. The families",
+        f"that ship FP8 block checkpoints ({', '.join(FP8_FAMILIES)}) are also checked as an FP8 block target",
+        f"({FP8_BLOCK[0]} x {FP8_BLOCK[1]} blocks): the checkpoint and both rounds quantized from BF16 by weightsync's",
+        "quantizer, through the engine replica at every case, against SGLang's own load of the FP8 checkpoint.",
         "Live rounds into a running SGLang server are tested for Llama and Qwen3 ([testing](sglang-testing.md)); the",
         "methods are in [trace](sglang-trace.md) and [engine replicas](engine-replicas.md).",
         "",
@@ -217,7 +227,11 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
             detail += f"; with EP {' and '.join(str(e) for e in row['ep'])}: engine replica, bit-exact"
         elif row.get("ep_not_built"):
             detail += f"; EP not built here: {row['ep_not_built']}"
-        lines.append(f"| `{row['arch']}` | {row['status']} | {detail[:300]} |")
+        if row.get("fp8_not_built"):
+            detail += f"; FP8 block target not built here: {row['fp8_not_built'][:160]}"
+        elif row.get("fp8"):
+            detail += f"; FP8 block target from BF16 ({', '.join(row['fp8'])}): engine replica, bit-exact"
+        lines.append(f"| `{row['arch']}` | {row['status']} | {detail[:520]} |")
     if unmapped:
         lines += [
             "",
@@ -337,7 +351,8 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
                 return {"status": "not built", "reason": f"TP {tp}: {_why(exc)}"}
             if isinstance(traced[tp, rank], str):
                 refusal = f"TP {tp} rank {rank}: {traced[tp, rank]}"
-                return _with_ep(sg, model_dir, rounds, defaults, _replica(sg, model_dir, rounds, refusal))
+                row = _with_ep(sg, model_dir, rounds, defaults, _replica(sg, model_dir, rounds, refusal))
+                return _with_fp8(sg, model_dir, rounds, model_type, row)
         parameters = 0
         for (tp, rank), tensors in traced.items():
             bad = _differential(tm, sg, model_dir, values, tp, rank, tensors)
@@ -345,7 +360,7 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
                 return {"status": "mismatch", "reason": f"TP {tp} rank {rank}: SGLang's load differs in {bad[:3]}"}
             parameters = len(tensors)
         synced = {"status": "synced", "reason": "", "parameters": parameters, "path": "trace"}
-        return _with_ep(sg, model_dir, rounds, defaults, synced)
+        return _with_fp8(sg, model_dir, rounds, model_type, _with_ep(sg, model_dir, rounds, defaults, synced))
 
 
 def _with_ep(sg: Any, model_dir: Path, rounds: Rounds, defaults: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
@@ -369,17 +384,52 @@ def _with_ep(sg: Any, model_dir: Path, rounds: Rounds, defaults: dict[str, Any],
     return {**row, "ep": [ep for _, _, ep in EP_CASES], "ep_experts": experts}
 
 
-def _check(sg: Any, model_dir: Path, rounds: Rounds, tp: int, rank: int, ep: int = 1) -> Any:
+def _with_fp8(sg: Any, model_dir: Path, rounds: Rounds, model_type: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A synced architecture of :data:`FP8_FAMILIES`, also checked as an FP8 block target: the checkpoint and both
+    rounds quantized by weightsync's quantizer (:data:`FP8_BLOCK`), through the engine replica at every case (a
+    quantized checkpoint always takes it), against SGLang's own load of the FP8 checkpoint. ``fp8`` lists the cases
+    that are bit-exact; ``fp8_not_built`` says why SGLang could not build one here; a difference is the row's."""
+    if row["status"] != "synced" or model_type not in FP8_FAMILIES:
+        return row
+    old, new = rounds
+    quantized = (_MODELS.fp8_state(old, FP8_BLOCK), _MODELS.fp8_state(new, FP8_BLOCK))
+    cases: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="weightsync-coverage-fp8-") as work:
+        fp8_dir = Path(work)
+        _MODELS.fp8_checkpoint(model_dir, fp8_dir, FP8_BLOCK)
+        for tp, rank, ep in [*((t, r, 1) for t, r in CASES), *(EP_CASES if row.get("ep") else ())]:
+            case = f"TP {tp} rank {rank}" + (f" EP {ep}" if ep > 1 else "")
+            try:
+                checked = _check(sg, fp8_dir, quantized, tp, rank, ep, keeps=KV_CACHE_SCALES)
+            except Exception as exc:  # SGLang cannot build or load this FP8 layout here (CPU): said, not hidden
+                return {**row, "fp8": cases, "fp8_not_built": f"{case}: {_why(exc)}"}
+            if isinstance(checked, tuple):
+                status, detail = checked
+                return {"status": status, "reason": f"FP8 block target: engine replica: {case}: {detail}"}
+            cases.append(case)
+    return {**row, "fp8": cases}
+
+
+#: What an FP8 checkpoint without KV-cache scales leaves to the engine: SGLang's own load keeps these parameters'
+#: defaults (the KV cache unscaled), and so does a round (``EngineReplica.kept``).
+KV_CACHE_SCALES = (".k_scale", ".v_scale")
+
+
+def _check(
+    sg: Any, model_dir: Path, rounds: Rounds, tp: int, rank: int, ep: int = 1, keeps: tuple[str, ...] = ()
+) -> Any:
     """``replica_model.check`` at one case, ``rounds`` = (what the engine held, what the round sends): its result when
     everything is bit-exact, else ``(status, detail)``: ``refused`` when a parameter is written by no HF tensor
     (the engine would keep its own values: never synced silently) or when only derived state (buffers, tensor
     attributes) is left stale by SGLang's session (the engine derives it in ``load_weights``, which one-sided
     writes do not run, and its end-of-session processing does not re-derive it); ``mismatch`` for a parameter
-    that differs (a bug to fix)."""
+    that differs (a bug to fix). ``keeps``: name suffixes of unwritten parameters the engine keeps as its own load
+    does (:data:`KV_CACHE_SCALES` of an FP8 target)."""
     rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
     old, new = rounds
     checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep)
-    found, own = checked["differences"], checked["unwritten"]
+    found = checked["differences"]
+    own = [name for name in checked["unwritten"] if not name.endswith(keeps)] if keeps else checked["unwritten"]
 
     def first(items: list[str]) -> str:
         return f"{items[0]} (and {len(items) - 1} more)" if len(items) > 1 else items[0]

@@ -26,6 +26,7 @@ import argparse
 import fcntl
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -183,40 +184,62 @@ FP8_NOT_QUANTIZED = "mlp.gate.weight"  # the router
 
 
 def ensure_fp8_model(model_dir: Path, block: tuple[int, int] = (16, 16)) -> Path:
-    """``model_dir`` as a DeepSeek-V3-style FP8 block checkpoint (the format Kimi-K2 and DeepSeek-V3 ship): each
-    projection quantized by weightsync's own quantizer (``layout/quantize.py``) in ``block`` blocks with its float32
-    ``weight_scale_inv``, everything else bfloat16, and ``quantization_config`` in ``config.json``. Made once beside
-    ``model_dir`` (this process: torch and safetensors). ``block``: the tiny models' sizes are multiples of 16, not
-    of the published 128 (SGLang checks that a block divides each quantized weight)."""
-    import re
+    """``model_dir`` as a DeepSeek-V3-style FP8 block checkpoint (the format Kimi-K2 and DeepSeek-V3 ship):
+    :func:`fp8_checkpoint`, made once beside ``model_dir`` (this process: torch and safetensors). ``block``: the tiny
+    models' sizes are multiples of 16, not of the published 128 (SGLang checks that a block divides each quantized
+    weight)."""
+    out = model_dir.with_name(f"{model_dir.name}-fp8b{block[0]}x{block[1]}")
+    made_once(out, lambda work: fp8_checkpoint(model_dir, work, block))
+    return out
 
-    import torch
+
+def fp8_checkpoint(model_dir: Path, out: Path, block: tuple[int, int]) -> None:
+    """Write ``model_dir`` into directory ``out`` as an FP8 block checkpoint: its tensors as :func:`fp8_state` makes
+    them, ``quantization_config`` in ``config.json``. Runs in either venv (torch and safetensors)."""
     from safetensors.torch import load_file, save_file
 
-    from weightsync_agent.layout.quantize import fp8_block
+    shutil.copytree(model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", STAMP))
+    save_file(fp8_state(load_file(str(next(model_dir.glob("*.safetensors")))), block), str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(block)}  # fmt: skip
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / STAMP).write_text(json.dumps({"fp8_of": model_dir.name, "block": list(block)}) + "\n")
 
-    out = model_dir.with_name(f"{model_dir.name}-fp8b{block[0]}x{block[1]}")
 
-    def make(work: Path) -> None:
-        shutil.copytree(model_dir, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", STAMP))
-        quantized = re.compile(FP8_QUANTIZED)
-        state: dict[str, Any] = {}
-        for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
-            bf16 = tensor.to(torch.bfloat16)
-            if tensor.dim() == 2 and quantized.match(name) and not name.endswith(FP8_NOT_QUANTIZED):
-                state[name], state[f"{name}_scale_inv"] = fp8_block(bf16, block)
-            else:
-                state[name] = bf16
-        save_file(state, str(work / "model.safetensors"))
-        config = json.loads((work / "config.json").read_text())
-        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                         "weight_block_size": list(block)}  # fmt: skip
-        config["torch_dtype"] = config["dtype"] = "bfloat16"
-        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (work / STAMP).write_text(json.dumps({"fp8_of": model_dir.name, "block": list(block)}) + "\n")
+def fp8_state(values: dict[str, Any], block: tuple[int, int]) -> dict[str, Any]:
+    """HF-named tensors as an FP8 block checkpoint stores them: each projection (:data:`FP8_QUANTIZED`) as e4m3 with
+    its float32 ``<name>_scale_inv`` in ``block`` blocks, by weightsync's own quantizer (``layout/quantize.py``, as a
+    source quantizes a BF16 trainer's tensors); everything else bfloat16."""
+    import re
 
-    made_once(out, make)
-    return out
+    torch: Any = importlib.import_module("torch")
+    quantizer = _quantizer()
+    quantized = re.compile(FP8_QUANTIZED)
+    state: dict[str, Any] = {}
+    for name, tensor in values.items():
+        bf16 = tensor.to(torch.bfloat16)
+        if tensor.dim() == 2 and quantized.match(name) and not name.endswith(FP8_NOT_QUANTIZED):
+            state[name], state[f"{name}_scale_inv"] = quantizer.fp8_block(bf16, block)
+        else:
+            state[name] = bf16
+    return state
+
+
+def _quantizer() -> Any:
+    """``weightsync_agent.layout.quantize``: imported where weightsync is installed, else (an engine venv running
+    this file) loaded from its path in this checkout (it imports only torch)."""
+    try:
+        return importlib.import_module("weightsync_agent.layout.quantize")
+    except ImportError:
+        path = Path(__file__).resolve().parents[1] / "weightsync_agent" / "layout" / "quantize.py"
+        spec = importlib.util.spec_from_file_location("_weightsync_quantize", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"weightsync's quantizer is not at {path}") from None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
 
 
 def hf_greedy(

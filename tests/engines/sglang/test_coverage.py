@@ -44,8 +44,15 @@ def test_the_survey_syncs_by_trace_or_by_engine_replica_and_says_which(sglang_py
     for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):  # with EP too
         assert rows[arch]["ep"] == [2, 8], rows[arch]
         assert {ep: shape[0] for ep, shape in rows[arch]["ep_experts"].items()} == {"2": 4, "8": 1}  # 8 experts
+    # The families that ship FP8 block checkpoints, as FP8 block targets from BF16: bit-exact at every case, EP too.
+    everywhere = ["TP 1 rank 0", "TP 2 rank 1", "TP 8 rank 7"]
+    assert rows["Qwen3ForCausalLM"]["fp8"] == everywhere, rows["Qwen3ForCausalLM"]
+    for arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
+        assert rows[arch]["fp8"] == [*everywhere, "TP 2 rank 1 EP 2", "TP 8 rank 7 EP 8"], rows[arch]
+    assert "fp8" not in rows["LlamaForCausalLM"]
     page = render(list(rows.values()))
     assert "| synced | 7 |" in page and "| refused | 0 |" in page
+    assert "FP8 block target from BF16 (TP 1 rank 0, TP 2 rank 1, TP 8 rank 7, TP 2 rank 1 EP 2" in page
     assert "`DeepseekV3ForCausalLM` | synced | engine replica: every parameter, buffer and tensor attribute" in page
 
 
