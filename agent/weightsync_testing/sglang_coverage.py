@@ -429,7 +429,7 @@ def _check(
     old, new = rounds
     checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep)
     found = checked["differences"]
-    own = [name for name in checked["unwritten"] if not name.endswith(keeps)] if keeps else checked["unwritten"]
+    own = [name for name in checked["unwritten"] if not name.endswith(keeps)]  # endswith(()) is False: keeps all
 
     def first(items: list[str]) -> str:
         return f"{items[0]} (and {len(items) - 1} more)" if len(items) > 1 else items[0]

@@ -400,11 +400,17 @@ def _make(
     (out / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
 
 
-def _greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
-    torch: Any = importlib.import_module("torch")
+def _hf_model(model_dir: Path) -> Any:
+    """HF ``transformers``' model of ``model_dir`` (eager attention, the checkpoint's dtype), ready to evaluate."""
     transformers: Any = importlib.import_module("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager")
     model.eval()
+    return model
+
+
+def _greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    torch: Any = importlib.import_module("torch")
+    model = _hf_model(model_dir)
     results = []
     for prompt in prompts:
         ids = list(prompt)
@@ -421,13 +427,16 @@ def _greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> l
 
 def _prompt_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
     torch: Any = importlib.import_module("torch")
-    transformers: Any = importlib.import_module("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager")
-    model.eval()
+    model = _hf_model(model_dir)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
     chosen = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
     return [float(x) for x in chosen.squeeze(1)]
+
+
+def _token_ids(text: str) -> list[int]:
+    """``"1,5,9"`` as token ids (the engine-side commands' ``--input-ids``)."""
+    return [int(i) for i in text.split(",") if i]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,9 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         _make(args.arch, args.seed, args.dtype, args.out, args.head_dim, args.shape)
         print(args.out)
     elif args.command == "logprobs":
-        print(json.dumps(_prompt_logprobs(args.model, [int(i) for i in args.input_ids.split(",") if i])))
+        print(json.dumps(_prompt_logprobs(args.model, _token_ids(args.input_ids))))
     else:
-        prompts = [[int(i) for i in p.split(",") if i] for p in args.input_ids.split(";")]
+        prompts = [_token_ids(p) for p in args.input_ids.split(";")]
         print(json.dumps(_greedy(args.model, prompts, args.max_new_tokens)))
     return 0
 

@@ -447,9 +447,9 @@ class WeightSyncClient:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self.replicas.flush_digests()  # staging's bucket digests are filed before any publisher reads them
         self.replicas.mark_stream(version, None)  # a plain publish, even of a version whose stream failed
-        outcome = (
-            publisher.publish(version, deadline, canary) if canary is not None else publisher.publish(version, deadline)
-        )
+        # Without a canary, the two-argument call every publisher takes (a trainer's own publisher included).
+        gated = canary is not None
+        outcome = publisher.publish(version, deadline, canary) if gated else publisher.publish(version, deadline)
         return self._settled(version, outcome, check)
 
     @contextlib.contextmanager

@@ -323,7 +323,7 @@ def _run_shadowed_sitecustomize() -> None:
     spec.loader.exec_module(shadowed)
 
 
-def install(names: list[str], faults: list[str] = []) -> None:  # noqa: B006 (never mutated)
+def install(names: Sequence[str], faults: Sequence[str] = ()) -> None:
     unknown = [n for n in names if n not in WORKAROUNDS]
     if unknown:
         raise RuntimeError(f"{ENV_ENABLE}: unknown workaround(s) {unknown}; known: {sorted(WORKAROUNDS)}")
@@ -340,5 +340,6 @@ def _names(variable: str) -> list[str]:
 
 
 _run_shadowed_sitecustomize()
-if _names(ENV_ENABLE) or _names(ENV_FAULTS):
-    install(_names(ENV_ENABLE), _names(ENV_FAULTS))
+_enabled, _faults = _names(ENV_ENABLE), _names(ENV_FAULTS)
+if _enabled or _faults:
+    install(_enabled, _faults)
