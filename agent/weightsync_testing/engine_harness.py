@@ -189,8 +189,11 @@ class VllmEngines:
         dtype: str = "float32",
         tensor_parallel: int = 1,
         plugin_paths: Sequence[Path] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
-        """``plugin_paths``: more directories on the servers' ``PYTHONPATH`` (test-only vLLM plugins)."""
+        """``plugin_paths``: more directories on the servers' ``PYTHONPATH`` (test-only vLLM plugins); ``extra_env``:
+        more variables for the servers (e.g. the plugin's switches)."""
+        self.extra_env = dict(extra_env or {})
         self.model_dir = model_dir
         self.python = python
         self.dtype = dtype
@@ -211,7 +214,7 @@ class VllmEngines:
         # The plugin's worker extension: live rounds verify through it (docs/engines/vllm.md); staged ones ignore it.
         extension = ["--worker-extension-cls", "weightsync_engine.vllm.worker_extension.WeightsyncWorkerExtension"]
         parallel: list[str] = []
-        env = {**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {})}
+        env = {**mooncake_port_env(spec), **({names.ENV_GROUP_TOKEN: token} if token else {}), **self.extra_env}
         if self.tensor_parallel > 1:
             parallel = ["--tensor-parallel-size", str(self.tensor_parallel)]
             # vLLM's CPU workers bind their OpenMP threads per NUMA node unless told which cores: one core per rank

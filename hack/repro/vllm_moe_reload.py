@@ -6,7 +6,11 @@ No weightsync involved: vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 
 greedy generation again. Measured 28 Nov 2026: Llama unchanged; tiny DeepSeek-V3 and Qwen3-MoE change (DeepSeek-V3:
 reloading only the attention tensors keeps it, only the MLP tensors breaks it). docs/engines/vllm.md, "Limits so far".
 
-    $VLLM_PY hack/repro/vllm_moe_reload.py MODEL_DIR all|attn|mlp
+    $VLLM_PY hack/repro/vllm_moe_reload.py MODEL_DIR all|attn|mlp [--fix]
+
+``--fix`` installs weightsync's gated fix first (``engine/weightsync_engine/vllm/cpu_moe_reload.py``: the CPU experts
+re-prepacked on a weight update); with it generation is unchanged. ``REPRO_DTYPE`` (default float32) is the
+serving dtype (an FP8 checkpoint needs bfloat16; vLLM's CPU FP8 kernels then need AMX, which these machines lack).
 """
 
 from __future__ import annotations
@@ -27,12 +31,18 @@ WHICH: dict[str, Callable[[str], bool]] = {
 }
 
 
-def main(model_dir: str, which: str) -> None:
+def main(model_dir: str, which: str, fix: bool) -> None:
     import torch
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4)
+    if fix:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "engine"))
+        from weightsync_engine.vllm import cpu_moe_reload
+
+        cpu_moe_reload.install()
+    dtype = os.environ.get("REPRO_DTYPE", "float32")
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=256, max_num_seqs=4)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
     def generate() -> list[list[int]]:
@@ -60,4 +70,4 @@ def main(model_dir: str, which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], "--fix" in sys.argv[3:])

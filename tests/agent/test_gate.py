@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 import torch
@@ -79,6 +80,7 @@ def test_a_malformed_canary_is_refused_naming_the_field(body: dict[str, object],
 class GatedEngine(FakeEngine):
     """A fake engine with the gate's two calls; ``reads`` is what its scoring returns."""
 
+    gate_stagings: ClassVar[frozenset[str]] = frozenset({"live"})
     reads: list[float | None] = field(default_factory=lambda: [-1.0, -2.0, -0.5])
     applied: int = 0
 
@@ -91,10 +93,17 @@ class GatedEngine(FakeEngine):
         return list(self.reads)
 
 
-def gated_setup() -> tuple[Log, dict[int, GatedEngine], dict[int, object]]:
+@dataclass
+class StagedGatedEngine(GatedEngine):
+    """As vLLM's staged adapter: the gate in staged rounds only."""
+
+    gate_stagings: ClassVar[frozenset[str]] = frozenset({"staged"})
+
+
+def gated_setup(engine: type[GatedEngine] = GatedEngine) -> tuple[Log, dict[int, GatedEngine], dict[int, object]]:
     plan = make_plan()
     log, _, sources = setup(plan)
-    return log, {e: GatedEngine(e, log) for e in range(plan.layout.engines)}, dict(sources)
+    return log, {e: engine(e, log) for e in range(plan.layout.engines)}, dict(sources)
 
 
 def test_a_gated_round_applies_resumes_scores_then_labels() -> None:
@@ -124,15 +133,36 @@ def test_a_failed_gate_pauses_again_never_labels_and_names_the_engine_and_token(
     assert [e.aborts for e in engines.values()] == [[True], [True]]  # closed as written: the weights are no version's
 
 
-def test_a_canary_needs_live_staging_and_engines_that_score() -> None:
+def test_a_canary_needs_engines_that_gate_the_rounds_staging() -> None:
     plan = make_plan()
     log, engines, sources = setup(plan)
     result = RoundDriver(plan, engines, sources).run(2, canary=canary())
     assert result.result == "Failed" and not result.started
     assert "engines [0, 1] cannot score a canary" in (result.reason or "") and log.events == []
-    _log, gated, sources = gated_setup()
+    log, gated, sources = gated_setup()
     staged = RoundDriver(plan, gated, sources, staging="staged").run(2, canary=canary())  # type: ignore[arg-type]
-    assert "the semantic gate (a canary) needs targetStaging: live" in (staged.reason or "")
+    assert "engines [0, 1] cannot take the semantic gate (a canary) with targetStaging: staged" in (staged.reason or "")
+    assert not staged.started and log.events == []
+    log, gated, sources = gated_setup()
+    gated[1] = StagedGatedEngine(1, log)  # one of each: the live one refuses a staged round
+    mixed = RoundDriver(plan, gated, sources, staging="staged").run(2, canary=canary())  # type: ignore[arg-type]
+    assert "engines [0] cannot take the semantic gate" in (mixed.reason or "") and log.events == []
+
+
+def test_a_staged_gated_round_applies_resumes_scores_then_labels_and_a_miss_leaves_it_paused() -> None:
+    log, engines, sources = gated_setup(StagedGatedEngine)
+    result = RoundDriver(make_plan(), engines, sources, staging="staged").run(3, canary=canary())  # type: ignore[arg-type]
+    assert result.result == "Succeeded" and result.committed and not result.engines_paused
+    kinds = [e[0] for e in log.events if e[0] in ("verify", "apply", "resume", "score", "commit", "pause")]
+    assert "pause" not in kinds  # staged: the engines serve while the sources write
+    assert kinds.index("apply") > max(i for i, k in enumerate(kinds) if k == "verify")
+    assert max(i for i, k in enumerate(kinds) if k == "score") < kinds.index("commit")
+    log, engines, sources = gated_setup(StagedGatedEngine)
+    engines[0].reads = [-1.0, -2.0, -0.9]
+    missed = RoundDriver(make_plan(), engines, sources, staging="staged").run(4, canary=canary())  # type: ignore[arg-type]
+    assert missed.result == "Failed" and not missed.committed and missed.engines_paused
+    assert "engine 0: token 3 of the canary" in (missed.reason or "") and log.kinds("commit") == []
+    assert len(log.kinds("pause")) == 2  # paused again after the miss: the applied weights are no version's
 
 
 def trainer_canary(full: dict[str, torch.Tensor]) -> Canary:

@@ -3,7 +3,8 @@
     (live: pause engines) -> begin v -> every source writes its targets -> targets verify -> commit v
     -> (live: resume)
 
-With a canary (the semantic gate, ``rounds/canary.py``; live rounds only), the commit is split around it:
+With a canary (the semantic gate, ``rounds/canary.py``; engines whose adapter gates the round's staging: SGLang
+and vLLM live, vLLM staged, the reference engine), the commit is split around it:
 
     ... -> targets verify -> apply v (no label) -> resume -> every engine scores the canary -> label v
 
@@ -280,11 +281,13 @@ class RoundDriver:
         """Why this round cannot take ``canary``'s gate, or None (also when there is no canary)."""
         if canary is None:
             return None
-        if self.staging != "live":
-            return "the semantic gate (a canary) needs targetStaging: live"
         unable = [index for index, engine in self.engines.items() if not isinstance(engine, GatedRound)]
         if unable:
             return f"engines {unable} cannot score a canary (their adapter has no semantic gate)"
+        staged = [index for index, engine in self.engines.items()
+                  if self.staging not in _gated(engine).gate_stagings]  # fmt: skip
+        if staged:
+            return f"engines {staged} cannot take the semantic gate (a canary) with targetStaging: {self.staging}"
         return None
 
     def _attempt(self, version: int, started: float, canary: Canary | None = None) -> int:

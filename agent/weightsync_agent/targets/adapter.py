@@ -142,6 +142,9 @@ class GatedRound(Protocol):
     """An engine that can take the semantic gate (``rounds/canary.py``): apply a version without labelling it, then
     score a prompt with the applied weights. After :meth:`apply` in a round, that round's ``commit`` only labels."""
 
+    #: The ``transfer.targetStaging`` values this adapter's gate works in (the driver refuses a canary otherwise).
+    gate_stagings: ClassVar[frozenset[str]]
+
     def apply(self, version: int, timeout: float, *, round_id: str) -> None:
         """Make the written ``version`` what the engine computes with (its own post-processing included), keeping
         the label it reports."""

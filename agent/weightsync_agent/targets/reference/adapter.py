@@ -35,6 +35,8 @@ class ReferenceAdapter:
     manifests_from_engine_agent: ClassVar[bool] = False  # the engine serves full manifests itself
     #: One process serves every rank, so one member per engine cuts them all from weightsync's buckets.
     broadcast: ClassVar[BroadcastReception] = BroadcastReception("engine", "weightsync-buckets")
+    #: The semantic gate (``GatedRound``) in live rounds only: its staged weights serve only from the commit.
+    gate_stagings: ClassVar[frozenset[str]] = frozenset({"live"})
 
     def __init__(self, settings: AdapterSettings, *, pause_mode: PauseMode = "abort") -> None:
         self.settings = settings

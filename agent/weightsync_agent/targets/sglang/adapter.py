@@ -81,6 +81,8 @@ class SglangAdapter:
     #: Every TP rank joins the trainer's group itself and receives full HF tensors, which SGLang's own
     #: load_weights cuts into its shards (/init_weights_update_group, /update_weights_from_distributed).
     broadcast: ClassVar[BroadcastReception] = BroadcastReception("rank", "announced-tensors")
+    #: The semantic gate (``GatedRound``) in live rounds only: stock SGLang has no staging area.
+    gate_stagings: ClassVar[frozenset[str]] = frozenset({"live"})
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings

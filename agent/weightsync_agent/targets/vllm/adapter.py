@@ -89,6 +89,8 @@ class VllmAdapter:
     not_serving: ClassVar[str] = NOT_SERVING_ROUTES
     #: Where the plugin lands this adapter's bytes (``weightsync_engine.vllm.engine.PLACEMENTS``): its receive buffer.
     placement: ClassVar[str] = "buffer"
+    #: The semantic gate (``GatedRound``): staged rounds, the buffer applied before the canary is scored.
+    gate_stagings: ClassVar[frozenset[str]] = frozenset({"staged"})
 
     def __init__(self, settings: AdapterSettings) -> None:
         self.settings = settings
@@ -96,6 +98,7 @@ class VllmAdapter:
         self.name = f"engine {settings.engine} (vLLM at {self.client.base_url})"
         self._manifests: dict[int, Manifest] = {}
         self._lock = threading.Lock()
+        self._applied: str | None = None  # the round whose gate applied the buffer (its commit only labels)
 
     def __repr__(self) -> str:
         return f"VllmAdapter({self.name})"
@@ -156,10 +159,50 @@ class VllmAdapter:
                                  f"the sources wrote session {manifest.session_id}: vLLM restarted")  # fmt: skip
         return verify_buffer(manifest, layout, self.settings.bucket_bytes, checksums)
 
+    def apply(self, version: int, timeout: float, *, round_id: str) -> None:
+        """The commit without its label and resume (the semantic gate scores the canary between this and
+        :meth:`commit`): vLLM paused, the verified buffer loaded through its layerwise reload."""
+        self._load(version, timeout, _budget(timeout))
+        self._applied = round_id
+
+    def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
+        """vLLM's logprob of each of ``input_ids`` after the first: ``/v1/completions`` with ``prompt_logprobs``."""
+        body = {"model": self._served_name(timeout), "prompt": list(input_ids), "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0}  # fmt: skip
+        answer = self._post("/v1/completions", body, timeout)
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        entries = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices else None
+        if not isinstance(entries, list) or len(entries) != len(input_ids):
+            raise HttpCallError("/v1/completions", 200, f"no prompt_logprobs for the {len(input_ids)} prompt tokens")
+        scored: list[float | None] = []
+        for entry, token in zip(entries[1:], input_ids[1:], strict=True):
+            chosen = entry.get(str(token)) if isinstance(entry, dict) else None
+            value = chosen.get("logprob") if isinstance(chosen, dict) else None
+            scored.append(float(value) if isinstance(value, int | float) else None)
+        return scored
+
+    def _served_name(self, timeout: float) -> str:
+        """The name the OpenAI routes serve the model under (``--served-model-name``, else its path): ``/v1/models``."""
+        _, answer = self.client.request("GET", "/v1/models", timeout=timeout)
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+            raise HttpCallError("/v1/models", 200, f"no served model in {str(answer)[:200]}", answer)
+        return str(models[0]["id"])
+
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
         # The commit is several vLLM calls; ``timeout`` bounds them together, ending a little before the driver
         # stops waiting, so no step of a commit the round already gave up on can land afterwards.
         left = _budget(timeout)
+        if self._applied != round_id:
+            self._load(version, timeout, left)
+        self._applied = None
+        # The label goes last, in a call of its own: the reload (the slow part) is done and vLLM is still paused
+        # (or, after the gate, serving the applied weights under the old label).
+        self._post("/update_weight_version", {"new_version": str(version)}, left("/update_weight_version"))
+        self._post("/resume", None, timeout)
+
+    def _load(self, version: int, timeout: float, left: Callable[[str], float]) -> None:
+        """Pause vLLM and apply the verified receive buffer through its layerwise reload, keeping the label."""
         self._refuse_unless_newer(version, "/finish_weight_update", left("/weight_info"))
         sessions = self._written_sessions(left)
         try:
@@ -175,14 +218,13 @@ class VllmAdapter:
         self._start_update(left)
         self._post("/update_weights", {"update_info": {"sessions": sessions}}, left("/update_weights"))
         self._post("/finish_weight_update", {}, left("/finish_weight_update"))
-        # The label goes last, in a call of its own: the reload (the slow part) is done and vLLM is still paused.
-        self._post("/update_weight_version", {"new_version": str(version)}, left("/update_weight_version"))
-        self._post("/resume", None, timeout)
 
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
-        # Nothing to undo: the live weights change only inside commit, and a commit that failed half-way left the
-        # engine paused, reporting the version it held before.
-        return
+        # Nothing to undo: the live weights change only inside commit (or the gate's apply), and one that failed
+        # half-way left the engine paused, reporting the version it held before; after a failed gate the driver
+        # pauses it again. Either way it serves again only when a later round's commit completes.
+        if self._applied == round_id:
+            self._applied = None
 
     # --- Broadcast: not yet (vLLM's own nccl backend needs an NVIDIA driver; docs/engines/vllm.md) -----------
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.layout.manifest import Manifest, ManifestError
@@ -43,6 +43,8 @@ DIGEST_METHOD = "weightsync_checksums"
 
 class VllmTracedAdapter(VllmAdapter):
     """A vLLM engine whose rounds land in its live parameters, verified by vLLM's own per-parameter checksums."""
+
+    gate_stagings: ClassVar[frozenset[str]] = frozenset({"live"})
 
     def __init__(self, settings: AdapterSettings) -> None:
         super().__init__(settings)
@@ -95,30 +97,6 @@ class VllmTracedAdapter(VllmAdapter):
             raise HttpCallError("/finish_weight_update", 409, f"version {version} was not verified here")
         with self._round_lock:
             self._close_update(timeout)
-
-    def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
-        """vLLM's logprob of each of ``input_ids`` after the first: ``/v1/completions`` with ``prompt_logprobs``."""
-        body = {"model": self._served_name(timeout), "prompt": list(input_ids), "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0}  # fmt: skip
-        answer = self._post("/v1/completions", body, timeout)
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        entries = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices else None
-        if not isinstance(entries, list) or len(entries) != len(input_ids):
-            raise HttpCallError("/v1/completions", 200, f"no prompt_logprobs for the {len(input_ids)} prompt tokens")
-        scored: list[float | None] = []
-        for entry, token in zip(entries[1:], input_ids[1:], strict=True):
-            chosen = entry.get(str(token)) if isinstance(entry, dict) else None
-            value = chosen.get("logprob") if isinstance(chosen, dict) else None
-            scored.append(float(value) if isinstance(value, int | float) else None)
-        return scored
-
-    def _served_name(self, timeout: float) -> str:
-        """The name the OpenAI routes serve the model under (``--served-model-name``, else its path): ``/v1/models``."""
-        _, answer = self.client.request("GET", "/v1/models", timeout=timeout)
-        models = answer.get("data") if isinstance(answer, dict) else None
-        if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
-            raise HttpCallError("/v1/models", 200, f"no served model in {str(answer)[:200]}", answer)
-        return str(models[0]["id"])
 
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
         self.apply(version, timeout, round_id=round_id)  # nothing left to do when the gate's apply ran
