@@ -32,66 +32,12 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-#: (TP size, rank) traced per architecture: the last rank is where vocab padding and KV-head replication show.
-CASES: tuple[tuple[int, int], ...] = ((1, 0), (2, 1), (8, 7))
-#: (TP size, rank, EP size) checked through the engine replica for MoE architectures (SGLang's ``--ep-size``: the
-#: 8 experts split over 2 or 8 ranks).
-EP_CASES: tuple[tuple[int, int, int], ...] = ((2, 1, 2), (8, 7, 8))
-#: Model types that ship FP8 block checkpoints (DeepSeek-V3, Kimi-K2, Qwen3 and Qwen3-MoE's FP8 releases): also checked
-#: as an FP8 block target from BF16 trainer tensors, quantized by weightsync's quantizer, at every case above.
-FP8_FAMILIES = ("deepseek_v3", "kimi_k2", "qwen3", "qwen3_moe")
-#: The tiny models' FP8 block: it must divide every quantized weight at every case (the MoE experts' 64 rows over 8
-#: TP ranks are 8); the published checkpoints use 128 x 128.
-FP8_BLOCK = (8, 8)
-#: Config keys that make an architecture MoE (its expert count).
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-#: Overrides applied to an architecture's default config, only for keys the config has.
-TINY: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "num_experts": 8,  # at least the largest TP traced: SGLang refuses more MoE-TP ranks than experts
-    "num_local_experts": 8,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "kv_lora_rank": 32,
-    "q_lora_rank": 64,
-    "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "pad_token_id": 0,  # default special-token ids beyond the tiny vocab would not build an embedding
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "n_embd": 128,
-    "n_layer": 2,
-    "n_head": 8,
-    "n_positions": 512,
-    "n_inner": 256,
-    "ffn_dim": 256,
-    "word_embed_proj_dim": 128,
-    "d_model": 128,
-    "rotary_dim": 16,
-}
 
 
 def _sibling(name: str) -> Any:
@@ -104,28 +50,31 @@ def _sibling(name: str) -> Any:
     return module
 
 
-_MODELS: Any = _sibling("sglang_models")
-_DEEPSEEK_CONFIG: dict[str, Any] = _MODELS.DEEPSEEK_CONFIG
+#: What this survey shares with vLLM's (weightsync_testing.coverage_common): tiny configs, statuses, the runner.
+_COMMON: Any = _sibling("coverage_common")
+_MODELS: Any = _COMMON.MODELS
+#: (TP size, rank) traced per architecture: the last rank is where vocab padding and KV-head replication show.
+CASES: tuple[tuple[int, int], ...] = _COMMON.CASES
+#: (TP size, rank, EP size) checked through the engine replica for MoE architectures (SGLang's ``--ep-size``: the
+#: 8 experts split over 2 or 8 ranks).
+EP_CASES: tuple[tuple[int, int, int], ...] = ((2, 1, 2), (8, 7, 8))
+#: Model types that ship FP8 block checkpoints (DeepSeek-V3, Kimi-K2, Qwen3 and Qwen3-MoE's FP8 releases): also checked
+#: as an FP8 block target from BF16 trainer tensors, quantized by weightsync's quantizer, at every case above.
+FP8_FAMILIES = ("deepseek_v3", "kimi_k2", "qwen3", "qwen3_moe")
+#: The tiny models' FP8 block: it must divide every quantized weight at every case (the MoE experts' 64 rows over 8
+#: TP ranks are 8); the published checkpoints use 128 x 128.
+FP8_BLOCK = (8, 8)
+#: Config keys that make an architecture MoE (its expert count).
+EXPERT_KEYS: tuple[str, ...] = _COMMON.EXPERT_KEYS
+#: Overrides applied to an architecture's default config, only for keys the config has.
+TINY: dict[str, Any] = _COMMON.TINY
 #: Per model type, what its tiny config also needs to build on CPU.
-FAMILY: dict[str, dict[str, Any]] = {
-    model_type: dict(_DEEPSEEK_CONFIG) for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
-}
-# DeepSeek-V2 routes as its checkpoints' configs say (no aux-loss-free bias, which V3 introduced).
-FAMILY["deepseek_v2"] |= {"topk_method": "group_limited_greedy", "scoring_func": "softmax"}
-# As the models ship, where transformers' defaults differ from their checkpoints' configs: Gemma-2's config.json
-# carries hidden_act beside hidden_activation (SGLang reads hidden_act); OLMo and OLMoE attend with as many KV heads
-# as query heads (TINY's grouped 4 would give their per-head k_norm the wrong size). Word embeddings are tied or not
-# as each config's default says.
-FAMILY |= {
-    "gemma2": {"hidden_act": "gelu_pytorch_tanh"},
-    "olmo": {"num_key_value_heads": 8},
-    "olmoe": {"num_key_value_heads": 8},
-}
+FAMILY: dict[str, dict[str, Any]] = _COMMON.FAMILY
 #: A replica check's weights: (what the engine held before the round, what the round sends), HF-named.
 Rounds = tuple[dict[str, Any], dict[str, Any]]
-MAX_PARAMETERS = 50_000_000  # a "tiny" config that is still bigger than this was not shrunk by TINY's keys
-STATUSES = ("synced", "refused", "mismatch", "not built")
-NO_CAUSAL_LM = "transformers has no causal-LM class of this name"
+MAX_PARAMETERS: int = _COMMON.MAX_PARAMETERS
+STATUSES: tuple[str, ...] = _COMMON.STATUSES
+NO_CAUSAL_LM: str = _COMMON.NO_CAUSAL_LM
 
 
 # ---------------------------------------------------------------- project side
@@ -136,41 +85,10 @@ def survey(
 ) -> list[dict[str, Any]]:
     """One row per architecture (``arch``, ``status``, ``reason``, ``cases``, ``seconds``), streamed from the engine
     side; a progress bar on stderr while it runs."""
-    found = importlib.util.find_spec("weightsync_engine.trace")  # its path only: this side never imports it
-    assert found is not None and found.origin is not None, "weightsync_engine is installed with weightsync"
-    trace_script = Path(found.origin)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    command = [str(python), "-I", __file__, "engine", "--trace-script", str(trace_script), *archs]
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryFile("w+") as log, _progress(progress) as bar:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        assert process.stdout is not None
-        task = bar.add_task("importing SGLang", total=None)
-        deadline = time.monotonic() + timeout
-        for line in process.stdout:
-            message = json.loads(line)
-            if "total" in message:
-                bar.update(task, total=message["total"], description="architectures")
-                continue
-            rows.append(message)
-            bar.update(task, advance=1, description=f"{message['arch']}: {message['status']}")
-            if time.monotonic() > deadline:
-                process.kill()
-                raise TimeoutError(f"the survey ran past {timeout:.0f} s")
-        if process.wait() != 0:
-            log.seek(0)
-            tail = "\n".join(log.read().strip().splitlines()[-15:])
-            raise RuntimeError(f"sglang_coverage.py engine failed (exit {process.returncode}):\n{tail}")
+    rows: list[dict[str, Any]] = _COMMON.survey(
+        __file__, python, archs, engine="SGLang", timeout=timeout, progress=progress
+    )
     return rows
-
-
-def _progress(enabled: bool) -> Any:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=Console(stderr=True), disable=not enabled)
 
 
 def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = None) -> str:
@@ -283,20 +201,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engine(trace_script: Path, only: Sequence[str]) -> Iterator[dict[str, Any]]:
     # The entry script registers the engine root from its own directory (SGLang's Python does not have it).
-    spec = importlib.util.spec_from_file_location("weightsync_engine_trace", trace_script)
-    assert spec is not None and spec.loader is not None
-    entry: Any = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+    entry: Any = _COMMON.load_entry(trace_script)
     tm: Any = entry.engine_module("sglang")
     sg = tm.import_sglang()
     torch = sg.torch
     transformers: Any = importlib.import_module("transformers")
     registry: Any = importlib.import_module("sglang.srt.models.registry").ModelRegistry
-    mapping: Any = importlib.import_module("transformers.models.auto.modeling_auto").MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    model_type_of: dict[str, str] = {}
-    for model_type, names in mapping.items():
-        for name in names if isinstance(names, (list, tuple)) else [names]:
-            model_type_of.setdefault(name, model_type)
+    model_type_of: dict[str, str] = _COMMON.causal_lm_types(transformers)
     archs = sorted(only or registry.models)
     versions = {"sglang": sg.version, "transformers": transformers.__version__, "torch": torch.__version__}
     yield {"total": len(archs)}
@@ -317,30 +228,15 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
         return {"status": "not built", "reason": "not in this SGLang's model registry"}
     if model_type is None:
         return {"status": "not built", "reason": NO_CAUSAL_LM}
-    defaults = transformers.CONFIG_MAPPING[model_type]().to_dict()
-    shrink = {k: v for k, v in TINY.items() if k in defaults}
-    family = FAMILY.get(model_type, {})
-    # Only the overrides: everything else (per-layer type lists included) follows from them as the config computes.
-    config = transformers.CONFIG_MAPPING[model_type](**{**shrink, **family}, architectures=[arch])
-    if "torch_dtype" in defaults or hasattr(config, "torch_dtype"):
-        config.torch_dtype = "bfloat16"
-    with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(config)
-    count = sum(p.numel() for p in meta.parameters())
-    if count > MAX_PARAMETERS:
-        return {"status": "not built", "reason": f"the shrunk config still has {count:,} parameters"}
     with tempfile.TemporaryDirectory(prefix="weightsync-coverage-") as work:
         model_dir = Path(work)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-        model.save_pretrained(str(model_dir), safe_serialization=True)
-        del model
+        defaults = _COMMON.tiny_checkpoint(torch, transformers, arch, model_type, model_dir)
+        if isinstance(defaults, str):
+            return {"status": "not built", "reason": defaults}
         sources = tm.read_checkpoint(model_dir)
-        generator = torch.Generator().manual_seed(7)
-        values = {n: torch.randn(s, generator=generator).to(torch.bfloat16) for n, s in sources.items()}
-        # What the engine held before a replica round (the replica checks': other seeded weights).
-        generator = torch.Generator().manual_seed(11)
-        rounds = ({n: torch.randn(t.shape, generator=generator).to(t.dtype) for n, t in values.items()}, values)
+        # (what the engine held before a replica round: other seeded weights, what the round sends)
+        rounds: Rounds = _COMMON.seeded_rounds(torch, sources)
+        values = rounds[1]
         traced: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for tp, rank in CASES:
             try:
@@ -469,19 +365,8 @@ def _replica(sg: Any, model_dir: Path, rounds: Rounds, refusal: str) -> dict[str
 
 def _why(exc: BaseException) -> str:
     """``Type: first line (at file:line in function)``, the innermost frame: where SGLang or transformers gave up."""
-    detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = ""
-    if frames:
-        frame = frames[-1]
-        path = Path(frame.filename)
-        short = (
-            "/".join(path.parts[path.parts.index("site-packages") + 1 :])
-            if "site-packages" in path.parts
-            else path.name
-        )
-        where = f" (at {short}:{frame.lineno} in {frame.name})"
-    return f"{type(exc).__name__}: {detail}{where}" if detail else f"{type(exc).__name__}{where}"
+    why: str = _COMMON.why(exc)
+    return why
 
 
 def sg_registry_archs(sg: Any) -> set[str]:

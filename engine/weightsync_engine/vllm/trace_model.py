@@ -187,11 +187,13 @@ def build_model(
     *,
     layers: int | None = None,
     device: str = "cpu",
+    expert_parallel: bool = False,
 ) -> tuple[Any, Any]:
     """vLLM's model class for TP rank ``rank`` of ``tp`` on ``device``, weights uninitialised; (model, VllmConfig).
 
     As ``DefaultModelLoader.load_model`` builds it, without loading anything. ``layers`` overrides
-    ``num_hidden_layers`` (vLLM's own ``hf_overrides``); ``device="meta"`` builds names, shapes and dtypes only."""
+    ``num_hidden_layers`` (vLLM's own ``hf_overrides``); ``device="meta"`` builds names, shapes and dtypes only;
+    ``expert_parallel`` is vLLM's ``enable_expert_parallel`` (the EP group faked as the TP one: EP size = ``tp``)."""
     torch = vl.torch
     args = vl.EngineArgs(
         model=str(model_dir),
@@ -201,6 +203,7 @@ def build_model(
         enforce_eager=True,
         max_model_len=256,  # the trace never runs forward; a small value keeps config checks cheap
         hf_overrides={"num_hidden_layers": layers} if layers is not None else {},
+        enable_expert_parallel=expert_parallel,
     )
     config = args.create_engine_config()
     if config.model_config.quantization:

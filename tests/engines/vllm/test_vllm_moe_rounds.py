@@ -117,10 +117,15 @@ def test_a_gated_staged_round_into_a_deepseek_v3_moe_serves_what_hf_computes(
         group.start(timeout=300)
         server = harness_of(group).servers[0]
         assert FIX_LOG in server.log_path.read_text(errors="replace")  # the gated fix is on, and says so
+        # Warm: vLLM's first prompt_logprobs request on CPU takes ~2 s (measured); a serving engine paid it long ago.
+        warm = {"model": server.model, "prompt": CANARY_IDS, "max_tokens": 1, "prompt_logprobs": 0}
+        assert server.request("POST", "/v1/completions", warm)[0] == 200
         with trainer_clients(group.client, 2) as clients:
             [outcome, _] = publish_all(clients, dict(weights), 1, canary=canary)
         assert isinstance(outcome, RoundOutcome) and outcome.ok, outcome.summary()
         assert "gate" in outcome.round.phases and held(group) == "1"
+        phases = outcome.round.phases
+        print(f"\nround {sum(phases.values()) * 1e3:.0f} ms, gate {phases['gate'] * 1e3:.0f} ms: {phases}")  # docs
         assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
         assert_same_named_checksums(server, weights)
         reference = hf_greedy(str(vllm_py), checkpoint, PROMPTS, NEW_TOKENS)
