@@ -225,6 +225,18 @@ def test_a_refused_begin_aborts_saying_nothing_was_written_and_resumes_every_eng
     assert all(e.aborts == [False] for e in engines.values())
 
 
+def test_an_engine_that_will_not_serve_after_a_round_that_wrote_nothing_is_reported_paused() -> None:
+    """Engine 0's memory changed while it was open to writes (a foreign peer wrote in the window), so after the abort
+    with nothing written it refuses to resume: the round says which engine stayed paused, never that all serve."""
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    engines[1].fail.add("begin")
+    engines[0].fail.add("resume")
+    result = RoundDriver(plan, engines, sources).run(1)
+    assert result.result == "Failed" and not result.committed and result.engines_paused
+    assert "engines [0] did not resume (their weights are not known to be clean)" in (result.reason or "")
+
+
 def test_every_engine_call_of_a_round_names_the_round_and_each_round_has_its_own_id() -> None:
     plan = make_plan()
     _log, engines, sources = setup(plan)

@@ -224,9 +224,9 @@ class RoundDriver:
             # Nothing was written; whichever engines did pause must serve again (an engine that began tracks
             # its live weights as dirty until told no source was asked to write).
             self._abort_quietly(version, written=False)
-            if pausing:
-                self._resume_quietly()
-            return self._result(version, "Failed", started, started_at, 0, 1, f"could not start the round: {exc}")
+            stuck = self._resume_quietly() if pausing else []
+            reason = f"could not start the round: {exc}{_still_paused(stuck)}"
+            return self._result(version, "Failed", started, started_at, 0, 1, reason, paused=bool(stuck))
         while attempts <= self.retries:
             attempts += 1
             try:
@@ -258,8 +258,9 @@ class RoundDriver:
             # Every source refused before its first write (a stale manifest, another plan): the live weights are
             # untouched, so the engines serve v-1 again rather than wait paused for the next round.
             self._abort_quietly(version, written=False)
-            self._resume_quietly()
-            return self._result(version, "Failed", started, started_at, 0, attempts, f"nothing written: {reason}")
+            stuck = self._resume_quietly()
+            return self._result(version, "Failed", started, started_at, 0, attempts,
+                                f"nothing written: {reason}{_still_paused(stuck)}", paused=bool(stuck))  # fmt: skip
         # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
         # they no longer fully hold for serving) until a later round succeeds.
         return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
@@ -453,24 +454,31 @@ class RoundDriver:
             self._each_engine_quietly(lambda e: e.pause(self.call_timeout, round_id=rid))
         self._paused = (self.clock() if self._paused is None else self._paused[0], None)
 
-    def _resume_quietly(self) -> None:
+    def _resume_quietly(self) -> list[int]:
+        """Resume every engine, best effort; the engines that did not (an engine whose memory changed while open to
+        writes refuses until a round lands), which the round's result then reports as paused."""
         rid = self._rid  # bound now: a late call must name its own round, not whichever runs when it lands
         with self._timed("resume"):
-            self._each_engine_quietly(lambda e: e.resume(self.call_timeout, round_id=rid))
-        self._resumed()
+            stuck = self._each_engine_quietly(lambda e: e.resume(self.call_timeout, round_id=rid))
+        if not stuck:
+            self._resumed()
+        return stuck
 
     def _abort_quietly(self, version: int, *, written: bool = True) -> None:
         rid = self._rid  # bound now, as above
         self._each_engine_quietly(lambda e: e.abort(version, self.call_timeout, round_id=rid, written=written))
 
-    def _each_engine_quietly(self, action: Callable[[EngineRound], None]) -> None:
-        """Best effort, every engine at once, so a hung engine costs one ``call_timeout``, not one each.
+    def _each_engine_quietly(self, action: Callable[[EngineRound], None]) -> list[int]:
+        """Best effort, every engine at once, so a hung engine costs one ``call_timeout``, not one each; returns the
+        engines whose call failed or did not finish in time.
 
         Errors are dropped: the failure already being reported matters more, and an engine that missed an
         abort has its round superseded by the next begin. One that arrives late, after a newer round began, names
         this round's id and is refused by the engine (it never cancels the newer round).
         """
-        wait([self.pool.submit(action, engine) for engine in self.engines.values()], timeout=self.call_timeout)
+        futures = {index: self.pool.submit(action, engine) for index, engine in self.engines.items()}
+        done, _ = wait(futures.values(), timeout=self.call_timeout)
+        return [index for index, f in futures.items() if f not in done or f.exception() is not None]
 
     def _result(
         self,
@@ -520,6 +528,11 @@ def _may_have_written(future: Future[SourceReport]) -> bool:
     if not future.done() or future.cancelled() or future.exception() is not None:
         return True
     return future.result().wrote
+
+
+def _still_paused(engines: list[int]) -> str:
+    """The reason's tail when engines stayed paused after a round that wrote nothing."""
+    return f"; engines {engines} did not resume (their weights are not known to be clean)" if engines else ""
 
 
 def _gated(engine: EngineRound) -> GatedRound:

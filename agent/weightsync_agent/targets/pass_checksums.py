@@ -39,6 +39,11 @@ class PassChecksums(Generic[Answer]):
         with self._lock:
             return self._answer is not None and self._version == version
 
+    def latest(self) -> Answer | None:
+        """The latest answer (the pass the last verify read), or None."""
+        with self._lock:
+            return self._answer
+
     def forget(self) -> None:
         with self._lock:
             self._version, self._answer, self._read = None, None, set()

@@ -160,6 +160,12 @@ class Round:
     round_id: str | None = None  # the coordinator's id for the round; calls naming another are refused
     dirty_before: bool = False  # live_dirty before this round's begin (restored by an abort with nothing written)
     applied: bool = False  # the semantic gate's apply ran: the written weights may serve, unlabelled
+    #: Per rank, the checksums its target verified against in this round: (bucket bytes, checksums).
+    sums: dict[int, tuple[int, list[str]]] = field(default_factory=dict)
+
+
+#: Bucket size of the checksums the engine takes of its own live weights (``clean_sums``).
+CLEAN_BUCKET = 4 << 20
 
 
 class ReferenceEngine:
@@ -206,6 +212,10 @@ class ReferenceEngine:
         self.last_pause_seconds: float | None = None
         self.pauses = 0
         self.live_dirty = False
+        #: Per rank, checksums of the live weights as they serve (bucket bytes, checksums): what an abort with
+        #: nothing written re-verifies the live memory against before it may serve again. None: not known yet
+        #: (computed at the next live begin, before the memory opens to writes).
+        self.clean_sums: dict[int, tuple[int, list[str]]] | None = None
         self.round: Round | None = None
         self.broadcast: BroadcastReceiver | None = None
         self.shutting_down = False
@@ -416,6 +426,9 @@ class ReferenceEngine:
         if not self.staged:
             if not self.paused:
                 raise EngineError(409, "live mode writes into the served weights: pause generation first")
+            if not dirty_before and self.clean_sums is None:
+                # Hashed while the memory takes no write yet: the reference an abort re-verifies against.
+                self.clean_sums = {m.rank: (CLEAN_BUCKET, m.checksums(CLEAN_BUCKET)) for m in self.memory}
             self.live_dirty = True
         self._open_windows()
         self.round = Round(version, self.staged, verify=verify, round_id=round_id, dirty_before=dirty_before)
@@ -438,6 +451,10 @@ class ReferenceEngine:
         else:
             result = self.memory[rank].verify(bucket_bytes, checksums)
         current.verified[rank] = result  # the LAST verify of a rank is what commit looks at
+        if result.ok:
+            current.sums[rank] = (bucket_bytes, list(checksums))
+        else:
+            current.sums.pop(rank, None)
         return {"version": version, **result.to_json()}
 
     def _no_round(self, version: str) -> EngineError:
@@ -504,6 +521,8 @@ class ReferenceEngine:
                 memory.promote()
         self.weight_version = version
         self.live_dirty = False
+        # What now serves is what every rank verified (a round without checksums: hashed at the next begin).
+        self.clean_sums = dict(current.sums) if len(current.sums) == self.tp else None
         self.round = None
         self._close_windows()
         return {"success": True, "weight_version": version}
@@ -541,14 +560,31 @@ class ReferenceEngine:
                 round=current.version,
                 round_id=current.round_id,
             )
-        if not written and current.reception is None:
-            self.live_dirty = current.dirty_before
         if written and current.applied:
             self.live_dirty = True  # the gate applied them, then failed: they serve no more until a round lands
         self.round = None
         self._close_windows()
+        drifted: list[int] = []
+        if not written and current.reception is None:
+            # No source was asked to write, but in live mode the memory took writes from the begin: anyone who
+            # reached the transport could have written it. It serves again only if it still holds, bucket for
+            # bucket, what served before (checked after the window closed: no write lands during the check).
+            drifted = [] if current.staged else self._drifted_ranks()
+            self.live_dirty = current.dirty_before or bool(drifted)
         # Staged: the live weights were never touched; the staging bytes are simply overwritten next round.
-        return {"aborted": current.version, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
+        return {"aborted": current.version, "live_dirty": self.live_dirty, "weight_version": self.weight_version,
+                "drifted_ranks": drifted}  # fmt: skip
+
+    def _drifted_ranks(self) -> list[int]:
+        """The ranks whose live memory no longer holds :attr:`clean_sums` (every rank when those are unknown)."""
+        if self.clean_sums is None:
+            return list(range(self.tp))
+        drifted = [rank for rank, (bucket, sums) in sorted(self.clean_sums.items())
+                   if not self.memory[rank].verify(bucket, sums).ok]  # fmt: skip
+        if drifted:
+            log.warning("engine %d: ranks %s changed while open to writes in a round that wrote nothing; they "
+                        "serve no more until a round lands", self.engine, drifted)  # fmt: skip
+        return drifted
 
     # ---------------------------------------------------------------------------------- broadcast mode
 

@@ -144,6 +144,31 @@ def test_an_abort_with_nothing_written_lets_the_engine_serve_again(rig: Rig) -> 
     assert not client.status()["paused"] and client.weight_version() == "1"
 
 
+def test_an_abort_with_nothing_written_does_not_serve_bytes_a_foreign_peer_wrote_in_the_window(rig: Rig) -> None:
+    """The review's hole: the coordinator aborts with ``written: false`` (no source was asked to write), but the live
+    memory took writes from the begin: a peer that reached the transport wrote there. The engine re-verifies its
+    live memory against what served before: it stays dirty and paused, says which ranks drifted, and serves again only
+    after a round lands. Both over the engine's own load and over a committed version (then repaired by a catch-up of
+    that version)."""
+    client = rig.client
+
+    def foreign_write_then_abort(version: str, held: str) -> None:
+        client.pause_generation(round_id=f"r{version}")
+        client.begin(version, round_id=f"r{version}")
+        rig.write(seed=99)  # not asked by the coordinator: a foreign write while the window is open
+        _, answer = client.request("POST", "/weightsync/abort",
+                                   body={"version": version, "round_id": f"r{version}", "written": False})  # fmt: skip
+        assert answer["drifted_ranks"] == [0, 1] and answer["live_dirty"], answer
+        assert "commit a verified version" in refused(client.continue_generation, round_id=f"r{version}").message
+        assert client.weight_version() == held and client.status()["paused"]
+
+    foreign_write_then_abort("1", held="default")
+    rig.sync("1", seed=1, round_id="s1")
+    foreign_write_then_abort("2", held="1")
+    rig.sync("1", seed=1, round_id="c1")  # the committed version again, to repair
+    assert not client.status()["live_dirty"] and not client.status()["paused"]
+
+
 def test_round_ids_are_validated(rig: Rig) -> None:
     client = rig.client
     client.pause_generation()

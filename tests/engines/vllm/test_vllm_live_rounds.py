@@ -30,7 +30,12 @@ from vllm_helpers import KEY_PREFIX, PLAIN_LINEARS_PLUGIN, GatedVllmEngines, com
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import RoundOutcome
+from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.rounds.canary import Canary
+from weightsync_agent.targets.adapter import AdapterSettings
+from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
+from weightsync_agent.targets.registry import make_adapter
+from weightsync_agent.targets.vllm.live_adapter import VllmLiveAdapter
 from weightsync_testing.http_gate import publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import hf_greedy, hf_prompt_logprobs, trained_state, with_weights
@@ -282,6 +287,43 @@ def test_the_parameters_take_writes_only_inside_a_round(group: LoopbackGroup, ti
         assert checksums(server) == expected
         assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
         assert writer.write() < 0  # closed again after the commit
+
+
+def test_a_round_that_wrote_nothing_serves_again_only_if_no_foreign_write_landed_in_it(
+    group: LoopbackGroup, vllm_py: Path, tiny_llama32: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's hole: a round fails after its begin opened vLLM's parameters but before any source wrote, so the
+    coordinator aborts with ``written: false`` and resumes. The adapter then takes vLLM's checksums (the parameters
+    closed again) and compares them with the committed version's: unchanged, vLLM serves again; a foreign peer's write
+    in the window, and the resume is refused naming the parameter, vLLM stays paused with its label, until a round
+    lands."""
+    monkeypatch.setenv(ENV_ENGINE_PYTHON, str(vllm_py))
+    server = harness_of(group).servers[0]
+    with trainer_clients(group.client, 2) as clients:
+        label = held(group)
+        base = int(label) if label is not None and label.isdigit() else 0
+        publish_ok(clients, trained_state(tiny_llama32, 60), base + 1)
+        settings = AdapterSettings(engine=0, url=server.url, ranks=1, bucket_bytes=1 << 20, mode="p2p",
+                                   staging="live", engine_side=True, api_key=group.token)  # fmt: skip
+        adapter = make_adapter("vllm", settings)
+        assert isinstance(adapter, VllmLiveAdapter)
+        for foreign in (False, True):
+            adapter.pause(30.0, round_id=f"nothing-{foreign}")
+            adapter.begin(base + 2, 30.0, round_id=f"nothing-{foreign}")
+            if foreign:
+                assert ForeignWriter(layout(group)).write() == 0  # the window is open: it lands
+            adapter.abort(base + 2, 60.0, round_id=f"nothing-{foreign}", written=False)
+            if not foreign:
+                adapter.resume(30.0, round_id="nothing-False")
+                assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
+                continue
+            with pytest.raises(HttpCallError) as refused:
+                adapter.resume(30.0, round_id="nothing-True")
+            assert refused.value.status == 409 and "model.norm.weight" in str(refused.value), refused.value
+            assert server.request("GET", "/is_paused")[1] == {"is_paused": True}
+            assert held(group) == str(base + 1)
+        publish_ok(clients, trained_state(tiny_llama32, 61), base + 2)  # a round lands: serving again
+        assert server.request("GET", "/is_paused")[1] == {"is_paused": False} and held(group) == str(base + 2)
 
 
 def test_a_restarted_vllm_publishes_new_parameters_and_is_caught_up_into_them(
