@@ -294,6 +294,54 @@ def test_a_template_asking_for_the_token_still_gets_none() -> None:
     assert sneaky not in pod["spec"]["initContainers"][0]["volumeMounts"]
 
 
+@pytest.mark.parametrize(
+    ("asks", "said"),
+    [
+        (
+            {"metadata": {"annotations": {names.ANNOTATION_AGENT_URL: "http://evil:1"}}},
+            "sets annotations ['weightsync.io/agent-url']: keys under weightsync.io/ are the operator's",
+        ),
+        (
+            {"volumes": [{"name": "sa", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}]},
+            "volume 'sa' mounts a ServiceAccount token",
+        ),
+        (
+            {"volumes": [{"name": "s", "secret": {"secretName": "g-credentials"}}]},
+            "volume 's' mounts the group's Secret g-credentials",
+        ),
+        (
+            {"volumes": [{"name": "p", "projected": {"sources": [{"secret": {"name": "g-credentials"}}]}}]},
+            "volume 'p' mounts the group's Secret g-credentials",
+        ),
+        (
+            {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "g-credentials", "key": "token"}}}]},
+            "container 'trainer' reads the group's Secret g-credentials (env T)",
+        ),
+        (
+            {"envFrom": [{"secretRef": {"name": "g-credentials"}}]},
+            "container 'trainer' reads the group's Secret g-credentials (envFrom)",
+        ),
+    ],
+    ids=["annotation", "sa-token", "secret-volume", "projected-secret", "secret-env", "secret-envfrom"],
+)
+def test_a_template_reaching_for_a_credential_is_refused_naming_the_route(asks: dict[str, Any], said: str) -> None:
+    """The review's routes to the agent's or the group's credential from a user's container: each is refused (the
+    group gets InvalidTemplate), naming it; the same template without it builds."""
+    meta = asks.get("metadata", {})
+    pod_level = {k: v for k, v in asks.items() if k == "volumes"}
+    in_container = {k: v for k, v in asks.items() if k in ("env", "envFrom")}
+    tpl = template(container("trainer", **in_container), **pod_level)
+    tpl["metadata"] = {**tpl.get("metadata", {}), **meta}
+    group = GroupBuilder("g").trainer_template(tpl).model()
+    with pytest.raises(BuildError) as refused:
+        build_trainer_pod(group, 0)
+    assert refused.value.reason == "InvalidTemplate" and said in refused.value.message, refused.value.message
+    other = template(container("trainer", env=[{"name": "X", "valueFrom": {"secretKeyRef": {"name": "mine",
+                                                                                           "key": "k"}}}]))  # fmt: skip
+    other["metadata"] = {"annotations": {"team.example.com/owner": "ml"}}
+    assert build_trainer_pod(GroupBuilder("g").trainer_template(other).model(), 0)  # their own Secret: fine
+
+
 def test_the_agent_is_hardened_by_default_and_writes_only_tmp_and_shm() -> None:
     pod = build_trainer_pod(GroupBuilder().model(), 0)
     agent = agent_of(pod)

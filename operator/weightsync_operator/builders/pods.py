@@ -46,6 +46,7 @@ from weightsync_operator.builders.common import (
     object_meta,
 )
 from weightsync_operator.builders.secret import credentials_volume, token_env
+from weightsync_operator.builders.template_trust import template_refusals
 
 #: Name of the memory-backed volume the operator adds (unless the template already mounts /dev/shm).
 SHM_VOLUME = "weightsync-shm"
@@ -155,6 +156,9 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
     containers: list[JsonDict] = [dict(c) for c in pod_spec.get("containers") or []]
     if not containers:
         raise BuildError("InvalidTemplate", f"{who.role} template has no containers")
+    refused = template_refusals(group.metadata.name, who.role, template)
+    if refused:
+        raise BuildError("InvalidTemplate", "; ".join(refused))
 
     # --- metadata --------------------------------------------------------------------------------
     # The user's labels first, ours last (ours win).
