@@ -6,9 +6,10 @@ the stock-engines note §7b measured: ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_SERVER_
 routes: ``/pause``, ``/resume``, ``/is_paused``, ``/weight_info``, ``/weight_checker``, the weight-transfer
 routes), a 1 GiB KV cache, float32, eager mode, 256-token context, at most 4 sequences.
 
-``--api-key`` is the group's credential (docs/security.md). vLLM checks it only on paths under ``/v1``, ``/v2``,
-``/inference`` and ``/cohere`` (``vllm/entrypoints/serve/middleware/authenticate.py``, ``GUARDED_PREFIX``): the
-dev-mode RL routes answer without it (docs/engines/vllm.md, "Limits").
+The API key (``VLLM_API_KEY`` in the server's environment, not ``--api-key``: the command line is readable by
+every process of the container) is the group's credential (docs/security.md). vLLM checks it only on paths under
+``/v1``, ``/v2``, ``/inference`` and ``/cohere`` (``vllm/entrypoints/serve/middleware/authenticate.py``,
+``GUARDED_PREFIX``): the dev-mode RL routes answer without it (docs/engines/vllm.md, "Limits").
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ def server_command(
     host: str,
     port: int,
     served_model_name: str,
-    api_key: str | None = None,
     dtype: str = "float32",
     max_model_len: int = 256,
     weight_transfer_backend: str | None = None,
@@ -88,8 +88,6 @@ def server_command(
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     command += ["--served-model-name", served_model_name, "--dtype", dtype, "--max-model-len", str(max_model_len)]
     command += ["--max-num-seqs", "4", "--enforce-eager", "--host", host, "--port", str(port)]
-    if api_key:
-        command += ["--api-key", api_key]
     if weight_transfer_backend:
         command += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
     return command + list(extra_args)
@@ -131,7 +129,6 @@ def launch_vllm(
         host=host,
         port=port,
         served_model_name=model_dir.name,
-        api_key=api_key,
         dtype=dtype,
         max_model_len=max_model_len,
         weight_transfer_backend=weight_transfer_backend,
@@ -149,10 +146,10 @@ def launch_vllm(
             api_key=api_key,
             _log=opened,
         ),
-        env=server_env(extra_env, pythonpath),
+        # The key in vLLM's environment (VLLM_API_KEY), as the examples pass it: on the command line it would be in
+        # /proc/<pid>/cmdline, readable by every process of the container (docs/security.md).
+        env=server_env({**(extra_env or {}), **({"VLLM_API_KEY": api_key} if api_key else {})}, pythonpath),
         log_path=log,
         ready=("/health", "/v1/models"),
         timeout=timeout,
-        # The log is kept after the test; the key is not written to it.
-        shown=["<key>" if i > 0 and command[i - 1] == "--api-key" else part for i, part in enumerate(command)],
     )

@@ -342,6 +342,21 @@ def test_a_template_reaching_for_a_credential_is_refused_naming_the_route(asks: 
     assert build_trainer_pod(GroupBuilder("g").trainer_template(other).model(), 0)  # their own Secret: fine
 
 
+def test_the_vllm_examples_key_comes_from_the_token_the_operator_puts_first() -> None:
+    """Kubernetes expands ``$(VAR)`` in an env value only from variables defined before it: the examples' VLLM_API_KEY
+    (the key in vLLM's environment, not on its command line) must follow the operator's WEIGHTSYNC_GROUP_TOKEN."""
+    from weightsync.api.load import load_groups
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    for path in sorted(root.glob("vllm-*.yaml")):
+        (group,) = load_groups(path)
+        pod = build_engine_pod(group, 0, 0, BuildOptions(agent_image=DEFAULT_AGENT_IMAGE))
+        container = pod["spec"]["containers"][0]
+        env = [item["name"] for item in container["env"]]
+        assert env.index(names.ENV_GROUP_TOKEN) < env.index("VLLM_API_KEY"), path.name
+        assert "--api-key" not in container.get("args", []) + container.get("command", []), path.name
+
+
 def test_the_agent_is_hardened_by_default_and_writes_only_tmp_and_shm() -> None:
     pod = build_trainer_pod(GroupBuilder().model(), 0)
     agent = agent_of(pod)

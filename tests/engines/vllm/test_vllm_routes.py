@@ -9,6 +9,7 @@ CPU the linear weights hash as empty (oneDNN repacked them out of ``layer.weight
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -33,6 +34,26 @@ def test_the_api_key_guards_the_openai_routes(vllm_server: VllmProcess) -> None:
         assert vllm_server.request(method, path, body, api_key="not-the-key") == (401, {"error": "Unauthorized"})
     status, models = vllm_server.request("GET", "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [vllm_server.model]
+
+
+def test_the_api_key_is_in_the_environment_not_on_the_command_line(vllm_server: VllmProcess) -> None:
+    """Every process of a container can read another's /proc/<pid>/cmdline; the key goes in VLLM_API_KEY (as the
+    examples pass it), which vLLM reads when --api-key is absent: the 401s above prove it took it."""
+    assert vllm_server.api_key
+    for pid in [vllm_server.pid, *children(vllm_server.pid)]:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            assert vllm_server.api_key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (vLLM's engine core and workers)."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in (pid, *found):
+                    found.append(int(entry.name))
+    return found
 
 
 def test_the_api_key_does_not_guard_the_rl_routes(vllm_server: VllmProcess) -> None:
