@@ -31,6 +31,7 @@ from typing import Any, Final, Protocol
 
 from weightsync.api import names
 from weightsync.plan import Plan, PlanError
+from weightsync.plan.seal import sealed_by
 from weightsync_agent.config import AgentConfig
 from weightsync_agent.kube import CONNECT_SECONDS, api_exception, kube_core_api, throttled_wait, transport_errors
 
@@ -56,16 +57,29 @@ def parse_plan(text: str, where: str, max_bytes: int = MAX_PLAN_BYTES) -> Plan:
     return Plan.from_json(text)
 
 
-def load_plan(config: AgentConfig, plan_file: Path | None) -> Plan:
+class Candidates(Protocol):
+    def candidates(self) -> tuple[str, ...]: ...
+
+
+class PlanKeys(Protocol):
+    """What a plan's seal is checked with: the group's credential (``weightsync_agent.http.credential.Credential``),
+    its accepted tokens and a re-read of its files."""
+
+    def tokens(self) -> Candidates: ...
+
+    def refresh(self) -> bool: ...
+
+
+def load_plan(config: AgentConfig, plan_file: Path | None, keys: PlanKeys | None) -> Plan:
     path = plan_file or (Path(config.plan_file) if config.plan_file else None)
     if path is not None:
         return parse_plan(path.read_text(), str(path))
     if not config.plan_config_map:
         raise PlanError(f"no plan: set {names.ENV_PLAN_CONFIG_MAP} or {names.ENV_PLAN_FILE}")
-    return read_config_map_plan(kube_core_api(), config.namespace, config.plan_config_map)[0]
+    return read_config_map_plan(kube_core_api(), config.namespace, config.plan_config_map, keys)[0]
 
 
-def read_config_map_plan(api: Any, namespace: str, name: str) -> tuple[Plan, str]:
+def read_config_map_plan(api: Any, namespace: str, name: str, keys: PlanKeys | None) -> tuple[Plan, str]:
     """The plan in ConfigMap ``name`` and the **list's** resourceVersion, where a watch goes on from.
 
     Listed by name (the agents' Role allows it with the field selector), not read: an unchanged ConfigMap keeps its
@@ -81,14 +95,27 @@ def read_config_map_plan(api: Any, namespace: str, name: str) -> tuple[Plan, str
         raise PlanError(f"cannot read ConfigMap {name}: no answer from the API server ({exc})") from exc
     if not found.items:
         raise PlanError(f"cannot read ConfigMap {name}: it does not exist")
-    return plan_of(found.items[0].data, name), str(found.metadata.resource_version)
+    return plan_of(found.items[0].data, name, keys), str(found.metadata.resource_version)
 
 
-def plan_of(data: dict[str, str] | None, name: str, max_bytes: int = MAX_PLAN_BYTES) -> Plan:
+def plan_of(data: dict[str, str] | None, name: str, keys: PlanKeys | None, max_bytes: int = MAX_PLAN_BYTES) -> Plan:
+    """The plan in a ConfigMap's ``data``. ``keys``: the group's credential; the plan must then carry a seal made
+    with one of its tokens (``weightsync.plan.seal``: the operator's, not a plan whoever may edit the ConfigMap
+    wrote). None only where nothing holds the token (the scale bench's stand-ins, tests of the watch itself)."""
     text = (data or {}).get(names.PLAN_KEY)
     if not text:
         raise PlanError(f"ConfigMap {name} has no {names.PLAN_KEY}")
+    if keys is not None and not _sealed(keys, text, (data or {}).get(names.PLAN_SEAL_KEY)):
+        raise PlanError(f"ConfigMap {name}: the plan is not sealed with the group's token (not the operator's)")
     return parse_plan(text, f"ConfigMap {name}", max_bytes)
+
+
+def _sealed(keys: PlanKeys, text: str, given: str | None) -> bool:
+    """Sealed with a token the agent accepts; on a miss the credential files are read again once (a rotation the
+    operator resealed with before this agent's volume showed it)."""
+    if sealed_by(keys.tokens().candidates(), text, given):
+        return True
+    return keys.refresh() and sealed_by(keys.tokens().candidates(), text, given)
 
 
 class PlanSource(Protocol):
@@ -141,9 +168,12 @@ class ConfigMapPlanWatch:
         backoff_max: float = WATCH_BACKOFF_MAX_SECONDS,
         max_plan_bytes: int = MAX_PLAN_BYTES,
         on_reconnect: Callable[[], None] | None = None,
+        keys: PlanKeys | None,
     ) -> None:
         """``on_reconnect``: called when the API server answers again after the watch failed (the agent's reporter
-        then re-sends its condition: something may have rewritten the pod meanwhile)."""
+        then re-sends its condition: something may have rewritten the pod meanwhile). ``keys``: see
+        :func:`plan_of` (required, so that leaving the check out is a decision in the caller)."""
+        self.keys = keys
         self.on_reconnect = on_reconnect
         self._failed = False
         self.api = api
@@ -224,7 +254,7 @@ class ConfigMapPlanWatch:
 
     def _relist(self) -> None:
         self.requests += 1
-        plan, version = read_config_map_plan(self.api, self.namespace, self.name)
+        plan, version = read_config_map_plan(self.api, self.namespace, self.name, self.keys)
         self._take(plan)
         self._version = version
 
@@ -271,7 +301,7 @@ class ConfigMapPlanWatch:
         version = (obj.get("metadata") or {}).get("resourceVersion")
         if kind in ("ADDED", "MODIFIED"):
             try:
-                self._take(plan_of(obj.get("data"), self.name, self.max_plan_bytes))
+                self._take(plan_of(obj.get("data"), self.name, self.keys, self.max_plan_bytes))
             except PlanError as exc:
                 self.refused += 1
                 log.error("plan watch: refused the new plan, keeping revision %s: %s", self._revision(), exc)
@@ -323,7 +353,7 @@ def describe(exc: BaseException) -> str:
 
 
 def plan_source(
-    config: AgentConfig, plan_file: Path | None, on_reconnect: Callable[[], None] | None = None
+    config: AgentConfig, plan_file: Path | None, keys: PlanKeys, on_reconnect: Callable[[], None] | None = None
 ) -> PlanSource:
     """What the agent reads its plan from: the file (stat-based) or a watch of the ConfigMap, read once now
     (PlanError, OSError: there is no usable plan to start with)."""
@@ -335,6 +365,6 @@ def plan_source(
     if not config.plan_config_map:
         raise PlanError(f"no plan: set {names.ENV_PLAN_CONFIG_MAP} or {names.ENV_PLAN_FILE}")
     api = kube_core_api()
-    initial = read_config_map_plan(api, config.namespace, config.plan_config_map)
+    initial = read_config_map_plan(api, config.namespace, config.plan_config_map, keys)
     return ConfigMapPlanWatch(api, config.namespace, config.plan_config_map, initial=initial,
-                              on_reconnect=on_reconnect)  # fmt: skip
+                              on_reconnect=on_reconnect, keys=keys)  # fmt: skip

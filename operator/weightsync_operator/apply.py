@@ -24,6 +24,7 @@ from weightsync.api import names
 from weightsync.api.load import SpecError, parse_group
 from weightsync.api.v1alpha1 import API_VERSION, KIND, WeightSyncGroup
 from weightsync.plan import PlanError
+from weightsync.plan.seal import seal
 from weightsync_operator import metrics
 from weightsync_operator.builders import (
     BuildError,
@@ -123,7 +124,7 @@ class GroupMemory:
     #: The last validation and desired state, by what they are built from: a resync of an unchanged 1,024-pod
     #: group would otherwise spend ~0.25 CPU-s re-validating (CEL) and rebuilding every pod.
     validated: tuple[str, WeightSyncGroup | None, Problem | None] | None = None
-    built: tuple[tuple[str, str, int], DesiredState] | None = None
+    built: tuple[tuple[str, str, int, str], DesiredState] | None = None
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,10 @@ class Reconciler:
         if group is not None:
             try:
                 config_map = await self.api.get(KINDS["ConfigMap"].item(namespace, names.plan_config_map(name)))
-                decision = decide_plan(group.spec, group=name, namespace=namespace, config_map=config_map)
-                desired = self._desired(group, decision, memory)
+                # The Secret first: its token seals the plan (and tells a plan someone else wrote from ours).
+                token = await self._ensure_secret(group, build_group_secret(group))
+                decision = decide_plan(group.spec, group=name, namespace=namespace, config_map=config_map, token=token)
+                desired = self._desired(group, decision, memory, token)
             except PlanError as exc:
                 problem, decision = Problem("PlanFailed", f"the planner rejected the spec: {exc}"), None
             except BuildError as exc:
@@ -278,11 +281,13 @@ class Reconciler:
             memory.built = None
         return memory.validated[1], memory.validated[2]
 
-    def _desired(self, group: WeightSyncGroup, decision: PlanDecision, memory: GroupMemory) -> DesiredState:
+    def _desired(
+        self, group: WeightSyncGroup, decision: PlanDecision, memory: GroupMemory, token: str
+    ) -> DesiredState:
         assert memory.validated is not None
-        key = (memory.validated[0], decision.plan.hash, decision.plan.revision)
+        key = (memory.validated[0], decision.plan.hash, decision.plan.revision, seal(token, ""))  # a rotation reseals
         if memory.built is None or memory.built[0] != key:
-            memory.built = (key, desired_state(group, decision.plan, self.options))
+            memory.built = (key, desired_state(group, decision.plan, self.options, token))
         return memory.built[1]
 
     # --- Status ------------------------------------------------------------------------------------
@@ -369,7 +374,6 @@ class Reconciler:
             await self._ensure(obj, uid)
         if desired.network_policy is None:
             await self._remove_network_policy(group)
-        await self._ensure_secret(group, desired.secret)
         if decision.changed:
             await self._plan_event(body, decision)
 
@@ -533,16 +537,17 @@ class Reconciler:
         if current is not None and _controlled_by(current, meta.uid):
             await self.api.delete(path, uid=(current.get("metadata") or {}).get("uid"))
 
-    async def _ensure_secret(self, group: WeightSyncGroup, secret: Mapping[str, Any]) -> None:
+    async def _ensure_secret(self, group: WeightSyncGroup, secret: Mapping[str, Any]) -> str:
         """The group's credential: created with a fresh token when missing; afterwards only its metadata (owner,
         labels) is kept in line, and its token is never rewritten (running pods hold it in their env). A Secret
-        whose token was removed gets a new one: its pods could not start without it anyway."""
+        whose token was removed gets a new one: its pods could not start without it anyway. Returns the token."""
         path = path_of(secret)
         current = await self.api.get(path)
         if current is None:
+            token = new_token()
             try:
-                await self.api.create(build_group_secret(group, new_token()))
-                return
+                await self.api.create(build_group_secret(group, token))
+                return token
             except ApiError as exc:
                 if not exc.conflict:
                     raise
@@ -550,8 +555,11 @@ class Reconciler:
                 if current is None:
                     raise
         await self._ensure(secret, group.metadata.uid)  # metadata only: no "data" in the built object
-        if secret_token(current) is None:
-            await self.api.merge_patch(path, {"data": build_group_secret(group, new_token())["data"]})
+        held = secret_token(current)
+        if held is None:
+            held = new_token()
+            await self.api.merge_patch(path, {"data": build_group_secret(group, held)["data"]})
+        return held
 
     async def _plan_event(self, body: Mapping[str, Any], decision: PlanDecision) -> None:
         plan = decision.plan

@@ -3,7 +3,8 @@
 The Role the operator builds (``builders/rbac.py``) names the plan ConfigMap by resourceNames; the API server then
 allows a list or watch only with the field selector ``metadata.name=<cm>``, which is what
 :class:`ConfigMapPlanWatch` sends. The watch delivers a new plan within a second, refuses one over its size bound
-(keeping the old), and costs one request per watch period while idle.
+(keeping the old), refuses one not sealed with the group's token (a self-consistent plan that whoever may edit the
+ConfigMap wrote, e.g. with ``transfer.verify: false``), and costs one request per watch period while idle.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from conftest import Kube, wait_for
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroup
 from weightsync.plan import Plan, plan_for, replan
+from weightsync.plan.seal import seal
+from weightsync_agent.http.credential import Credential
 from weightsync_agent.plan_loader import ConfigMapPlanWatch
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
 from weightsync_tools.localcluster.cluster import ClusterState
@@ -26,6 +29,8 @@ from weightsync_tools.localcluster.standin_agents import api_client
 NS = "e2e-plan-watch"
 GROUP = "watched"
 CM = names.plan_config_map(GROUP)
+#: The group's token: what the operator seals the plan with and the agents check it by.
+TOKEN = "group-token-for-the-plan-watch-test"
 
 
 def group_object(engines: int) -> WeightSyncGroup:
@@ -54,10 +59,12 @@ def apply(admin: Kube, obj: dict[str, Any]) -> None:
     admin.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(obj))
 
 
-def put_plan(admin: Kube, plan: Plan, padding: int = 0) -> None:
-    """Store ``plan`` (``padding`` spaces after it: the same plan, a bigger document)."""
-    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": CM, "namespace": NS},
-            "data": {names.PLAN_KEY: plan.to_json() + " " * padding}}  # fmt: skip
+def put_plan(admin: Kube, plan: Plan, padding: int = 0, sealed_with: str | None = TOKEN) -> None:
+    """Store ``plan`` (``padding`` spaces after it: the same plan, a bigger document), sealed as the operator does
+    (``sealed_with`` None: not sealed, as anyone else who may edit the ConfigMap would write it)."""
+    text = plan.to_json() + " " * padding
+    data = {names.PLAN_KEY: text, **({names.PLAN_SEAL_KEY: seal(sealed_with, text)} if sealed_with else {})}
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": CM, "namespace": NS}, "data": data}
     admin.kubectl("-n", NS, "apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(body))
 
 
@@ -79,7 +86,7 @@ def test_the_watch_follows_the_plan_and_refuses_one_too_big(cluster: Any, agent_
     _, admin = cluster
     api, first = agent_api
     bigger = replan(first, group_object(3).spec)
-    watch = ConfigMapPlanWatch(api, NS, CM, max_plan_bytes=len(bigger.to_json()) + 64)
+    watch = ConfigMapPlanWatch(api, NS, CM, max_plan_bytes=len(bigger.to_json()) + 64, keys=Credential.fixed(TOKEN))
     try:
         assert watch.wait(10), "no plan read"
         assert watch().hash == first.hash
@@ -89,6 +96,14 @@ def test_the_watch_follows_the_plan_and_refuses_one_too_big(cluster: Any, agent_
         put_plan(admin, too_big, padding=watch.max_plan_bytes)
         wait_for("the refusal", lambda: watch.refused == 1, timeout=10, interval=0.05)
         assert watch().hash == bigger.hash, "a refused plan replaced the good one"
+        # Self-consistent (its own hash holds) but written by someone without the group's token: refused.
+        unverified = bigger.sealed(transfer=bigger.transfer.model_copy(update={"verify": False}),
+                                   revision=bigger.revision + 1)  # fmt: skip
+        put_plan(admin, unverified, sealed_with=None)
+        wait_for("the unsealed plan's refusal", lambda: watch.refused == 2, timeout=10, interval=0.05)
+        put_plan(admin, unverified, sealed_with="another-token")
+        wait_for("the wrongly sealed plan's refusal", lambda: watch.refused == 3, timeout=10, interval=0.05)
+        assert watch().hash == bigger.hash and watch().transfer.verify
         # One read at the start and one watch connection: nothing per plan change, nothing per tick.
         assert watch.requests == 2, watch.requests
         # Closing wakes the thread out of its read at once (not when the watch next sends or ends: minutes).

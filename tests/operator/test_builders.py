@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from weightsync.api import names
 from weightsync.api.v1alpha1 import AGENT_CONTAINER
 from weightsync.plan import Plan, plan_for
+from weightsync.plan.seal import seal
 from weightsync_operator.builders import (
     BuildError,
     BuildOptions,
@@ -616,6 +617,23 @@ def test_plan_config_map() -> None:
         names.ANNOTATION_PLAN_REVISION: "1",
     }
     assert Plan.from_json(cm["data"][names.PLAN_KEY]) == plan
+    assert names.PLAN_SEAL_KEY not in cm["data"]  # rendered without the group's token: no seal
+    sealed = build_plan_config_map(group, plan, "the-token")
+    assert sealed["data"][names.PLAN_SEAL_KEY] == seal("the-token", sealed["data"][names.PLAN_KEY])
+
+
+def test_a_stored_plan_not_sealed_with_the_groups_token_is_not_replanned_from() -> None:
+    """Whoever may edit the plan ConfigMap can write a self-consistent plan; the operator replans only from one its
+    own token sealed, and otherwise plans afresh at the next revision (which its agents then take)."""
+    builder = GroupBuilder("g").trainers(2).engines(2)
+    first = decide_plan(builder.model().spec, group="g", namespace="default", config_map=None, token="t").plan
+    ours = build_plan_config_map(builder.model(), first, "t")
+    assert decide_plan(builder.model().spec, group="g", namespace="default", config_map=ours, token="t").plan == first
+    forged = first.sealed(transfer=first.transfer.model_copy(update={"verify": False}))
+    for cm in (build_plan_config_map(builder.model(), forged), build_plan_config_map(builder.model(), forged, "x")):
+        decision = decide_plan(builder.model().spec, group="g", namespace="default", config_map=cm, token="t")
+        assert decision.previous is None and "not sealed with the group's token" in decision.note
+        assert decision.plan.transfer.verify and decision.plan.revision == forged.revision + 1
 
 
 def test_role_grants_the_plan_and_the_groups_pods_and_nothing_more() -> None:

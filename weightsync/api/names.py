@@ -112,6 +112,9 @@ ENV_POD_IP: Final = "POD_IP"
 
 #: Plan ConfigMap data key.
 PLAN_KEY: Final = "plan.json"
+#: Plan ConfigMap data key of the plan's seal: an HMAC of :data:`PLAN_KEY`'s text keyed with the group's token
+#: (``weightsync.plan.seal``): what agents check a plan came from the operator by.
+PLAN_SEAL_KEY: Final = "plan.seal"
 #: The group Secret's data key holding the token.
 SECRET_TOKEN_KEY: Final = "token"
 #: The group Secret's data key holding the token before the last rotation, accepted until the rotation is

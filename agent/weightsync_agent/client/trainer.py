@@ -383,9 +383,12 @@ class WeightSyncClient:
             if transport is None or manifests is None:
                 raise ClientError("in-process mode needs both transport and manifests")
             if plan is None:
+                from weightsync_agent.http.credential import Credential
                 from weightsync_agent.plan_loader import load_plan
 
-                plan = load_plan(config, None)
+                # A plan file is the caller's own; a ConfigMap's plan must carry the operator's seal.
+                keys = None if config.plan_file else Credential.from_sources(config.credentials_dir, config.group_token)
+                plan = load_plan(config, None, keys)
             return cls.in_process(transport, plan, rank, manifests, shm_dir=path)
         timeout = plan.transfer.timeouts.round_budget if plan is not None else DEFAULT_TIMEOUT_S
         if publisher is None:

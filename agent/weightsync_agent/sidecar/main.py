@@ -58,14 +58,14 @@ def run(plan_file: Path | None = None) -> int:
     try:
         config = AgentConfig.from_env()
         try:
-            Credential.from_sources(config.credentials_dir, config.group_token)
+            keys = Credential.from_sources(config.credentials_dir, config.group_token)
         except CredentialError as exc:
             raise AgentConfigError(
                 f"{exc} (the operator mounts the Secret {names.group_secret(config.group)} at "
                 f"{names.CREDENTIALS_PATH}; docs/security.md)"
             ) from exc
         reporter = PodReporter(kube_core_api(), config.namespace, config.pod_name) if config.pod_name else None
-        source: PlanSource = plan_source(config, plan_file, reporter.resync_soon if reporter else None)
+        source: PlanSource = plan_source(config, plan_file, keys, reporter.resync_soon if reporter else None)
         plan = source()
         work = duties(config, plan)
         directory = make_directory(config, plan)

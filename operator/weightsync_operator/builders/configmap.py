@@ -14,6 +14,7 @@ from typing import Any
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroup, WeightSyncGroupSpec
 from weightsync.plan import Plan, PlanError, plan_for, replan
+from weightsync.plan.seal import seal, sealed_by
 from weightsync_operator.builders.common import JsonDict, object_meta
 
 
@@ -31,13 +32,17 @@ class PlanDecision:
         return self.previous is None or self.previous.hash != self.plan.hash
 
 
-def read_plan(config_map: Mapping[str, Any] | None) -> tuple[Plan | None, str]:
-    """The plan stored in ``config_map``, or ``None`` and why not."""
+def read_plan(config_map: Mapping[str, Any] | None, token: str | None = None) -> tuple[Plan | None, str]:
+    """The plan stored in ``config_map``, or ``None`` and why not. With the group's ``token``, only a plan sealed
+    with it (``weightsync.plan.seal``): one written by anyone else is not replanned from."""
     if config_map is None:
         return None, "no plan ConfigMap yet"
-    text = (config_map.get("data") or {}).get(names.PLAN_KEY)
+    data = config_map.get("data") or {}
+    text = data.get(names.PLAN_KEY)
     if not text:
         return None, f"plan ConfigMap has no {names.PLAN_KEY}"
+    if token is not None and not sealed_by([token], text, data.get(names.PLAN_SEAL_KEY)):
+        return None, "the stored plan is not sealed with the group's token (written by someone else): planned afresh"
     try:
         return Plan.from_json(text), ""
     except PlanError as exc:
@@ -56,10 +61,16 @@ def stored_revision(config_map: Mapping[str, Any] | None) -> int:
 
 
 def decide_plan(
-    spec: WeightSyncGroupSpec, *, group: str, namespace: str, config_map: Mapping[str, Any] | None
+    spec: WeightSyncGroupSpec,
+    *,
+    group: str,
+    namespace: str,
+    config_map: Mapping[str, Any] | None,
+    token: str | None = None,
 ) -> PlanDecision:
-    """Replan from the stored plan, or plan afresh when there is none. Raises :class:`PlanError`."""
-    previous, note = read_plan(config_map)
+    """Replan from the stored plan, or plan afresh when there is none (or, given the group's ``token``, none sealed
+    with it). Raises :class:`PlanError`."""
+    previous, note = read_plan(config_map, token)
     if previous is not None and (previous.group, previous.namespace) != (group, namespace):
         note = f"stored plan belongs to {previous.namespace}/{previous.group}"
         previous = None
@@ -79,7 +90,11 @@ def decide_plan(
     return PlanDecision(plan, previous, note)
 
 
-def build_plan_config_map(group: WeightSyncGroup, plan: Plan) -> JsonDict:
+def build_plan_config_map(group: WeightSyncGroup, plan: Plan, token: str | None = None) -> JsonDict:
+    """The ConfigMap holding ``plan``, sealed with the group's ``token`` (the operator always has it; a rendering
+    without it, ``weightsync render``, carries no seal, and agents would refuse it)."""
+    text = plan.to_json()
+    data = {names.PLAN_KEY: text, **({names.PLAN_SEAL_KEY: seal(token, text)} if token is not None else {})}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -91,5 +106,5 @@ def build_plan_config_map(group: WeightSyncGroup, plan: Plan) -> JsonDict:
                 names.ANNOTATION_PLAN_REVISION: str(plan.revision),
             },
         ),
-        "data": {names.PLAN_KEY: plan.to_json()},
+        "data": data,
     }

@@ -61,7 +61,10 @@ def expected_pod_names(group: WeightSyncGroup) -> tuple[str, ...]:
     return (*trainers, *engines)
 
 
-def desired_state(group: WeightSyncGroup, plan: Plan, options: BuildOptions | None = None) -> DesiredState:
+def desired_state(
+    group: WeightSyncGroup, plan: Plan, options: BuildOptions | None = None, token: str | None = None
+) -> DesiredState:
+    """``token``: the group's, which seals the plan ConfigMap (the operator's reconciles always pass it)."""
     options = options or BuildOptions()
     spec = group.spec
     trainers = [build_trainer_pod(group, i, options) for i in range(spec.trainer.replicas)]
@@ -76,7 +79,7 @@ def desired_state(group: WeightSyncGroup, plan: Plan, options: BuildOptions | No
         role=build_role(group, [str(p["metadata"]["name"]) for p in pods]),
         role_binding=build_role_binding(group),
         service=build_service(group),
-        config_map=build_plan_config_map(group, plan),
+        config_map=build_plan_config_map(group, plan, token),
         secret=build_group_secret(group),
         pods=pods,
         network_policy=build_network_policy(group),

@@ -76,11 +76,11 @@ def test_plan_file_round_trip_and_tampering(tmp_path) -> None:  # type: ignore[n
     path = tmp_path / "plan.json"
     path.write_text(PLAN.to_json())
     config = AgentConfig.from_env(env())
-    assert load_plan(config, path) == PLAN
+    assert load_plan(config, path, None) == PLAN
     path.write_text(PLAN.to_json().replace('"bucketSizeMiB":64', '"bucketSizeMiB":65'))
     with pytest.raises(PlanError, match="hash does not match"):
-        load_plan(config, path)
+        load_plan(config, path, None)
     path.write_text(PLAN.to_json()[:-20])
     with pytest.raises(PlanError, match="not valid JSON"):
-        load_plan(config, path)
+        load_plan(config, path, None)
     assert isinstance(Plan.from_json(PLAN.to_json()), Plan)

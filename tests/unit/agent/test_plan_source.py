@@ -16,7 +16,9 @@ from kubernetes.client.exceptions import ApiException
 from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, PlanError, plan_for, replan
-from weightsync_agent.plan_loader import ConfigMapPlanWatch, FilePlanSource, events
+from weightsync.plan.seal import seal
+from weightsync_agent.http.credential import Credential
+from weightsync_agent.plan_loader import ConfigMapPlanWatch, FilePlanSource, events, plan_of
 
 SLEEPER = {"spec": {"containers": [{"name": "main", "image": "busybox"}]}}
 
@@ -97,7 +99,9 @@ def test_a_gone_version_is_read_afresh_and_the_watch_goes_on_from_there() -> Non
     gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old resource version"}}
     api = FakeApi([ApiException(status=410), Response([gone], hold=False), Response([modified(SECOND, "40")], True)])
     reconnected: list[bool] = []
-    watch = ConfigMapPlanWatch(api, "ns", "g-plan", backoff_first=0.01, on_reconnect=lambda: reconnected.append(True))
+    watch = ConfigMapPlanWatch(
+        api, "ns", "g-plan", backoff_first=0.01, on_reconnect=lambda: reconnected.append(True), keys=None
+    )
     try:
         until(lambda: watch.delivered >= 3)  # read, read again after each 410, and the watched change
         assert watch().hash == SECOND.hash
@@ -113,7 +117,9 @@ def test_a_gone_version_is_read_afresh_and_the_watch_goes_on_from_there() -> Non
 def test_after_a_failure_the_watch_backs_off_reconnects_and_says_so() -> None:
     api = FakeApi([OSError("connection refused"), ApiException(status=503), Response([], hold=True)])
     reconnected: list[bool] = []
-    watch = ConfigMapPlanWatch(api, "ns", "g-plan", backoff_first=0.01, on_reconnect=lambda: reconnected.append(True))
+    watch = ConfigMapPlanWatch(
+        api, "ns", "g-plan", backoff_first=0.01, on_reconnect=lambda: reconnected.append(True), keys=None
+    )
     try:
         until(lambda: reconnected == [True])
         assert watch().hash == FIRST.hash and api.watch_versions == ["11", "11", "11"]
@@ -127,7 +133,7 @@ def test_a_throttled_watch_comes_back_after_the_servers_hint_and_its_backoff_doe
     api = FakeApi([throttled, throttled, throttled, Response([], hold=True)])
     started = time.monotonic()
     # A backoff of 1, 2, 4 s would take 7 s; the hints take 0.3-0.6 s.
-    watch = ConfigMapPlanWatch(api, "ns", "g-plan", backoff_first=1.0, backoff_max=30.0)
+    watch = ConfigMapPlanWatch(api, "ns", "g-plan", backoff_first=1.0, backoff_max=30.0, keys=None)
     try:
         until(lambda: len(api.watch_versions) == 4, timeout=3)
         assert time.monotonic() - started < 2.0
@@ -138,7 +144,7 @@ def test_a_throttled_watch_comes_back_after_the_servers_hint_and_its_backoff_doe
 def test_an_unusable_plan_is_refused_and_the_last_good_one_kept() -> None:
     bad = {"type": "MODIFIED", "object": {"metadata": {"resourceVersion": "20"}, "data": {names.PLAN_KEY: "{"}}}
     api = FakeApi([Response([bad, modified(SECOND, "21")], hold=True)])
-    watch = ConfigMapPlanWatch(api, "ns", "g-plan")
+    watch = ConfigMapPlanWatch(api, "ns", "g-plan", keys=None)
     try:
         until(lambda: watch().hash == SECOND.hash)
         assert watch.refused == 1
@@ -160,3 +166,22 @@ def test_the_plan_file_is_read_again_only_when_it_changes(tmp_path: Path) -> Non
     assert source() is first  # a stat, no read
     path.write_text(SECOND.to_json())
     assert source().hash == SECOND.hash
+
+
+def test_a_plan_is_taken_only_sealed_with_a_token_the_agent_accepts(tmp_path: Path) -> None:
+    """The seal proves the operator wrote the plan: unsealed or sealed with another token, it is refused; during a
+    rotation either token seals; a rotation the agent's files show only after the operator resealed is re-read."""
+    text = FIRST.to_json()
+    keys = Credential.fixed("new", previous="old")
+    for token in ("new", "old"):
+        sealed = {names.PLAN_KEY: text, names.PLAN_SEAL_KEY: seal(token, text)}
+        assert plan_of(sealed, "g-plan", keys).hash == FIRST.hash
+    for data in ({names.PLAN_KEY: text}, {names.PLAN_KEY: text, names.PLAN_SEAL_KEY: seal("other", text)},
+                 {names.PLAN_KEY: SECOND.to_json(), names.PLAN_SEAL_KEY: seal("new", text)}):  # fmt: skip
+        with pytest.raises(PlanError, match="not sealed with the group's token"):
+            plan_of(data, "g-plan", keys)
+    assert plan_of({names.PLAN_KEY: text}, "g-plan", None).hash == FIRST.hash  # no keys: the caller chose no check
+    (tmp_path / names.SECRET_TOKEN_KEY).write_text("before")
+    mounted = Credential.from_directory(tmp_path)
+    (tmp_path / names.SECRET_TOKEN_KEY).write_text("rotated")  # the kubelet refreshed the volume
+    assert plan_of({names.PLAN_KEY: text, names.PLAN_SEAL_KEY: seal("rotated", text)}, "g-plan", mounted)

@@ -96,7 +96,8 @@ def start_standin(state: ClusterState, pod: dict[str, Any], token: str) -> Stand
     role = labels.get(names.LABEL_ROLE, "")
     group = labels.get(names.LABEL_GROUP, "")
     api = api_client(state, token)
-    watch = ConfigMapPlanWatch(api, namespace, names.plan_config_map(group))
+    # A stand-in holds no group token (it only loads the API server as agents do): it takes the plan unsealed.
+    watch = ConfigMapPlanWatch(api, namespace, names.plan_config_map(group), keys=None)
     reporter = PodReporter(api, namespace, name)
     # What the real agent advertises at its start (a fake address: nothing answers there).
     first_of_engine = role == "engine" and name.endswith("-0")
