@@ -125,7 +125,7 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         "the test-only plain-linears plugin does): with it on, `process_weights_after_loading` moves every 2-D",
         "linear weight into an opaque oneDNN handle and empties `layer.weight`, so nothing could be compared. The",
         "oneDNN repack after a reload is covered by the real-server tests, which compare generation with HF",
-        "([testing](vllm-testing.md)).",
+        "(tests/engines/vllm; [vLLM](vllm.md)).",
         "",
         "| status | architectures |",
         "|---|---|",
@@ -149,8 +149,11 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
             extras.append(f"live: {row['live']}")
         if row.get("stock_reload_differs"):
             names = row["stock_reload_differs"]
-            shown = ", ".join(names[:2]) + (f" (and {len(names) - 2} more)" if len(names) > 2 else "")
-            extras.append(f"stock vLLM's reload leaves {shown} different; weightsync's fix makes it bit-exact")
+            kinds = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in names}))
+            stock = (
+                f"stock vLLM's reload (without weightsync's MoE fix) leaves {len(names)} tensors different ({kinds})"
+            )
+            extras.append(stock + ("; weightsync's fix makes it bit-exact" if row["status"] == "synced" else ""))
         if row.get("ep"):
             extras.append(f"with EP {EP_CASE[0]}: {row['ep']}")
         elif row.get("ep_not_built"):
@@ -321,8 +324,11 @@ def _blame(differences: list[str], fix: Any) -> str:
 
 
 def _first(differences: list[str]) -> str:
-    more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
-    return f"{differences[0]}{more} differs after vLLM's layerwise reload"
+    """``"parameter X differs after vLLM's layerwise reload (how); also Y, Z (and N more)"``."""
+    name, how = differences[0].split(": ", 1)
+    others = [d.split(": ", 1)[0].split(" ", 1)[1] for d in differences[1:]]
+    also = f"; also {', '.join(others[:2])}" + (f" (and {len(others) - 2} more)" if len(others) > 2 else "")
+    return f"{name} differs after vLLM's layerwise reload ({how}){also if others else ''}"
 
 
 def _moe(en: _Engine, model_dir: Path, rounds: Rounds) -> dict[str, Any]:
@@ -434,7 +440,8 @@ def _trace(en: _Engine, model_dir: Path, sources: dict[str, Any], tp: int, rank:
 def _differential(
     en: _Engine, model_dir: Path, values: dict[str, Any], tp: int, rank: int, tensors: list[dict[str, Any]]
 ) -> list[str]:
-    """Parameters where vLLM's own ``load_weights`` differs from assembly from the traced parts (empty: bit-exact)."""
+    """Parameters where vLLM's own ``load_weights`` differs from assembly from the traced parts, with how (empty:
+    bit-exact). Parameters are read after the load: one that ``load_weights`` creates is not in the trace's map."""
     torch = en.torch
     model, config = en.build(model_dir, tp, rank)
     with en.set_config(config), torch.no_grad():
@@ -445,8 +452,8 @@ def _differential(
     bad = []
     for name, param in model.named_parameters():
         entry = traced.get(name)
-        if entry is None:
-            bad.append(name)
+        if entry is None:  # vLLM's load made it (the trace reads the parameters before loading) or it is untraced
+            bad.append(f"{name} (vLLM's load writes it; not in the trace's map)")
             continue
         built = torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"]))
         along: dict[tuple[int, ...], int] = {}
@@ -457,7 +464,7 @@ def _differential(
             (built[at] if at else built).narrow(dim, along.get(at, 0), piece.shape[dim]).copy_(piece)
             along[at] = along.get(at, 0) + piece.shape[dim]
         if not _same(torch, param.data, built):
-            bad.append(name)
+            bad.append(f"{name} (bytes differ)")
     return bad
 
 

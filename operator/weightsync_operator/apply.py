@@ -281,9 +281,7 @@ class Reconciler:
             memory.built = None
         return memory.validated[1], memory.validated[2]
 
-    def _desired(
-        self, group: WeightSyncGroup, decision: PlanDecision, memory: GroupMemory, token: str
-    ) -> DesiredState:
+    def _desired(self, group: WeightSyncGroup, decision: PlanDecision, memory: GroupMemory, token: str) -> DesiredState:
         assert memory.validated is not None
         key = (memory.validated[0], decision.plan.hash, decision.plan.revision, seal(token, ""))  # a rotation reseals
         if memory.built is None or memory.built[0] != key:

@@ -57,6 +57,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync_engine.vllm.live_parameters import LiveParameters, PlacementRefusedError, Span, live_parameters
 from weightsync_engine.vllm.receive_buffer import DTYPES, BufferError, ReceiveBuffer, checkpoint_tensors, publish_json
+from weightsync_engine.vllm.reload_defects import reload_defect
 
 logger = logging.getLogger("weightsync_engine.vllm")
 
@@ -177,6 +178,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     # --- The placements --------------------------------------------------------------------------
 
     def _register_buffer(self, init_info: WeightsyncInitInfo) -> None:
+        import vllm
+
+        defect = reload_defect(vllm.__version__, list(self.model_config.architectures or []))
+        if defect is not None:
+            refusal = {"placement": "buffer", "refused": defect, "request": init_info.request, "pid": os.getpid()}
+            publish_json(_layout_path(Path(init_info.directory)), refusal)
+            raise PlacementRefusedError(defect)
         dtype = _dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
         model_dir = Path(self.model_config.model)
         tensors = [(name, dtype if DTYPES.get(kind, dtype).is_floating_point else DTYPES[kind], shape)

@@ -55,3 +55,19 @@ def test_the_committed_table_syncs_fifteen_or_more_deepseek_v3_and_qwen3_moe_inc
     assert int(counts["synced"]) == len(synced)
     unmapped = re.search(r"^Also not built: (\d+) architectures", text, flags=re.MULTILINE)
     assert sum(int(n) for n in counts.values()) == len(rows) + (int(unmapped.group(1)) if unmapped else 0)
+
+
+def test_the_plugin_refuses_staged_rounds_into_every_architecture_the_table_refuses() -> None:
+    """What the survey found vLLM's reload leaves wrong is what the plugin refuses by name at init (never synced
+    wrong); a model it did not refuse, or another vLLM release, is not refused."""
+    from weightsync_engine.vllm.reload_defects import RELOAD_DEFECTS, VALIDATED_VLLM, reload_defect
+
+    text = TABLE.read_text()
+    assert f"vllm {VALIDATED_VLLM}" in text
+    refused = set(re.findall(r"^\| `(\w+)` \| refused \|", text, flags=re.MULTILINE))
+    assert refused == set(RELOAD_DEFECTS)
+    for arch in refused:
+        why = reload_defect(VALIDATED_VLLM, [arch])
+        assert why is not None and why.startswith(f"{arch}: vLLM's layerwise reload leaves"), why
+    assert reload_defect(VALIDATED_VLLM, ["LlamaForCausalLM"]) is None
+    assert reload_defect("0.33.0", ["GptOssForCausalLM"]) is None
