@@ -8,6 +8,7 @@ unknown fields) against the newest bundled version and the oldest the chart supp
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -580,9 +581,12 @@ def test_agent_pod_policy_names_what_agents_write(render: Renderer) -> None:
     text = json.dumps(policy)
     # The names the agents use (weightsync.api.names), spelled the same in the policy's CEL.
     assert f"'{names.CONDITION_AGENT_READY}'" in text
-    assert f"'{names.ANNOTATION_SPEC_HASH}'" in text
-    for annotation in (names.ANNOTATION_WEIGHT_VERSION, names.ANNOTATION_LAST_ROUND, names.ANNOTATION_AGENT_URL):
-        assert annotation.startswith("weightsync.io/") and "startsWith('weightsync.io/')" in text
+    # Exactly the annotations agents write (weightsync_agent's reporters), and no other weightsync.io/ key.
+    (listed,) = [v["expression"] for v in policy["spec"]["variables"] if v["name"] == "agentAnnotations"]
+    written = {names.ANNOTATION_WEIGHT_VERSION, names.ANNOTATION_LAST_ROUND, names.ANNOTATION_ENGINE_URL,
+               names.ANNOTATION_SYNC_PATHS, names.ANNOTATION_AGENT_URL}  # fmt: skip
+    assert set(re.findall(r"'([^']+)'", listed)) == written
+    assert names.ANNOTATION_SPEC_HASH not in listed and "startsWith('weightsync.io/')" not in text
     assert "+ '-agent'" in text and names.agent_service_account("g") == "g-agent"
 
 

@@ -181,6 +181,9 @@ def test_its_own_labels_spec_status_and_foreign_annotations_are_refused(engine_a
     _refused(_patch(engine_agent, OWN, annotation), "refused: example.com/owner")
     spec_hash = {"metadata": {"annotations": {names.ANNOTATION_SPEC_HASH: "0"}}}
     _refused(_patch(engine_agent, OWN, spec_hash), "refused: " + names.ANNOTATION_SPEC_HASH)
+    # Only the annotations agents write: another weightsync.io/ key (the plan's, or one made up) is refused.
+    plan_hash = {"metadata": {"annotations": {names.ANNOTATION_PLAN_HASH: "0", "weightsync.io/made-up": "1"}}}
+    _refused(_patch(engine_agent, OWN, plan_hash), "may change only the annotations agents write")
 
 
 def test_a_token_bound_to_no_pod_is_refused(
