@@ -8,14 +8,16 @@ engine venv's python (where weightsync is not installed) and load this module be
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +154,54 @@ def progress_bar(enabled: bool) -> Any:
 def counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
     """Rows per status, in :data:`STATUSES` order."""
     return {s: sum(1 for r in rows if r["status"] == s) for s in STATUSES}
+
+
+def main(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    doc: str | None,
+    engine: str,
+    python_env: str,
+    engine_rows: Callable[[Path, Sequence[str]], Iterator[dict[str, Any]]],
+    survey: Callable[[str, Sequence[str]], list[dict[str, Any]]],
+    render: Callable[[Sequence[dict[str, Any]], dict[str, str] | None], str],
+) -> int:
+    """A survey's command line, both sides: ``engine`` (internal: the engine venv streams one JSON row per
+    architecture), or survey through it and write the table (``--markdown``), the rows (``--json``), or render rows
+    written before (``--from-json``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0] if doc else None)
+    sub = parser.add_subparsers(dest="command")
+    side = sub.add_parser("engine", help="(internal) the engine-venv side: one JSON line per architecture")
+    side.add_argument("--trace-script", type=Path, required=True)
+    side.add_argument("archs", nargs="*")
+    parser.add_argument("--python", default=os.environ.get(python_env), help=f"the {engine} venv's python")
+    parser.add_argument("--arch", action="append", default=[], help="only this architecture (repeatable)")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--from-json", type=Path, help="render rows written by --json instead of surveying")
+    args = parser.parse_args(argv)
+    if args.command == "engine":
+        # Engines log to stdout: the rows get a private copy of it, and everything else goes to stderr.
+        rows_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+        for message in engine_rows(args.trace_script, args.archs):
+            print(json.dumps(message), file=rows_out, flush=True)
+        return 0
+    if not args.from_json and not args.python:
+        parser.error(f"--python (or {python_env}) must name the {engine} venv's python")
+    try:
+        rows = json.loads(args.from_json.read_text()) if args.from_json else survey(args.python, args.arch)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"{prog}: {' '.join(str(exc).split())[:500]}", file=sys.stderr)
+        return 1
+    versions = rows[0].get("versions") if rows else None
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(render(rows, versions))
+    print(", ".join(f"{n} {s}" for s, n in counts(rows).items()))
+    return 0
 
 
 # ---------------------------------------------------------------- engine-venv side

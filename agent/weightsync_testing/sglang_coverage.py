@@ -27,10 +27,8 @@ file with the SGLang venv's python and renders the table; the engine side never 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -162,38 +160,18 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sglang_coverage", description=__doc__.splitlines()[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command")
-    engine = sub.add_parser("engine", help="(internal) the engine-venv side: one JSON line per architecture")
-    engine.add_argument("--trace-script", type=Path, required=True)
-    engine.add_argument("archs", nargs="*")
-    parser.add_argument("--python", default=os.environ.get("WEIGHTSYNC_SGLANG_PYTHON"), help="the SGLang venv's python")
-    parser.add_argument("--arch", action="append", default=[], help="only this architecture (repeatable)")
-    parser.add_argument("--markdown", type=Path, help="write the table here")
-    parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument("--from-json", type=Path, help="render rows written by --json instead of surveying")
-    args = parser.parse_args(argv)
-    if args.command == "engine":
-        for message in _engine(args.trace_script, args.archs):
-            print(json.dumps(message), flush=True)
-        return 0
-    if args.from_json:
-        rows = json.loads(args.from_json.read_text())
-    elif not args.python:
-        parser.error("--python (or WEIGHTSYNC_SGLANG_PYTHON) must name the SGLang venv's python")
-    try:
-        rows = rows if args.from_json else survey(args.python, args.arch)
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        print(f"sglang_coverage: {' '.join(str(exc).split())[:500]}", file=sys.stderr)
-        return 1
-    versions = rows[0].get("versions") if rows else None
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(render(rows, versions))
-    counts = {s: sum(1 for r in rows if r["status"] == s) for s in STATUSES}
-    print(", ".join(f"{n} {s}" for s, n in counts.items()))
-    return 0
+    return int(
+        _COMMON.main(
+            argv,
+            prog="sglang_coverage",
+            doc=__doc__,
+            engine="SGLang",
+            python_env="WEIGHTSYNC_SGLANG_PYTHON",
+            engine_rows=_engine,
+            survey=survey,
+            render=render,
+        )
+    )
 
 
 # ---------------------------------------------------------------- engine-venv side
