@@ -119,6 +119,7 @@ def test_a_gated_round_applies_resumes_scores_then_labels() -> None:
     assert len(log.kinds("resume")) == 2  # once per engine: the run does not resume again after the label
     assert all(e.version == 5 for e in engines.values()) and set(result.phases) >= {"gate", "commit", "resume"}
     assert driver.gate_gaps == {0: 0.0, 1: 0.0}
+    assert result.gate_gap == 0.0 and result.as_status()["gateGap"] == 0.0  # in the group's status.lastSync
 
 
 def test_a_failed_gate_pauses_again_never_labels_and_names_the_engine_and_token() -> None:
@@ -130,6 +131,7 @@ def test_a_failed_gate_pauses_again_never_labels_and_names_the_engine_and_token(
     assert "engine 1: token 2 of the canary (id 5): logprob -2.5000, the trainer's -2.0000" in (result.reason or "")
     assert log.kinds("commit") == [] and all(e.version == 0 for e in engines.values())
     assert len(log.kinds("pause")) == 4  # the round's pause, and again after the gate failed
+    assert result.gate_gap is None and "gateGap" not in result.as_status()  # no gate passed
     assert [e.aborts for e in engines.values()] == [[True], [True]]  # closed as written: the weights are no version's
 
 
@@ -151,8 +153,10 @@ def test_a_canary_needs_engines_that_gate_the_rounds_staging() -> None:
 
 def test_a_staged_gated_round_applies_resumes_scores_then_labels_and_a_miss_leaves_it_paused() -> None:
     log, engines, sources = gated_setup(StagedGatedEngine)
+    engines[1].reads = [-1.0, -2.004, -0.5]  # within the tolerance (0.01): passes, and the status says by how much
     result = RoundDriver(make_plan(), engines, sources, staging="staged").run(3, canary=canary())  # type: ignore[arg-type]
     assert result.result == "Succeeded" and result.committed and not result.engines_paused
+    assert result.gate_gap is not None and abs(result.gate_gap - 0.004) < 1e-9
     kinds = [e[0] for e in log.events if e[0] in ("verify", "apply", "resume", "score", "commit", "pause")]
     assert "pause" not in kinds  # staged: the engines serve while the sources write
     assert kinds.index("apply") > max(i for i, k in enumerate(kinds) if k == "verify")

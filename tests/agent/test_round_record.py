@@ -3,6 +3,7 @@ and per target with the slowest of each named; and that the group's status schem
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -154,6 +155,9 @@ def test_the_record_travels_between_agents() -> None:
     # Trainer ranks get every peer's throughput back, so their code can log which link was slow.
     assert back.sources == result.sources and back.targets == result.targets
     assert back.slowest_target == result.slowest_target
+    gated = dataclasses.replace(result, gate_gap=0.0042)  # a gated round's gap travels, and the status schema takes it
+    assert round_result_from_json(round_result_to_json(gated)).gate_gap == 0.0042 and back.gate_gap is None
+    assert SyncStatus.model_validate(gated.as_status()).gate_gap == 0.0042
     with pytest.raises(WireError, match="targets must map"):
         round_result_from_json({**round_result_to_json(result), "targets": {"0/1": "fast"}})
     with pytest.raises(WireError, match="phases must map"):

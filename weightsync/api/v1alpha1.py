@@ -703,6 +703,12 @@ class SyncStatus(ApiModel):
     )
     slowest_source: PeerSync | None = Field(default=None, description="The source whose writes took longest.")
     slowest_target: PeerSync | None = Field(default=None, description="The engine rank that was written last.")
+    gate_gap: float | None = Field(
+        default=None,
+        ge=0,
+        description="A round whose semantic gate passed: the largest difference (nats) any engine showed between its "
+        "logprob of a canary token and the trainer's, within the canary's tolerance.",
+    )
 
 
 class WeightSyncGroupStatus(ApiModel):

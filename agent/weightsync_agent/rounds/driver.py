@@ -91,6 +91,9 @@ class RoundResult:
     #: summed over its sources, seconds until its last source finished it).
     sources: Mapping[int, Throughput] = field(default_factory=dict)
     targets: Mapping[Target, Throughput] = field(default_factory=dict)
+    #: A round whose semantic gate passed: the largest difference any engine showed between its logprob of a canary
+    #: token and the trainer's (nats; within the canary's tolerance, else the round failed). None: no gate passed.
+    gate_gap: float | None = None
 
     @property
     def slowest_source(self) -> tuple[int, Throughput] | None:
@@ -122,6 +125,8 @@ class RoundResult:
             status["phases"] = {phase: round(seconds, 4) for phase, seconds in self.phases.items()}
         if self.paused_seconds is not None:
             status["pausedSeconds"] = round(self.paused_seconds, 4)
+        if self.gate_gap is not None:
+            status["gateGap"] = round(self.gate_gap, 6)
         if (slowest := self.slowest_source) is not None:
             status["slowestSource"] = _peer_status(f"source {slowest[0]}", slowest[1])
         if (target := self.slowest_target) is not None:
@@ -185,6 +190,7 @@ class RoundDriver:
         self._reports: dict[int, SourceReport] = {}
         self._gate_resumed = False  # the gate resumed the engines before the label (the run must not again)
         #: Per engine, the largest logprob gap of its last passing canary score.
+        #: Per engine, its largest canary gap in this round's gate, for the engines whose scores passed.
         self.gate_gaps: dict[int, float] = {}
 
     def close(self) -> None:
@@ -510,6 +516,9 @@ class RoundDriver:
             paused_seconds=self._paused_seconds(attempts),
             sources={source: Throughput(r.bytes, r.seconds) for source, r in self._reports.items()},
             targets=_target_throughputs(self._reports.values()),
+            gate_gap=max(self.gate_gaps.values())
+            if self.gate_gaps and len(self.gate_gaps) == len(self.engines)
+            else None,
         )
 
 

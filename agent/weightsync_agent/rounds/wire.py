@@ -134,6 +134,7 @@ def round_result_from_json(data: Any) -> RoundResult:
             paused_seconds=None if data.get("pausedSeconds") is None else float(data["pausedSeconds"]),
             sources={int(k): v for k, v in _throughputs(data.get("sources"), "sources").items()},
             targets={_target_of(k): v for k, v in _throughputs(data.get("targets"), "targets").items()},
+            gate_gap=None if data.get("gateGap") is None else float(data["gateGap"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, WireError):

@@ -124,6 +124,7 @@ def test_a_gated_staged_round_into_a_deepseek_v3_moe_serves_what_hf_computes(
             [outcome, _] = publish_all(clients, dict(weights), 1, canary=canary)
         assert isinstance(outcome, RoundOutcome) and outcome.ok, outcome.summary()
         assert "gate" in outcome.round.phases and held(group) == "1"
+        assert outcome.round.gate_gap is not None and outcome.round.gate_gap <= CANARY_TOLERANCE  # in the status too
         phases = outcome.round.phases
         print(f"\nround {sum(phases.values()) * 1e3:.0f} ms, gate {phases['gate'] * 1e3:.0f} ms: {phases}")  # docs
         assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
