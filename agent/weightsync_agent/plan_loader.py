@@ -58,6 +58,8 @@ def parse_plan(text: str, where: str, max_bytes: int = MAX_PLAN_BYTES) -> Plan:
 
 
 class Candidates(Protocol):
+    """The tokens a credential accepts now (``weightsync_agent.http.credential.TokenSet``)."""
+
     def candidates(self) -> tuple[str, ...]: ...
 
 
