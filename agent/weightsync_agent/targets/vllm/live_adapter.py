@@ -93,9 +93,6 @@ class VllmLiveAdapter(VllmTracedAdapter):
         # What every rank verified serves from here (the gate resumes before the label; a failed gate aborts).
         self._served.clean, self._served.unclean = self._sums.latest(), None
 
-    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
-        super().commit(version, timeout, round_id=round_id)  # runs apply first unless the gate did
-
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
         super().abort(version, timeout, round_id=round_id, written=written)  # closes the parameters first
         served = self._served

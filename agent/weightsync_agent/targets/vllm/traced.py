@@ -97,14 +97,18 @@ class VllmTracedAdapter(VllmAdapter):
             raise HttpCallError("/finish_weight_update", 409, f"version {version} was not verified here")
         with self._round_lock:
             self._close_update(timeout)
+        self._applied = round_id
 
     def commit(self, version: int, timeout: float, *, round_id: str) -> None:
-        self.apply(version, timeout, round_id=round_id)  # nothing left to do when the gate's apply ran
+        if self._applied != round_id:  # the gate's apply already checked, finished and post-processed
+            self.apply(version, timeout, round_id=round_id)
+        self._applied = None
         self._post("/update_weight_version", {"new_version": str(version)}, timeout)
 
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
         # Close an update left open (no label): the weights may be a mix, so the engine stays paused, reporting the
         # version it held, until a round lands.
+        self._applied = None
         with self._round_lock:
             try:
                 self._close_update(timeout)
