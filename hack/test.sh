@@ -7,6 +7,8 @@
 # If the package index is unreachable that tier skips, unless WEIGHTSYNC_REQUIRE_SGLANG=1 (CI), which fails here.
 # Likewise the stock vLLM (CPU build) server's venv (hack/engines/vllm-env.sh, ~4 min and ~6 GB the first time):
 # WEIGHTSYNC_VLLM_PYTHON for tests/engines/vllm, WEIGHTSYNC_REQUIRE_VLLM=1 (CI) to fail instead of skipping.
+# The real-node tier (tests/e2e/test_real_node.py) runs as root with the node binaries setup builds; elsewhere it
+# skips, unless WEIGHTSYNC_REQUIRE_REAL_NODE=1 (CI), which fails instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./hack/setup.sh --engines

@@ -39,6 +39,9 @@ class AgentConfig(BaseModel):
     #: The group's Secret mounted as files (``token``, ``previous``), re-read when they change; takes precedence
     #: over ``group_token``, which stays for local runs (docs/security.md, "Rotating the token").
     credentials_dir: str | None = None
+    #: Peers' advertised URLs may name loopback (the local cluster's agents are local processes); else only the
+    #: advertising pod's own IPs are believed (``directory.PodDirectory``).
+    loopback_peers: bool = False
 
     @field_validator("ranks", mode="before")
     @classmethod
@@ -82,6 +85,7 @@ class AgentConfig(BaseModel):
             "directory_file": env.get(names.ENV_DIRECTORY_FILE) or None,
             "group_token": env.get(names.ENV_GROUP_TOKEN) or None,
             "credentials_dir": env.get(names.ENV_CREDENTIALS_DIR) or None,
+            "loopback_peers": env.get(names.ENV_LOOPBACK_PEERS) == "1",
         }
         try:
             return cls.model_validate(raw)

@@ -4,16 +4,23 @@ Under the operator, agents advertise themselves on their own pods (annotations
 ``weightsync.io/engine-url`` and ``weightsync.io/agent-url``), which every agent of the group may read by
 pod name; a pod that has not advertised yet falls back to its DNS name through the group's headless
 Service. Local runs without a cluster name every URL in a small JSON file instead.
+
+An advertised URL is believed only when it names the advertising pod's own address (``status.podIP(s)``, which the
+kubelet sets and no annotation can change): callers send the group's credential to it, so an annotation pointing
+elsewhere (written by anyone who may patch the pod) must not redirect them. Such a URL is ignored, with a warning, for
+the pod's DNS name. The local cluster, whose agents are local processes on loopback, allows loopback as well.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from weightsync.api import names
 from weightsync.plan import Layout
@@ -27,6 +34,34 @@ API_HOLD_SECONDS = 15.0
 
 class DirectoryError(LookupError):
     """A peer's address is unknown."""
+
+
+def points_at_pod(url: str, pod_ips: Collection[str], *, loopback: bool = False) -> bool:
+    """Whether ``url``'s host is one of ``pod_ips`` (or, where ``loopback`` is allowed, a loopback address).
+
+    A host name is never believed (the pod's DNS name is what the caller falls back to anyway)."""
+    try:
+        host = urlsplit(url).hostname
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    if loopback and address.is_loopback:
+        return True
+    for ip in pod_ips:
+        try:
+            if ipaddress.ip_address(ip) == address:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def pod_ips(pod: Any) -> set[str]:
+    """The pod's own addresses as the kubelet reported them (``status.podIP`` and ``status.podIPs``)."""
+    status = getattr(pod, "status", None)
+    listed = getattr(status, "pod_ips", None) or []
+    ips = {getattr(status, "pod_ip", None), *(getattr(each, "ip", None) for each in listed)}
+    return {ip for ip in ips if ip}
 
 
 class Directory(Protocol):
@@ -134,15 +169,25 @@ class PodDirectory:
     """
 
     def __init__(
-        self, core_api: Any, namespace: str, group: str, layout: Layout, *, hold_seconds: float = API_HOLD_SECONDS
+        self,
+        core_api: Any,
+        namespace: str,
+        group: str,
+        layout: Layout,
+        *,
+        hold_seconds: float = API_HOLD_SECONDS,
+        loopback: bool = False,
     ) -> None:
+        """``loopback``: believe advertised loopback URLs too (the local cluster's agents; never in a cluster)."""
         self.api = core_api
         self.namespace = namespace
         self.group = group
         self.layout = layout
         self.hold_seconds = hold_seconds
+        self.loopback = loopback
         self._known: dict[tuple[str, str], str | None] = {}
         self._unavailable_until = 0.0
+        self._ignored: set[tuple[str, str]] = set()  # (pod, URL) already warned about
 
     def _advertised(self, pod: str, annotation: str) -> str | None:
         api_error = api_exception()
@@ -162,6 +207,12 @@ class PodDirectory:
             return self._remembered(key, f"the API server did not answer ({exc})")
         value = (found.metadata.annotations or {}).get(annotation)
         self._known[key] = str(value) if value else None
+        if value and not points_at_pod(str(value), ips := pod_ips(found), loopback=self.loopback):
+            if (pod, str(value)) not in self._ignored:
+                self._ignored.add((pod, str(value)))
+                log.warning("pod %s advertises %s=%s, not an address of its own (%s): using its DNS name instead",
+                            pod, annotation, value, ", ".join(sorted(ips)) or "no IP yet")  # fmt: skip
+            self._known[key] = None
         return self._known[key]
 
     def _remembered(self, key: tuple[str, str], cause: str) -> str | None:
@@ -173,7 +224,7 @@ class PodDirectory:
         return self._known[key]
 
     def _dns(self, pod: str, port: int) -> str:
-        return f"http://{pod}.{names.service(self.group)}.{self.namespace}.svc:{port}"
+        return f"http://{names.pod_address(self.group, self.namespace, pod)}:{port}"
 
     def engine_url(self, engine: int) -> str:
         pod = names.engine_pod(self.group, engine, 0)

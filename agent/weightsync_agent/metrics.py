@@ -11,6 +11,16 @@ WEIGHT_VERSION = Gauge(
     ["group"],
 )
 ROUNDS = Counter("weightsync_agent_rounds_total", "Sync rounds this coordinator ran", ["group", "kind", "result"])
+SCRUBS = Counter(
+    "weightsync_agent_scrubs_total",
+    "Engine ranks a scrub checked against the committed version (result: clean or drift)",
+    ["group", "result"],
+)
+SCRUB_SECONDS = Histogram(
+    "weightsync_agent_scrub_seconds",
+    "How long one engine rank's scrub took (its engine's checker over the weights it serves)",
+    ["group"],
+)
 ROUND_SECONDS = Histogram(
     "weightsync_agent_round_seconds",
     "Duration of sync rounds, pause to resume",

@@ -21,6 +21,7 @@ from weightsync.api import names
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.engine_trace import ENV_ENGINE_PYTHON
+from weightsync_agent.targets.sglang.manifest import REBIND_LOADER
 from weightsync_testing.reference_engine.launch import EngineProcess, launch_engine, stop_process
 from weightsync_testing.server_process import ServerProcess
 
@@ -61,8 +62,10 @@ def mooncake_port_env(spec: WeightSyncGroupSpec) -> dict[str, str]:
 
 
 class ReferenceEngines:
-    def __init__(self) -> None:
+    def __init__(self, *, model_args: tuple[str, ...] = ()) -> None:
+        """``model_args``: the server's model options (``--layers``, ``--model-config``), for a larger model."""
         self.processes: dict[int, EngineProcess] = {}
+        self.model_args = model_args
 
     def start(
         self, engine: int, spec: WeightSyncGroupSpec, seed: int, *, port: int = 0, token: str | None = None
@@ -73,7 +76,7 @@ class ReferenceEngines:
             seed=seed,
             port=port,
             staged=spec.transfer.target_staging == "staged",
-            extra=("--transfer-timeout", str(spec.transfer.timeout_seconds)),
+            extra=("--transfer-timeout", str(spec.transfer.timeout_seconds), *self.model_args),
             token=token,
             env=mooncake_port_env(spec),
         )
@@ -112,11 +115,17 @@ class SglangEngines:
         extra_args: Sequence[str] = (),
         no_forward: bool = False,
         extra_env: Mapping[str, str] | None = None,
+        rebind: bool = False,
     ) -> None:
         """``no_forward``: the server never runs a forward (no warm-up, ready at ``/model_info`` without ``/health``):
         a model whose kernels this machine lacks (an FP8 checkpoint on CPU) can still take rounds. ``extra_env``: more
-        of the servers' environment (a test fault: ``sglang_cpu.fault_env``)."""
+        of the servers' environment (a test fault: ``sglang_cpu.fault_env``). ``rebind``: the servers run weightsync's
+        custom weight loader (SGLang's own alias rebind after a round's writes: Gemma-2's ``gemma_weight``), the
+        stock flag ``--custom-weight-loader`` with ``weightsync_engine`` on their path, as an engine image with
+        weightsync's engine package installed (docs/engines/sglang.md)."""
         self.extra_env = dict(extra_env or {})
+        self.pythonpath = [engine_root_dir()] if rebind else []
+        extra_args = [*extra_args, *(["--custom-weight-loader", REBIND_LOADER] if rebind else [])]
         self.model_dir = model_dir
         self.python = python
         self.dtype = dtype
@@ -141,6 +150,7 @@ class SglangEngines:
             admin_api_key=token,
             extra_args=self.extra_args,
             extra_env={**mooncake_port_env(spec), **self.extra_env},  # SGLang's Mooncake reads the ports, as in its pod
+            pythonpath=self.pythonpath,
         )
         self.servers[engine] = server
         return StartedEngine(server.url, server.stop, {ENV_ENGINE_PYTHON: self.python}, token)

@@ -20,15 +20,18 @@ from weightsync_testing.engine_harness import StartedEngine
 class Gate:
     """A pass-through proxy to ``upstream`` (an engine's URL; its ``Content-Type`` and ``Authorization`` headers
     pass); :meth:`hold` makes the next request for a route wait until :meth:`release`; :meth:`before` runs a hook
-    before every request for a route is forwarded. A dead upstream answers 502, as a client of a dead server sees
-    it."""
+    before every request for a route is forwarded, :meth:`after` once the engine answered it and before its caller
+    hears the answer; :meth:`refuse` answers a route with an error instead of forwarding it. A dead upstream answers
+    502, as a client of a dead server sees it."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.route: str | None = None
         self.arrived = threading.Event()
         self.released = threading.Event()
-        self.hooks: dict[str, Callable[[], None]] = {}
+        self.hooks: dict[str, Callable[[], object]] = {}
+        self.after_hooks: dict[str, Callable[[], object]] = {}
+        self.refusals: dict[str, tuple[int, str]] = {}
         gate = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,12 +56,28 @@ class Gate:
         self.route = None
         self.released.set()
 
-    def before(self, route: str, hook: Callable[[], None] | None) -> None:
+    def before(self, route: str, hook: Callable[[], object] | None) -> None:
         """Run ``hook`` before every request for ``route`` is forwarded (after a hold's release); None: stop."""
         if hook is None:
             self.hooks.pop(route, None)
         else:
             self.hooks[route] = hook
+
+    def after(self, route: str, hook: Callable[[], object] | None) -> None:
+        """Run ``hook`` once the engine answered a request for ``route``, before the answer goes back: the engine
+        has taken the step, its caller does not know yet. None: stop."""
+        if hook is None:
+            self.after_hooks.pop(route, None)
+        else:
+            self.after_hooks[route] = hook
+
+    def refuse(self, route: str, status: int | None, message: str = "refused by the gate") -> None:
+        """Answer every request for ``route`` with ``status`` and ``message`` in the one error shape, without
+        forwarding it (an engine whose route fails); None: forward again."""
+        if status is None:
+            self.refusals.pop(route, None)
+        else:
+            self.refusals[route] = (status, message)
 
     def _forward(self, handler: BaseHTTPRequestHandler) -> None:
         path = handler.path.split("?")[0]
@@ -70,6 +89,11 @@ class Gate:
             hook()
         size = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(size) if size else None
+        refusal = self.refusals.get(path)
+        if refusal is not None:
+            status, message = refusal
+            _answer(handler, status, json.dumps({"error": {"message": message}}).encode(), "application/json")
+            return
         request = urllib.request.Request(self.upstream + handler.path, data=body, method=handler.command)
         for header in ("Content-Type", "Authorization"):
             if handler.headers.get(header):
@@ -81,16 +105,23 @@ class Gate:
             status, raw, kind = error.code, error.read(), error.headers.get("Content-Type")
         except OSError as error:  # the engine is gone: what a client of a dead server sees, as an answer
             status, raw, kind = 502, json.dumps({"error": {"message": f"gate: {error}"}}).encode(), "application/json"
-        handler.send_response(status)
-        handler.send_header("Content-Type", kind or "application/json")
-        handler.send_header("Content-Length", str(len(raw)))
-        handler.end_headers()
-        handler.wfile.write(raw)
+        after = self.after_hooks.get(path)
+        if after is not None:
+            after()
+        _answer(handler, status, raw, kind)
 
     def close(self) -> None:
         self.release()
         self.server.shutdown()
         self.server.server_close()
+
+
+def _answer(handler: BaseHTTPRequestHandler, status: int, raw: bytes, kind: str | None) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", kind or "application/json")
+    handler.send_header("Content-Length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)
 
 
 class _QuietServer(ThreadingHTTPServer):

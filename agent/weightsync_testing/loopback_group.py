@@ -26,7 +26,7 @@ from typing import IO
 
 from weightsync.api import names
 from weightsync.api.token import new_token
-from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync.api.v1alpha1 import TransferSpec, WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for, replan
 from weightsync.ports import free_port
 from weightsync_agent.client import WeightSyncClient
@@ -281,6 +281,15 @@ class LoopbackGroup:
             self._start_engine(engine, seed)
         self.spec = spec
         self.plan = replan(self.plan, spec)
+        self._publish_files()
+        return self.plan
+
+    def update_transfer(self, **changes: object) -> Plan:
+        """Edit ``spec.transfer`` (camelCase keys, as in YAML) and hand the agents the replanned plan, as the operator
+        does after an edit; the caller waits for it with :meth:`wait_built` (``plan_hash``)."""
+        transfer = TransferSpec.model_validate({**self.spec.transfer.model_dump(by_alias=True), **changes})
+        self.spec = self.spec.model_copy(update={"transfer": transfer})
+        self.plan = replan(self.plan, self.spec)
         self._publish_files()
         return self.plan
 

@@ -73,6 +73,9 @@ Rounds = tuple[dict[str, Any], dict[str, Any]]
 MAX_PARAMETERS: int = _COMMON.MAX_PARAMETERS
 STATUSES: tuple[str, ...] = _COMMON.STATUSES
 NO_CAUSAL_LM: str = _COMMON.NO_CAUSAL_LM
+#: SGLang's ``--custom-weight-loader`` value that runs its own alias rebind in a round (engine/weightsync_engine/sglang/
+#: aliases.py ``LOADER_PATH``; spelled here too: the project side does not import the engine root).
+REBIND_LOADER = "weightsync_engine.sglang.aliases.rebind_parameter_aliases"
 
 
 # ---------------------------------------------------------------- project side
@@ -107,8 +110,12 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         f"that ship FP8 block checkpoints ({', '.join(FP8_FAMILIES)}) are also checked as an FP8 block target",
         f"({FP8_BLOCK[0]} x {FP8_BLOCK[1]} blocks): the checkpoint and both rounds quantized from BF16 by weightsync's",
         "quantizer, through the engine replica at every case, against SGLang's own load of the FP8 checkpoint.",
-        "Live rounds into a running SGLang server are tested for Llama and Qwen3 ([testing](sglang-testing.md)); the",
-        "methods are in [trace](sglang-trace.md) and [engine replicas](engine-replicas.md).",
+        "A trace whose only refusals are buffers SGLang's own `_rebind_parameter_aliases` re-derives (Gemma-2's",
+        "`gemma_weight`) is checked with that rebind after the writes (a server started with weightsync's custom",
+        "weight loader, [sglang](sglang.md#derived-buffers-gemma-2)): every parameter, buffer and tensor attribute",
+        "against SGLang's own full load. Live rounds into a running SGLang server are tested for Llama, Qwen3,",
+        "DeepSeek-V3 and Gemma-2 ([testing](sglang-testing.md)); the methods are in [trace](sglang-trace.md) and",
+        "[engine replicas](engine-replicas.md).",
     ]
     page: str = _COMMON.page(rows, versions, engine="SGLang", module="sglang_coverage", intro=intro, cell=_cell)
     return page
@@ -123,6 +130,14 @@ def _cell(row: dict[str, Any]) -> str:
             f"engine replica: every parameter, buffer and tensor attribute bit-exact after SGLang's "
             f"end-of-session processing ({row.get('parameters', '?')} parameters on {last}); the trace refuses "
             f"{detail[:160]}"
+        )
+    elif row["status"] == "synced" and row.get("rebind"):
+        rebound = row["rebind"]
+        detail = (
+            f"trace, into a server started with `--custom-weight-loader {REBIND_LOADER}` (refused without it): every "
+            f"parameter bit-exact ({row.get('parameters', '?')} on {last}); SGLang's own `_rebind_parameter_aliases` "
+            f"after the writes re-derives {len(rebound)} buffers ({rebound[0]}, ...): every parameter, buffer and "
+            "tensor attribute bit-exact after SGLang's end-of-session processing"
         )
     elif row["status"] == "synced":
         detail = f"trace: every parameter bit-exact ({row.get('parameters', '?')} on {last})"
@@ -194,17 +209,20 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
         rounds: Rounds = _COMMON.seeded_rounds(torch, sources)
         values = rounds[1]
         traced: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        rebound: set[str] = set()  # buffers the trace leaves to SGLang's own rebind (Gemma-2's gemma_weight)
         for tp, rank in CASES:
             try:
-                traced[tp, rank] = _trace(tm, sg, model_dir, sources, tp, rank)
+                found = _trace(tm, sg, model_dir, sources, tp, rank)
             except tm.TraceError as exc:
                 return {"status": "not built", "reason": f"TP {tp}: {exc}"}
             except Exception as exc:  # SGLang's constructor cannot build it here (CPU, no kernels)
                 return {"status": "not built", "reason": f"TP {tp}: {_why(exc)}"}
-            if isinstance(traced[tp, rank], str):
-                refusal = f"TP {tp} rank {rank}: {traced[tp, rank]}"
+            if isinstance(found, str):
+                refusal = f"TP {tp} rank {rank}: {found}"
                 row = _with_ep(sg, model_dir, rounds, defaults, _replica(sg, model_dir, rounds, refusal))
                 return _with_fp8(sg, model_dir, rounds, model_type, row)
+            traced[tp, rank], rederived = found
+            rebound |= set(rederived)
         parameters = 0
         for (tp, rank), tensors in traced.items():
             bad = _differential(tm, sg, model_dir, values, tp, rank, tensors)
@@ -212,7 +230,23 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
                 return {"status": "mismatch", "reason": f"TP {tp} rank {rank}: SGLang's load differs in {bad[:3]}"}
             parameters = len(tensors)
         synced = {"status": "synced", "reason": "", "parameters": parameters, "path": "trace"}
+        if rebound:
+            synced = _with_rebind(sg, model_dir, rounds, sorted(rebound), synced)
         return _with_fp8(sg, model_dir, rounds, model_type, _with_ep(sg, model_dir, rounds, defaults, synced))
+
+
+def _with_rebind(sg: Any, model_dir: Path, rounds: Rounds, rebound: list[str], row: dict[str, Any]) -> dict[str, Any]:
+    """A trace whose only refusals are buffers SGLang's own ``_rebind_parameter_aliases`` re-derives (``rebind``:
+    synced into a server started with weightsync's custom weight loader, ``aliases.LOADER_PATH``; refused without it):
+    the whole round checked at every case, the rebind between the writes and SGLang's end-of-session processing
+    (``replica_model.check(with_rebind=True)``; the written parameters are the traced ones, bit-exact above), every
+    parameter, buffer and tensor attribute against SGLang's own full load; else what :func:`_check` says."""
+    for tp, rank in CASES:
+        checked = _check(sg, model_dir, rounds, tp, rank, with_rebind=True)
+        if isinstance(checked, tuple):
+            status, detail = checked
+            return {"status": status, "reason": f"trace with SGLang's rebind: TP {tp} rank {rank}: {detail}"}
+    return {**row, "rebind": rebound}
 
 
 def _with_ep(sg: Any, model_dir: Path, rounds: Rounds, defaults: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +302,15 @@ KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
 def _check(
-    sg: Any, model_dir: Path, rounds: Rounds, tp: int, rank: int, ep: int = 1, keeps: tuple[str, ...] = ()
+    sg: Any,
+    model_dir: Path,
+    rounds: Rounds,
+    tp: int,
+    rank: int,
+    ep: int = 1,
+    keeps: tuple[str, ...] = (),
+    *,
+    with_rebind: bool = False,
 ) -> Any:
     """``replica_model.check`` at one case, ``rounds`` = (what the engine held, what the round sends): its result when
     everything is bit-exact, else ``(status, detail)``: ``refused`` when a parameter is written by no HF tensor
@@ -276,10 +318,11 @@ def _check(
     attributes) is left stale by SGLang's session (the engine derives it in ``load_weights``, which one-sided
     writes do not run, and its end-of-session processing does not re-derive it); ``mismatch`` for a parameter
     that differs (a bug to fix). ``keeps``: name suffixes of unwritten parameters the engine keeps as its own load
-    does (:data:`KV_CACHE_SCALES` of an FP8 target)."""
+    does (:data:`KV_CACHE_SCALES` of an FP8 target). ``with_rebind``: SGLang's alias rebind runs after the writes
+    (weightsync's custom weight loader, :func:`_with_rebind`)."""
     rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
     old, new = rounds
-    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep)
+    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep, with_rebind=with_rebind)
     found = checked["differences"]
     own = [name for name in checked["unwritten"] if not name.endswith(keeps)]  # endswith(()) is False: keeps all
 
@@ -330,17 +373,24 @@ def sg_registry_archs(sg: Any) -> set[str]:
 
 
 def _trace(tm: Any, sg: Any, model_dir: Path, sources: dict[str, Any], tp: int, rank: int) -> Any:
-    """The traced tensors of (tp, rank), or the first refusal as a string."""
+    """(the traced tensors of (tp, rank), the refused buffers SGLang's own rebind re-derives), or the first refusal as a
+    string when anything else is refused."""
+    aliases: Any = importlib.import_module("weightsync_engine.sglang.aliases")
     workarounds = tm.Workarounds()
     engine_model, _ = tm.build_model(sg, model_dir, tp, rank, "bfloat16", workarounds)
     layout = tm.param_layout(engine_model)
     del engine_model
     model, _ = tm.build_model(sg, model_dir, tp, rank, "float32", workarounds)
     tensors, refused, _ = tm.trace_replica(sg.torch, model, sources, layout, "bfloat16")
+    if refused and any(tm.core.BUFFER_CHANGED in r["reason"] for r in refused):
+        # The trace's own marking (trace_model.mark_rederived), on the traced replica with every layer.
+        refused = aliases.mark(refused, set(aliases.rederived_buffers(sg.torch, model, sources)), {})
+    rebound = [r["name"] for r in refused if r.get("rederived_by")]
+    refused = [r for r in refused if not r.get("rederived_by")]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         return f"{refused[0]['name']}: {refused[0]['reason']}{more}"
-    return tensors
+    return tensors, rebound
 
 
 def _differential(

@@ -18,6 +18,7 @@ written last marks it complete. ``head_dim`` is 16 by default; vLLM's CPU attent
 Architectures: ``llama`` and ``qwen3`` (no biases), ``qwen2`` (q/k/v biases, as Qwen2 always has), ``qwen3_moe``
 (every layer a 4-expert MoE, :data:`MOE_SHAPE`). Qwen2 has no ``head_dim`` setting (HF and vLLM both use
 hidden / heads), so its head count follows ``head_dim``: 8 heads / 4 KV heads at 16, 4 / 2 at 32.
+``gemma2`` (Gemma-2, :data:`GEMMA2_SHAPE`: tied embeddings, its derived norm buffers in SGLang).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 MAKER_VERSION = 1
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2")
 DTYPES = ("float32", "bfloat16")
 VOCAB = 512
 STAMP = "weightsync-tiny.json"
@@ -107,6 +108,21 @@ DEEPSEEK_V3_SHAPE: dict[str, Any] = {
     "routed_scaling_factor": 2.5,
     "norm_topk_prob": True,
     **DEEPSEEK_CONFIG,
+}
+# gemma2: Gemma-2's own settings (alternating sliding-window and global attention, GeGLU, four norms per layer, each
+# scaling by 1 + weight, which SGLang keeps as the derived gemma_weight buffer; final logit soft-capping), with word
+# embeddings tied as Gemma-2 always ships them (SGLang's Gemma2ForCausalLM has no lm_head). Soft-capping off, both
+# kinds: SGLang's CPU attention (torch_native) ignores the attention logits' cap, so its forward would differ from HF's;
+# and on a CPU its final-logit cap runs a Triton kernel (``kernels/ops/activation/softcap.py``), which fails the
+# server's first forward with "RuntimeError: 0 active drivers ([]). There should only be one." Neither is a weight.
+GEMMA2_SHAPE: dict[str, Any] = {
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_act": "gelu_pytorch_tanh",  # what SGLang reads (Gemma-2's released configs carry both)
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 64,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
 }
 # Random weights drawn with this std (HF's default 0.02 gives near-uniform logits, so greedy argmax would
 # hinge on rounding noise; 0.25 keeps the top logit well separated while staying far from overflow).
@@ -224,6 +240,52 @@ def fp8_state(values: dict[str, Any], block: tuple[int, int]) -> dict[str, Any]:
             state[name], state[f"{name}_scale_inv"] = quantizer.fp8_block(bf16, block)
         else:
             state[name] = bf16
+    return state
+
+
+def ensure_int8_model(model_dir: Path) -> Path:
+    """``model_dir`` as a compressed-tensors W8A8 INT8 checkpoint (symmetric per output channel, dynamic per-token
+    activations: what vLLM's CPU build computes with, docs/engines/vllm.md), made once beside it by weightsync's own
+    quantizer (:func:`int8_state`), in the model's own dtype."""
+    out = model_dir.with_name(f"{model_dir.name}-w8a8")
+    made_once(out, lambda work: int8_checkpoint(model_dir, work))
+    return out
+
+
+def int8_checkpoint(model_dir: Path, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", STAMP))
+    save_file(int8_state(load_file(str(next(model_dir.glob("*.safetensors"))))), str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**scheme, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**scheme, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"],
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / STAMP).write_text(json.dumps({"w8a8_of": model_dir.name}) + "\n")
+
+
+def int8_state(values: dict[str, Any]) -> dict[str, Any]:
+    """HF-named tensors as a W8A8 INT8 checkpoint stores them: each projection (:data:`FP8_QUANTIZED`'s names) as
+    int8 with its ``weight_scale`` per output channel in the tensor's dtype, by weightsync's quantizer (as a source
+    quantizes a trainer's tensors); everything else as it is."""
+    import re
+
+    quantizer = _quantizer()
+    quantized = re.compile(FP8_QUANTIZED)
+    state: dict[str, Any] = {}
+    for name, tensor in values.items():
+        if tensor.dim() == 2 and quantized.match(name) and not name.endswith(FP8_NOT_QUANTIZED):
+            state[name], state[name.removesuffix("weight") + "weight_scale"] = quantizer.int8_channel(
+                tensor, tensor.dtype
+            )
+        else:
+            state[name] = tensor
     return state
 
 
@@ -361,9 +423,10 @@ def _make(
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "deepseek_v3": getattr(transformers, "DeepseekV3Config", None),
+        "gemma2": transformers.Gemma2Config,
     }[arch]
     extra: dict[str, Any] = {} if arch == "qwen2" else {"attention_bias": False}
-    if arch != "llama":
+    if arch not in ("llama", "gemma2"):
         extra["sliding_window"] = None
     if arch == "qwen3_moe":
         extra.update(MOE_SHAPE)
@@ -372,6 +435,8 @@ def _make(
         del shape["head_dim"]
         shape.update(DEEPSEEK_V3_SHAPE)
         extra = {}
+    if arch == "gemma2":
+        shape.update(GEMMA2_SHAPE)
     if arch == "qwen2":  # no head_dim setting: hidden / heads is the head size
         heads = shape["hidden_size"] // head_dim
         shape.update(num_attention_heads=heads, num_key_value_heads=heads // 2)
@@ -383,8 +448,9 @@ def _make(
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            if name.endswith("norm.weight"):  # a scale near 1 (Gemma's norms scale by 1 + weight)
+                center = 0.0 if arch == "gemma2" else 1.0
+                param.copy_(center + 0.1 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(INIT_STD * torch.randn(param.shape, generator=generator))
     model = model.to(getattr(torch, dtype))

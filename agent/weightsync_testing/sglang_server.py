@@ -116,6 +116,7 @@ def launch_sglang(
     log_dir: Path | None = None,
     timeout: float = 180.0,
     healthy: bool = True,
+    pythonpath: Sequence[Path] = (),
 ) -> SglangProcess:
     """Start ``sglang.launch_server`` on ``model_dir`` and return once ``/health`` and ``/model_info`` answer.
 
@@ -124,7 +125,9 @@ def launch_sglang(
     ``auto`` serves a float32 checkpoint in bfloat16). Raises :class:`SglangStartError` naming
     the log file if the server exits or is not ready within ``timeout`` seconds (then it is stopped).
     ``healthy=False``: ready once ``/model_info`` answers, without ``/health`` (which answers 503 while generation
-    is paused: a restarted engine of a running group may be paused by a catch-up before its first health check)."""
+    is paused: a restarted engine of a running group may be paused by a catch-up before its first health check).
+    ``pythonpath``: more directories on the server's ``PYTHONPATH``, after the CPU workarounds' (the directory holding
+    ``weightsync_engine``, for a ``--custom-weight-loader`` from it)."""
     if python is None:
         from weightsync_testing.sglang_env import sglang_python
 
@@ -164,11 +167,21 @@ def launch_sglang(
             admin_api_key=admin_api_key,
             _log=opened,
         ),
-        env=engine_server_env(_cpu_env(tp, workarounds, workaround_log, device=device), extra_env),
+        env=engine_server_env(
+            _cpu_env(tp, workarounds, workaround_log, device=device), extra_env, _pythonpath(pythonpath, device=device)
+        ),
         log_path=log,
         ready=("/health", "/model_info") if healthy else ("/model_info",),
         timeout=timeout,
     )
+
+
+def _pythonpath(more: Sequence[Path], *, device: str) -> dict[str, str]:
+    """``PYTHONPATH`` with ``more`` after what the CPU workarounds put there (nothing: no change)."""
+    if not more:
+        return {}
+    first = [str(sglang_cpu.DIRECTORY)] if device == "cpu" else []
+    return {"PYTHONPATH": os.pathsep.join([*first, *(str(p) for p in more)])}
 
 
 def _cpu_env(tp: int, workarounds: Sequence[str], workaround_log: Path, *, device: str) -> dict[str, str]:

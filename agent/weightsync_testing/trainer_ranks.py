@@ -19,15 +19,17 @@ def publish_all(
     *,
     timeout: float = 180.0,
     canary: Canary | None = None,
+    publish_timeout: float | None = None,
 ) -> list[object]:
-    """Each rank's outcome (or the exception its publish raised), in rank order; ``canary``: rank 0's."""
+    """Each rank's outcome (or the exception its publish raised), in rank order; ``canary``: rank 0's;
+    ``publish_timeout``: how long each rank waits for the round's result (default: the client's, the round budget)."""
     outcomes: list[object] = [None] * len(clients)
 
     def rank(index: int) -> None:
         clients[index].stage_many(full)
         try:
             gate = canary if index == 0 else None
-            outcomes[index] = clients[index].publish(version, check=False, canary=gate)
+            outcomes[index] = clients[index].publish(version, check=False, canary=gate, timeout=publish_timeout)
         except Exception as exc:  # recorded: the caller asserts on it
             outcomes[index] = exc
 

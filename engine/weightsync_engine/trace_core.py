@@ -479,6 +479,9 @@ def _parts(name: str, shape: tuple[int, ...], blocks: list[Block], padding: tupl
 
 # ---------------------------------------------------------------- the whole run
 
+#: How a refusal of a buffer that ``load_weights`` changed begins (an engine may re-derive some: sglang/aliases.py).
+BUFFER_CHANGED = "buffer changed by load_weights"
+
 
 def trace_replica(
     torch: Any,
@@ -530,7 +533,7 @@ def trace_replica(
         refused.append(
             {
                 "name": name,
-                "reason": f"buffer changed by load_weights({', '.join(by[:3])}): a one-sided write of the "
+                "reason": f"{BUFFER_CHANGED}({', '.join(by[:3])}): a one-sided write of the "
                 "parameters would leave it stale",
             }
         )

@@ -8,9 +8,11 @@ reloading only the attention tensors keeps it, only the MLP tensors breaks it). 
 
     $VLLM_PY hack/repro/vllm_moe_reload.py MODEL_DIR all|attn|mlp [--fix]
 
-``--fix`` installs weightsync's gated fix first (``engine/weightsync_engine/vllm/cpu_moe_reload.py``: the CPU experts
-re-prepacked on a weight update); with it generation is unchanged. ``REPRO_DTYPE`` (default float32) is the
-serving dtype (an FP8 checkpoint needs bfloat16; vLLM's CPU FP8 kernels then need AMX, which these machines lack).
+``--fix`` installs weightsync's gated fixes first (``engine/weightsync_engine/vllm/cpu_moe_reload.py``: the CPU experts
+re-prepacked on a weight update; ``cpu_int8_reload.py``: an INT8 W8A8 layer's oneDNN handler keeps the scale tensor it
+reads); with them generation is unchanged. Also measured: a tiny Llama as a compressed-tensors W8A8 INT8 checkpoint
+generates all zeros after the reload without ``--fix``. ``REPRO_DTYPE`` (default float32) is the serving dtype (an FP8
+checkpoint needs bfloat16; vLLM's CPU FP8 kernels then need AMX, which these machines lack).
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def main(model_dir: str, which: str, fix: bool) -> None:
 
     if fix:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "engine"))
-        from weightsync_engine.vllm import cpu_moe_reload
+        from weightsync_engine.vllm import cpu_int8_reload, cpu_moe_reload
 
         cpu_moe_reload.install()
+        cpu_int8_reload.install()
     dtype = os.environ.get("REPRO_DTYPE", "float32")
     llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=256, max_num_seqs=4)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

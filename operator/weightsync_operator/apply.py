@@ -37,6 +37,7 @@ from weightsync_operator.builders import (
     new_token,
     secret_token,
 )
+from weightsync_operator.builders.network_policy import MESH_ROLES
 from weightsync_operator.capabilities import capability_problem
 from weightsync_operator.config import DEFAULT_CREATE_CONCURRENCY, DEFAULT_STATUS_INTERVAL
 from weightsync_operator.kube import KINDS, ApiError, KubeApi, path_of
@@ -371,7 +372,10 @@ class Reconciler:
         for obj in desired.supporting_objects():
             await self._ensure(obj, uid)
         if desired.network_policy is None:
-            await self._remove_network_policy(group)
+            await self._remove_network_policy(group, names.network_policy(group.metadata.name))
+        for role in MESH_ROLES:
+            if role not in desired.mesh_policies:  # its job fits one pod now, or the fence is off
+                await self._remove_network_policy(group, names.mesh_policy(group.metadata.name, role))
         if decision.changed:
             await self._plan_event(body, decision)
 
@@ -526,11 +530,12 @@ class Reconciler:
         if not _is_subset(patch, current):
             await self.api.merge_patch(path, patch)
 
-    async def _remove_network_policy(self, group: WeightSyncGroup) -> None:
-        """``networkPolicy.enabled: false``: delete the policy this group made, never one it does not control
-        (the users' own, under the same name, is theirs)."""
+    async def _remove_network_policy(self, group: WeightSyncGroup, name: str) -> None:
+        """A policy the group no longer wants (``networkPolicy.enabled: false``, or a mesh whose job fits one pod
+        now): delete the one this group made, never one it does not control (the users' own, under the same name,
+        is theirs)."""
         meta = group.metadata
-        path = KINDS["NetworkPolicy"].item(meta.namespace, names.network_policy(meta.name))
+        path = KINDS["NetworkPolicy"].item(meta.namespace, name)
         current = await self.api.get(path)
         if current is not None and _controlled_by(current, meta.uid):
             await self.api.delete(path, uid=(current.get("metadata") or {}).get("uid"))

@@ -510,10 +510,18 @@ def coordinator_round(coordinator: Mapping[str, Any] | None) -> tuple[SyncStatus
 
 
 def paused_round(last_round: SyncStatus | None) -> SyncStatus | None:
-    """The last round, if it did not succeed and left the engines paused (they serve again after a successful one)."""
-    if last_round is not None and last_round.result != "Succeeded" and last_round.engines_paused:
+    """The last round, if it did not succeed and left the engines paused (they serve again after a successful one),
+    or was a repair of drifted engines that did not succeed (they serve bytes a scrub found wrong, or none)."""
+    if last_round is None or last_round.result == "Succeeded":
+        return None
+    if last_round.engines_paused or drifted(last_round):
         return last_round
     return None
+
+
+def drifted(last_round: SyncStatus) -> bool:
+    """A catch-up a scrub started (its reason says so: agent ``rounds/coordinator.py`` ``drift_reason``)."""
+    return (last_round.reason or "").startswith(names.DRIFT_FOUND)
 
 
 def is_syncing(versions: Versions, last_round: SyncStatus | None) -> bool:
@@ -554,6 +562,12 @@ def ready_condition(
         return (READY, "False", problem.reason, problem.message)
     if not roster.all_ready:
         return (READY, "False", "PodsNotReady", roster.counts)
+    if paused is not None and drifted(paused):
+        message = (
+            f"engines serve other bytes than committed version {paused.version} (found by a scrub) and are not "
+            f"repaired yet; the next successful round or catch-up repairs them: {paused.reason}"
+        )
+        return (READY, "False", "WeightsDrifted", message)
     if paused is not None:
         message = (
             f"round of version {paused.version} {paused.result.lower()} and left the engines paused "
@@ -596,6 +610,8 @@ def degraded_condition(
     if failures:
         more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
         return (DEGRADED, "True", "PodFailures", "; ".join(f.message for f in failures[:3]) + more)
+    if paused is not None and drifted(paused):
+        return (DEGRADED, "True", "WeightsDrifted", f"drifted engines not repaired since version {paused.version}")
     if paused is not None:
         return (DEGRADED, "True", "EnginesPaused", f"engines paused since round {paused.version}")
     return (DEGRADED, "False", "AsExpected", "")
@@ -637,12 +653,16 @@ def recent_syncs(previous: Any, latest: SyncStatus | None) -> tuple[list[dict[st
 
 
 def round_warnings(sync: SyncStatus, spec: WeightSyncGroupSpec | None) -> list[tuple[str, str]]:
-    """Warning Events a new round is worth: ``SyncFailed`` (naming the peer and the cause, from its reason), and
-    ``SyncSlow`` for a round over ``events.slowRoundPercent`` of its budget (naming its slowest phase, source
-    and target)."""
+    """Warning Events a new round is worth: ``WeightsDrifted`` for a catch-up a scrub started (naming the engine,
+    rank and parameters, and whether it repaired them), ``SyncFailed`` (naming the peer and the cause, from its
+    reason), and ``SyncSlow`` for a round over ``events.slowRoundPercent`` of its budget (naming its slowest phase,
+    source and target)."""
     when = f"round v{sync.version} started {sync.started_at or '?'}"
+    found = [("WeightsDrifted", f"{when}: {sync.reason}")] if drifted(sync) else []
     if sync.result != "Succeeded":
-        return [("SyncFailed", f"{when}: {sync.result}: {sync.reason or 'no reason given'}")]
+        return [*found, ("SyncFailed", f"{when}: {sync.result}: {sync.reason or 'no reason given'}")]
+    if found:
+        return found
     if spec is None or sync.duration_seconds is None:
         return []
     budget = spec.transfer.timeout_seconds

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
-from weightsync_agent.layout.buckets import plan_buckets
-from weightsync_agent.layout.checksums import checksum_ranges
-from weightsync_testing.reference_engine.model import DEFAULT_CONFIG, ModelConfig, RankWeights, shard
+from weightsync_testing.loopback_group import LoopbackGroup
+from weightsync_testing.reference_engine.expected import rank_checksums
+from weightsync_testing.reference_engine.model import DEFAULT_CONFIG, ModelConfig
 
 TOKENS = [3, 14, 15, 92, 65, 35]
 TP = 2
@@ -42,9 +42,17 @@ def expected_checksums(
     full: dict[str, torch.Tensor], rank: int, bucket_bytes: int, tp: int = TP, config: ModelConfig = DEFAULT_CONFIG
 ) -> list[str]:
     """What engine rank ``rank`` must hold, computed independently: the model's own shard() in a local buffer."""
-    weights = RankWeights(tp, rank, config)
-    weights.load(shard(full, tp, rank))
-    manifest = weights.manifest(engine=0, session_id="local:0")
-    return [
-        checksum_ranges([(p.remote_address, p.length) for p in b.pieces]) for b in plan_buckets(manifest, bucket_bytes)
-    ]
+    return rank_checksums(full, rank, bucket_bytes, tp, config)
+
+
+def engines_hold(
+    group: LoopbackGroup, full: dict[str, torch.Tensor], version: int, config: ModelConfig = DEFAULT_CONFIG
+) -> None:
+    """Every engine of ``group`` reports ``version`` and holds ``full`` (its ``config``'s form) on every rank."""
+    bucket_bytes = group.plan.transfer.bucket_bytes
+    for index, engine in group.engines.items():
+        client = engine.client()
+        assert client.weight_version() == str(version), f"engine {index}"
+        for rank in range(group.plan.layout.ranks_per_engine):
+            want = expected_checksums(full, rank, bucket_bytes, config=config)
+            assert client.checksums(rank, bucket_bytes) == want, (index, rank)

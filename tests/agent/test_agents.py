@@ -207,6 +207,14 @@ def test_a_joining_engine_gets_the_committed_version_without_pausing_the_others(
         full2 = training_step(full, 2)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, full2, 2))
         assert_engines_hold(group, full2, 2)
+        # Restarted again and a round at once, before a tick refetched anything: each source refetches inside the
+        # round's prepare, and the round lands the first time (the fault matrix's first round after a restart
+        # failed: "publishes its weights elsewhere ... refetched for the next round").
+        group.restart_engine(0)
+        full3 = training_step(full2, 3)
+        outcomes = publish_all(clients, full3, 3)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert_engines_hold(group, full3, 3)
     finally:
         for client in clients:
             client.close()
@@ -238,6 +246,14 @@ def test_a_restarted_engine_is_never_written_at_its_old_addresses_and_is_caught_
         full2 = training_step(full, 2)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, full2, 2))
         assert_engines_hold(group, full2, 2)
+        # Restarted again and a round at once, before a tick refetched anything: each source refetches inside the
+        # round's prepare, and the round lands the first time (the fault matrix's first round after a restart
+        # failed: "publishes its weights elsewhere ... refetched for the next round").
+        group.restart_engine(0)
+        full3 = training_step(full2, 3)
+        outcomes = publish_all(clients, full3, 3)
+        assert all(getattr(o, "ok", False) for o in outcomes), [str(o) for o in outcomes]
+        assert_engines_hold(group, full3, 3)
     finally:
         for client in clients:
             client.close()

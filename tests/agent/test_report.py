@@ -14,7 +14,7 @@ from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import names
 from weightsync.plan import Layout
-from weightsync_agent.directory import DirectoryError, PodDirectory
+from weightsync_agent.directory import DirectoryError, PodDirectory, pod_ips, points_at_pod
 from weightsync_agent.kube import MAX_RETRY_AFTER_SECONDS, throttled_wait
 from weightsync_agent.sidecar.report import PodReporter
 
@@ -44,6 +44,7 @@ class FakeCoreApi:
         self.block = threading.Event()
         self.block.set()
         self.annotations: dict[str, str] = {}
+        self.pod_ip: str | None = None  # the pod's status.podIP
         self.answers: list[RawAnswer] = []
 
     def _call(self, kind: str, body: dict[str, Any], preload: bool) -> RawAnswer:
@@ -71,7 +72,10 @@ class FakeCoreApi:
         if self.failures:
             raise self.failures.pop(0)
         self.calls.append(("read", {"pod": pod}))
-        return SimpleNamespace(metadata=SimpleNamespace(annotations=dict(self.annotations)))
+        return SimpleNamespace(
+            metadata=SimpleNamespace(annotations=dict(self.annotations)),
+            status=SimpleNamespace(pod_ip=self.pod_ip, pod_ips=None),
+        )
 
 
 def hung() -> BaseException:
@@ -185,6 +189,7 @@ LAYOUT = Layout(trainer_pods=1, trainer_ranks_per_pod=1, engines=1, ranks_per_en
 def test_the_directory_serves_the_last_answer_while_the_api_server_fails() -> None:
     api = FakeCoreApi()
     api.annotations = {names.ANNOTATION_ENGINE_URL: "http://10.0.0.5:30000"}
+    api.pod_ip = "10.0.0.5"
     directory = PodDirectory(api, "ns", "g", LAYOUT, hold_seconds=0.2)
     assert directory.engine_url(0) == "http://10.0.0.5:30000"
     api.failures = [hung()]
@@ -194,7 +199,41 @@ def test_the_directory_serves_the_last_answer_while_the_api_server_fails() -> No
     assert len(api.calls) == reads  # held: no call (no timeout paid) during the outage
     time.sleep(0.25)
     api.annotations = {names.ANNOTATION_ENGINE_URL: "http://10.0.0.6:30000"}
+    api.pod_ip = "10.0.0.6"  # the pod was recreated elsewhere
     assert directory.engine_url(0) == "http://10.0.0.6:30000"  # fresh after the hold
+
+
+def test_the_directory_believes_only_urls_naming_the_pods_own_address() -> None:
+    """Issue 26: callers send the group's credential to whatever URL a pod advertises, so one naming another address
+    (an annotation anyone who may patch the pod can write) is ignored for the pod's DNS name."""
+    api = FakeCoreApi()
+    api.pod_ip = "10.0.0.5"
+    dns = "http://g-engine-0-0.g.ns.svc:30000"
+    for url, believed in [
+        ("http://10.0.0.5:30000", True),
+        ("http://10.0.0.66:30000", False),  # another pod, or a server of the annotation's writer
+        ("http://attacker.example:30000", False),
+        ("http://127.0.0.1:30000", False),  # loopback: the caller's own pod, not the advertiser's
+        ("not a url", False),
+    ]:
+        api.annotations = {names.ANNOTATION_ENGINE_URL: url}
+        assert PodDirectory(api, "ns", "g", LAYOUT).engine_url(0) == (url if believed else dns), url
+    api.annotations = {names.ANNOTATION_AGENT_URL: "http://10.0.0.66:9470"}
+    assert PodDirectory(api, "ns", "g", LAYOUT).trainer_url(0) == "http://g-trainer-0.g.ns.svc:9470"
+    assert PodDirectory(api, "ns", "g", LAYOUT).engine_agent_url(0) == "http://g-engine-0-0.g.ns.svc:9470"
+    api.annotations = {names.ANNOTATION_ENGINE_URL: "http://127.0.0.1:30000"}  # the local cluster allows loopback
+    assert PodDirectory(api, "ns", "g", LAYOUT, loopback=True).engine_url(0) == "http://127.0.0.1:30000"
+    api.pod_ip = None  # no IP yet: nothing advertised is believed
+    api.annotations = {names.ANNOTATION_ENGINE_URL: "http://10.0.0.5:30000"}
+    assert PodDirectory(api, "ns", "g", LAYOUT).engine_url(0) == dns
+
+
+def test_an_advertised_url_may_name_any_of_the_pods_ips() -> None:
+    dual = SimpleNamespace(status=SimpleNamespace(pod_ip="10.0.0.5", pod_ips=[SimpleNamespace(ip="fd00::5")]))
+    assert pod_ips(dual) == {"10.0.0.5", "fd00::5"}
+    assert points_at_pod("http://[fd00:0::5]:9470", pod_ips(dual))  # the same address, written otherwise
+    assert not points_at_pod("http://[fd00::6]:9470", pod_ips(dual))
+    assert points_at_pod("http://[::1]:9470", set(), loopback=True) and not points_at_pod("http://[::1]:9470", set())
 
 
 def test_the_directory_says_why_when_it_never_had_an_answer() -> None:

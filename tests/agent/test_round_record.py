@@ -12,6 +12,7 @@ from test_rounds import FakeEngine, FakeSource, Log, make_plan
 
 from weightsync.api.v1alpha1 import SyncStatus
 from weightsync.plan import Plan
+from weightsync_agent.client.trainer import RoundOutcome
 from weightsync_agent.rounds.driver import PHASES, RoundDriver
 from weightsync_agent.rounds.wire import (
     WireError,
@@ -120,6 +121,7 @@ def test_a_round_that_never_started_records_no_pause_and_no_peers() -> None:
     assert result.result == "Failed" and result.paused_seconds is None
     assert list(result.phases) == ["prepare"] and not result.sources and not result.targets
     assert "pausedSeconds" not in result.as_status()
+    assert result.pause_policy is None and "pausePolicy" not in result.as_status()
 
 
 def test_a_live_round_left_paused_counts_its_pause_window_to_its_end() -> None:
@@ -162,15 +164,38 @@ def test_the_record_travels_between_agents() -> None:
         round_result_from_json({**round_result_to_json(result), "targets": {"0/1": "fast"}})
     with pytest.raises(WireError, match="phases must map"):
         round_result_from_json({**round_result_to_json(result), "phases": {"nap": 1.0}})
+    with pytest.raises(WireError, match="pausePolicy must be one of minimal, overlap"):
+        round_result_from_json({**round_result_to_json(result), "pausePolicy": "sometimes"})
 
 
-def test_a_source_reports_per_target_throughput_over_the_wire() -> None:
-    report = SourceReport(3, True, {(0, 1): ("ab",)}, bytes=10, seconds=0.5, targets={(0, 1): Throughput(10, 0.5)})
-    assert source_report_from_json(source_report_to_json(report)) == report
-    with pytest.raises(WireError, match=r"targets must map"):
-        source_report_from_json({**source_report_to_json(report), "targets": {"0/1": [10]}})
+@dataclass
+class StreamedSource(MeasuredSource):
+    """Answers its prepare for a version its trainer streams."""
+
+    def prepare(self, version: int, deadline: float) -> SourceReport:
+        return dataclasses.replace(super().prepare(version, deadline), streamed=True)
 
 
-def test_throughput_is_in_gigabits_and_zero_for_no_time() -> None:
-    assert Throughput(125_000_000, 1.0).gbps == pytest.approx(1.0)
-    assert Throughput(10, 0.0).gbps == 0.0
+@pytest.mark.parametrize(
+    ("staging", "policy", "streamed", "recorded"),
+    [
+        ("live", "minimal", True, "minimal"),
+        ("live", "overlap", True, "overlap"),
+        ("live", "overlap", False, "minimal"),  # staged, then published: paused for the writes alone
+        ("staged", "overlap", True, "minimal"),  # a staging area: paused only to apply
+    ],
+)
+def test_a_round_records_which_pause_policy_ran_in_its_status_and_on_the_wire(
+    staging: str, policy: str, streamed: bool, recorded: str
+) -> None:
+    plan = make_plan()
+    engines, sources = rig(plan)
+    if streamed:
+        sources = {s: StreamedSource(m.source, m.targets, m.log) for s, m in sources.items()}
+    result = RoundDriver(plan, engines, sources, staging=staging, pause_policy=policy).run(4)  # type: ignore[arg-type]
+    assert result.pause_policy == recorded
+    assert SyncStatus.model_validate(result.as_status()).pause_policy == recorded
+    assert round_result_from_json(round_result_to_json(result)).pause_policy == recorded
+    assert f"(pause: {recorded})" in RoundOutcome(result).summary()  # the trainer's log line says it too
+    report = SourceReport(0, True, streamed=streamed)
+    assert source_report_from_json(source_report_to_json(report)).streamed is streamed

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, Target, plan_for
-from weightsync_agent.rounds.driver import RoundDriver, RoundError
+from weightsync_agent.rounds.driver import SOURCE_GRACE_SECONDS, RoundDriver, RoundError
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.targets.adapter import TargetVerdict
 
@@ -183,6 +183,41 @@ def test_live_mode_gives_up_paused_and_never_commits_unverified_data() -> None:
     assert all(e.version == 0 for e in engines.values())
 
 
+@dataclass
+class FailsOnRetry(FakeSource):
+    """Writes the first time; every later publish fails (the engine it writes committed already and closed)."""
+
+    calls: int = 0
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        self.calls += 1
+        self.fail_with = "target 127.0.0.1:1 refused the write" if self.calls > 1 else None
+        return super().publish(version, deadline)
+
+
+def test_a_failed_retry_keeps_the_cause_and_no_retry_starts_once_the_budget_is_spent() -> None:
+    """The fault matrix (docs/faults.md): a retry's failure is often a consequence of the attempt's (writes refused by
+    an engine that committed before another failed its commit): the reason says the cause first. And a retry once
+    the budget is spent could only time out: none starts, and the reason is the attempt's."""
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    engines[1].bad_buckets, engines[1].fail_verify_times = {0: [2]}, 1
+    sources[0] = FailsOnRetry(0, sources[0].targets, _log)
+    result = RoundDriver(plan, engines, sources, staging="live", retries=1).run(3)
+    assert result.result == "Failed" and result.attempts == 2
+    assert (result.reason or "").startswith(
+        "engine 1 rank 0 failed verification of version 3: buckets [2] differ; retried (1x), then: source 0 failed "
+        "writing engine 0 rank 0, bucket 3: target 127.0.0.1:1 refused the write"
+    ), result.reason
+
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    sources[0].hang = 0.6
+    result = RoundDriver(plan, engines, sources, staging="live", timeout_seconds=0.5, retries=3).run(4)
+    assert result.result == "Failed" and result.attempts == 1, result
+    assert result.reason == "source 0 write did not finish before the round's deadline"
+
+
 def test_staged_mode_aborts_and_keeps_serving_the_old_version() -> None:
     plan = make_plan()
     log, engines, sources = setup(plan)
@@ -200,8 +235,11 @@ def test_a_hung_source_fails_the_round_within_its_timeout() -> None:
     sources[0].hang = 5.0
     started = time.monotonic()
     result = RoundDriver(plan, engines, sources, staging="staged", timeout_seconds=0.5).run(2)
-    assert time.monotonic() - started < 2.0
-    assert result.result == "Aborted" and "source 0 did not finish before the round's deadline" in (result.reason or "")
+    # The deadline, then the grace in which a caught source may still name the engine it was writing.
+    assert time.monotonic() - started < 0.5 + SOURCE_GRACE_SECONDS + 1.0
+    assert result.result == "Aborted" and "source 0 write did not finish before the round's deadline" in (
+        result.reason or ""
+    )
 
 
 def test_a_failed_pause_writes_nothing_and_resumes_the_others() -> None:
@@ -361,3 +399,163 @@ def test_a_live_round_where_every_source_refused_before_writing_resumes_the_engi
     else:
         assert not result.engines_paused and (result.reason or "").startswith("nothing written: source 0")
         assert len(log.kinds("resume")) == 2 and all(e.aborts == [False] for e in engines.values())
+
+
+class HungEngine(FakeEngine):
+    """An engine whose ``hang_at`` call blocks (SIGSTOP) until ``release``; it honours the call's timeout as an
+    HTTP client does (the call fails at it, the engine may still run it later)."""
+
+    def __init__(self, index: int, log: Log, hang_at: str) -> None:
+        super().__init__(index, log)
+        self.hang_at = hang_at
+        self.released = threading.Event()
+        self.timeouts: dict[str, float] = {}
+
+    def _maybe_hang(self, call: str, timeout: float) -> None:
+        self.timeouts[call] = timeout
+        if call == self.hang_at and not self.released.wait(timeout):
+            raise TimeoutError(f"{call}: no answer in {timeout:.1f} s")
+
+    def healthy(self, timeout: float) -> bool:
+        if self.hang_at == "write" and not self.released.wait(timeout):  # stopped: no health answer either
+            raise TimeoutError(f"/health: no answer in {timeout:.1f} s")
+        return True
+
+    def pause(self, timeout: float, *, round_id: str) -> None:
+        self._maybe_hang("pause", timeout)
+        super().pause(timeout, round_id=round_id)
+
+    def begin(self, version: int, timeout: float, *, round_id: str) -> None:
+        self._maybe_hang("begin", timeout)
+        super().begin(version, timeout, round_id=round_id)
+
+    def commit(self, version: int, timeout: float, *, round_id: str) -> None:
+        self._maybe_hang("commit", timeout)
+        super().commit(version, timeout, round_id=round_id)
+
+    def resume(self, timeout: float, *, round_id: str) -> None:
+        self._maybe_hang("resume", timeout)
+        super().resume(timeout, round_id=round_id)
+
+
+@pytest.mark.parametrize("phase", ["pause", "begin", "commit", "resume"])
+def test_a_hung_engine_holds_a_round_no_longer_than_its_budget_whatever_the_call_timeout(phase: str) -> None:
+    """The fault matrix's engine-hang and http-slow rows: each control call is bounded by the round's deadline, not
+    by the per-call HTTP timeout (30 s here; it held rounds 90 s: the call, the abort, the resume)."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[1] = hung = HungEngine(1, log, phase)
+    budget = 1.5
+    started = time.monotonic()
+    try:
+        result = RoundDriver(plan, engines, sources, timeout_seconds=budget, call_timeout=30.0).run(1)
+    finally:
+        hung.released.set()
+    took = time.monotonic() - started
+    assert took < budget + 5.0 - 2.0, f"{phase}: the round took {took:.1f} s"  # well inside budget + 5 s
+    assert result.result == "Failed" and "engine 1" in (result.reason or ""), result.reason
+    assert max(hung.timeouts.values()) <= budget + 0.1
+
+
+@pytest.mark.parametrize("phase", ["pause", "begin"])
+def test_engines_a_failed_start_meant_to_resume_but_could_not_reach_are_named_for_a_later_resume(phase: str) -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[1] = hung = HungEngine(1, log, "resume")
+    engines[1].fail.add(phase)  # the round cannot start; the resume of engine 1 then hangs
+    try:
+        result = RoundDriver(plan, engines, sources, timeout_seconds=1.0, call_timeout=30.0).run(1)
+    finally:
+        hung.released.set()
+    assert result.result == "Failed" and result.engines_paused and result.unresumed == (1,)
+
+
+def test_a_hung_resume_after_the_commit_names_the_engine_to_resume_later() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[0] = hung = HungEngine(0, log, "resume")
+    try:
+        result = RoundDriver(plan, engines, sources, timeout_seconds=1.0, call_timeout=30.0).run(2)
+    finally:
+        hung.released.set()
+    assert result.committed and result.engines_paused and result.unresumed == (0,)
+
+
+def test_a_live_round_that_wrote_and_failed_leaves_nobody_to_resume() -> None:
+    """Engines holding a mix of versions stay paused on purpose: nothing is to be resumed later."""
+    plan = make_plan()
+    _log, engines, sources = setup(plan)
+    sources[1].fail_with = "target 127.0.0.1:1 stalled"
+    result = RoundDriver(plan, engines, sources, retries=0).run(3)
+    assert result.engines_paused and result.unresumed == ()
+
+
+class HungWriter(FakeSource):
+    """A source whose publish hangs (its target stopped taking writes), then reports naming it."""
+
+    reports_after: float = 0.0
+
+    def publish(self, version: int, deadline: float) -> SourceReport:
+        self.log.add("publish", str(self.source))
+        time.sleep(max(0.0, deadline - time.monotonic()) + self.reports_after)
+        return SourceReport(self.source, False, error="peer 127.0.0.1:2 stalled for 1.0 s", failed_target=(1, 0))
+
+
+def test_a_source_the_deadline_caught_writing_names_the_engine_it_was_writing() -> None:
+    """The fault matrix's engine-hang at write: "source 0 write did not finish before the round's deadline" blamed the
+    source; its own stall report, a moment later, names engine 1 rank 0."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    writer = HungWriter(0, sources[0].targets, log)
+    writer.reports_after = 0.3
+    sources[0] = writer
+    result = RoundDriver(plan, engines, sources, timeout_seconds=1.0, retries=0).run(1)
+    assert "source 0 failed writing engine 1 rank 0" in (result.reason or ""), result.reason
+
+
+def test_a_source_stuck_past_the_grace_names_an_engine_that_does_not_answer() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    writer = HungWriter(0, sources[0].targets, log)
+    writer.reports_after = 10.0
+    sources[0] = writer
+    engines[1] = hung = HungEngine(1, log, "write")
+    try:
+        result = RoundDriver(plan, engines, sources, timeout_seconds=1.0, retries=0).run(1)
+    finally:
+        hung.released.set()
+    reason = result.reason or ""
+    assert "source 0 write did not finish before the round's deadline; engine 1 does not answer" in reason, reason
+
+
+def test_every_source_finishes_its_prepare_before_a_refused_round_returns() -> None:
+    """A prepare is also how a source learns an engine moved (and refetches): one refusal must not cut the others'
+    short (the fault matrix's first round after an engine restart failed so)."""
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    sources[0].not_ready = "engine 1 rank 0 publishes its weights elsewhere than this source's manifest"
+    sources[1].staged_after = 0.3
+    result = RoundDriver(plan, engines, sources, timeout_seconds=5.0).run(1)
+    assert not result.started and "source 0 is not ready" in (result.reason or "")
+    assert len(log.kinds("prepare")) == 2
+    assert result.duration_seconds >= 0.25, "the round returned before source 1's prepare ended"
+
+
+class ClosingEngine(FakeEngine):
+    """An engine that closes each verified rank to writes (the reference engine): a retry must reopen it."""
+
+    def reopen(self, version: int, timeout: float, *, round_id: str) -> None:
+        self.log.add("reopen", self.name)
+        self.round_ids.append(("reopen", round_id))
+
+
+def test_a_live_retry_reopens_engines_that_close_verified_ranks_before_the_sources_write_again() -> None:
+    plan = make_plan()
+    log, engines, sources = setup(plan)
+    engines[1] = closing = ClosingEngine(1, log, bad_buckets={0: [2]}, fail_verify_times=1)
+    result = RoundDriver(plan, engines, sources, retries=1).run(5, "round-r")
+    assert result.result == "Succeeded" and result.attempts == 2
+    kinds = [e[0] for e in log.events]
+    reopened = kinds.index("reopen")
+    assert kinds.count("reopen") == 1 and "verify" in kinds[:reopened] and "publish" in kinds[reopened:]
+    assert ("reopen", "round-r") in closing.round_ids  # the same round, opened again

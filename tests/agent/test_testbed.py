@@ -113,4 +113,11 @@ def test_three_ways_in_namespaces_are_bit_exact_and_report_every_way() -> None:
     for way in ("miles", "ours"):
         assert report["model_bytes"] // 2 <= report[way]["trainer_in_bytes"] < 0.6 * report["model_bytes"] + (1 << 20)
     assert report["ours_streams"] is True, "ours staged, then published: the client did not stream"
-    assert "ours / Miles-style" in three_ways.table(report)
+    # each row of ours ran the pause policy it names, as the coordinator recorded it
+    assert [report[w]["pause_policy"] for w in three_ways.OURS] == ["overlap", "minimal", "minimal"]
+    assert report["miles"]["pause_policy"] == "minimal" and report["broadcast"]["pause_policy"] is None
+    # every timed window says what bound it, from each process's CPU time against the wall
+    assert set(report["cpu"]) == {"broadcast+miles", *three_ways.OURS} and report["bottleneck"] in ("cpu", "links")
+    assert all(w["wall_s"] > 0 and w["busiest"] for w in report["cpu"].values())
+    shown = three_ways.table(report)
+    assert "ours / Miles-style" in shown and "pause: minimal / Miles-style" in shown and "staged targets" in shown

@@ -24,7 +24,7 @@ from weightsync.api import names
 from weightsync.api.load import parse_group
 from weightsync.plan import Plan, plan_for
 from weightsync_agent.rounds.remote import AgentClient, AgentError
-from weightsync_operator.builders import build_network_policy
+from weightsync_operator.builders import build_mesh_policies, build_network_policy
 from weightsync_testing.reference_engine.model import full_state, shard
 from weightsync_tools.localcluster.session import PodCredentials, group_pods, secret_reader
 
@@ -244,7 +244,15 @@ def test_an_adapter_without_support_is_refused_not_provisioned(
 def test_group_comes_up_and_agents_report_ready(admin: Kube, group_ns: str, agents: Agents | None = None) -> None:
     admin.kubectl("apply", "-f", "-", input=yaml.safe_dump(load_example("tcp-group.yaml", NS)))
     expected = {"demo-trainer-0", "demo-trainer-1", "demo-engine-0-0", "demo-engine-1-0"}
-    wait_for("the group's pods", lambda: set(pods(admin, "demo")) == expected)
+    created = wait_for("the group's pods", lambda: (p := pods(admin, "demo")) and set(p) == expected and p)
+    # As the API server stored them: each user container knows its place in its trainer or engine (2 trainer pods;
+    # each engine one pod) and its leader's stable name, the pod's own hostname.subdomain (docs/workload-identity.md).
+    for name, pod in created.items():
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        leader, rank = name.rsplit("-", 1)[0] + "-0", name.rsplit("-", 1)[1]
+        assert (env[names.ENV_NODE_RANK], env[names.ENV_NNODES]) == (rank, "2" if "trainer" in name else "1"), name
+        assert env[names.ENV_DIST_INIT_ADDR] == f"{leader}.demo.{NS}.svc:{names.RENDEZVOUS_PORT}", name
+        assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (name, "demo")
     # The plan ConfigMap is the planner's output for this spec.
     group = parse_group(admin.json("-n", NS, "get", "wsg", "demo"))
     plan = stored_plan(admin, "demo")
@@ -332,6 +340,12 @@ def test_the_group_network_policy_fences_its_pods(admin: Kube, group_ns: str) ->
         if "-engine-" in pod["metadata"]["name"]:
             env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
             assert (env[names.ENV_MOONCAKE_MIN_PORT], env[names.ENV_MOONCAKE_MAX_PORT]) == ("15000", "17000")
+    # A trainer over several pods gets its mesh (every port between its own pods); single-pod engines none.
+    group = parse_group(admin.json("-n", NS, "get", "wsg", "demo"))
+    for role, built in build_mesh_policies(group).items():
+        stored = admin.json("-n", NS, "get", "networkpolicy", names.mesh_policy("demo", role))
+        assert stored["spec"] == built["spec"] and stored["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert ("trainer" in build_mesh_policies(group)) == (group.spec.trainer.replicas > 1)
     FIRST_POLICY.update(policy)
 
 

@@ -228,7 +228,13 @@ def test_pods_of_no_group_are_not_matched_even_while_params_are_unsynced(admin: 
         "the installed policy", lambda: admin.json("get", "validatingadmissionpolicy", f"{chart}-agent-pod-writes")
     )
     name = "e2e-unsynced-agent-pod-writes"
-    spec = dict(installed["spec"], paramKind={"apiVersion": "weightsync.io/v1alpha1", "kind": "NeverSynced"})
+    # Narrowed to its own namespace in the policy itself, not only in its binding: a policy whose params cannot be
+    # found refuses every request its matchConstraints match, whatever its binding says, so the copy refused kwok's
+    # status patches of another test's group pods (in the full run, their pods never got IPs).
+    only_here = {"matchLabels": {"kubernetes.io/metadata.name": UNSYNCED_NS}}
+    constraints = dict(installed["spec"]["matchConstraints"], namespaceSelector=only_here)
+    spec = dict(installed["spec"], paramKind={"apiVersion": "weightsync.io/v1alpha1", "kind": "NeverSynced"},
+                matchConstraints=constraints)  # fmt: skip
     policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
               "metadata": {"name": name}, "spec": spec}  # fmt: skip
     binding = {

@@ -12,6 +12,7 @@ import pytest
 from builders import DEFAULT_AGENT_IMAGE, GroupBuilder, container, template
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_workload_identity import IDENTITY
 
 from weightsync.api import names
 from weightsync.api.v1alpha1 import AGENT_CONTAINER
@@ -42,6 +43,16 @@ def agent_of(pod: dict[str, Any]) -> dict[str, Any]:
 
 def env_of(pod: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in agent_of(pod)["env"]}
+
+
+def workload_env_of(pod: dict[str, Any], container: int = 0) -> dict[str, str]:
+    """The ``WEIGHTSYNC_*`` identity a user container got (the token and Mooncake's variables left out)."""
+    env = pod["spec"]["containers"][container]["env"]
+    return {e["name"]: e["value"] for e in env if e["name"] in IDENTITY_NAMES}
+
+
+#: Every workload identity variable (tests/operator/test_workload_identity.py checks their values and order).
+IDENTITY_NAMES = frozenset(IDENTITY)
 
 
 def state_for(builder: GroupBuilder, options: BuildOptions | None = None) -> Any:
@@ -215,14 +226,15 @@ def test_the_token_reaches_the_agent_and_the_engine_container_only() -> None:
     group = GroupBuilder("g").trainer_template(trainer_tpl).engine_template(engine_tpl).model()
     trainer = build_trainer_pod(group, 0)
     assert _token_holders(trainer) == {AGENT_CONTAINER}
-    assert trainer["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]
+    trainer_env = trainer["spec"]["containers"][0]["env"]
+    assert trainer_env[-1] == {"name": "A", "value": "1"} and not any("valueFrom" in e for e in trainer_env)
     engine = build_engine_pod(group, 0, 0)
     assert _token_holders(engine) == {AGENT_CONTAINER, "engine"}
     assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in agent_of(engine)["env"])
     engine_env = engine["spec"]["containers"][0]["env"]
     # First, so the user's own variables may reference it with $(WEIGHTSYNC_GROUP_TOKEN).
     assert engine_env[0] == {"name": names.ENV_GROUP_TOKEN, "valueFrom": TOKEN_REF}
-    assert engine_env[3:] == [{"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}]
+    assert engine_env[-1] == {"name": "B", "value": "$(WEIGHTSYNC_GROUP_TOKEN)"}
     # A user's own variable of that name is replaced, not duplicated.
     shadow = template(container("engine", env=[{"name": names.ENV_GROUP_TOKEN, "value": "guessable"}]))
     env = build_engine_pod(GroupBuilder("g").engine_template(shadow).model(), 0, 0)["spec"]["containers"][0]["env"]
@@ -408,6 +420,31 @@ def test_the_agents_security_context_is_overridden_field_by_field(overrides: dic
 
 
 @pytest.mark.parametrize(
+    ("user", "agent", "expected"),
+    [
+        (None, {}, {"supplementalGroups": [65532]}),
+        ({"fsGroup": 2000, "supplementalGroups": [5]}, {}, {"fsGroup": 2000, "supplementalGroups": [5, 65532]}),
+        ({"supplementalGroups": [65532], "runAsUser": 1000}, {}, {"supplementalGroups": [65532], "runAsUser": 1000}),
+        (None, {"runAsGroup": 4242}, {"supplementalGroups": [4242]}),
+        (None, {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False}, None),  # never the root group
+    ],
+)
+def test_trainer_code_of_any_user_shares_the_agents_group(
+    user: dict[str, Any] | None, agent: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    """Issue 26: the replica files and the pod-local token are shared with the agent's group (0660, 0640), so every
+    container of a trainer pod gets that group (``supplementalGroups``: no volume is re-owned, as ``fsGroup`` would);
+    the user's own pod securityContext is kept. Engine pods share no file with the agent: unchanged."""
+    extra = {} if user is None else {"securityContext": user}
+    builder = GroupBuilder().agent(security_context=agent).trainer_template(template(container("trainer"), **extra))
+    group = builder.model()
+    trainer = build_trainer_pod(group, 0)
+    assert trainer["spec"].get("securityContext") == expected
+    assert "securityContext" not in build_engine_pod(group, 0, 0)["spec"]
+    kubernetes_validate.validate(trainer, "1.37.0", strict=True)
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         {"privileged": True},  # not in the bounded schema: the agent can't be made privileged through the group
@@ -576,18 +613,32 @@ def test_user_containers_are_untouched_but_for_what_weightsync_adds() -> None:
     tpl = template(user, nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}])
     pod = build_trainer_pod(GroupBuilder().trainer_template(copy.deepcopy(tpl)).model(), 0)
     built = pod["spec"]["containers"][0]
-    for key in ("name", "image", "command", "env", "ports", "resources"):
+    for key in ("name", "image", "command", "ports", "resources"):
         assert built[key] == user[key]
+    # The pod's identity first (tests/operator/test_workload_identity.py), then the user's.
+    assert built["env"][-1:] == user["env"] and set(workload_env_of(pod)) == {e["name"] for e in built["env"][:-1]}
     assert set(built) - set(user) == {"volumeMounts"}  # and securityContext with IPC_LOCK, only under RDMA
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert pod["spec"]["tolerations"] == tpl["spec"]["tolerations"]
 
 
 def test_spec_hash_detects_drift_but_not_scaling() -> None:
-    base = GroupBuilder("g").trainers(2).engines(2)
+    base = GroupBuilder("g").trainers(2).engines(2, tp=4, ranks_per_pod=2)
     pod = build_trainer_pod(base.model(), 1)
     assert pod["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH] == pod_spec_hash(pod)
-    scaled = build_trainer_pod(GroupBuilder("g").trainers(5).engines(7).model(), 1)
+    assert build_trainer_pod(GroupBuilder("g").trainers(2).engines(7, tp=4, ranks_per_pod=2).model(), 1) == pod
+    engine = build_engine_pod(base.model(), 1, 1)
+    assert build_engine_pod(GroupBuilder("g").trainers(5).engines(7, tp=4, ranks_per_pod=2).model(), 1, 1) == engine
+    # A trainer is one job over its pods: scaling it changes its pods' job size (WEIGHTSYNC_NNODES and
+    # WEIGHTSYNC_WORLD_SIZE) and nothing else, so the running ones are reported outdated (their launcher's world is
+    # the old one) until they are recreated.
+    scaled = build_trainer_pod(GroupBuilder("g").trainers(5).engines(2, tp=4, ranks_per_pod=2).model(), 1)
+    assert scaled["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH] != pod_spec_hash(pod)
+    old_size = {names.ENV_NNODES: "2", names.ENV_WORLD_SIZE: "2"}
+    assert {k: workload_env_of(scaled)[k] for k in old_size} == {names.ENV_NNODES: "5", names.ENV_WORLD_SIZE: "5"}
+    for item in scaled["spec"]["containers"][0]["env"]:
+        item["value"] = old_size.get(item["name"], item.get("value"))
+    scaled["metadata"]["annotations"] = pod["metadata"]["annotations"]
     assert scaled == pod
     changed = build_trainer_pod(GroupBuilder("g").trainers(2).agent(image="other:2").model(), 1)
     assert changed["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH] != pod_spec_hash(pod)
@@ -809,7 +860,9 @@ def test_a_tcp_group_adds_nothing_pod_security_baseline_forbids(
     )
     for pod in state_for(builder).pods:
         spec = pod["spec"]
-        assert not {"hostNetwork", "hostPID", "hostIPC", "securityContext"} & set(spec)
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(spec)
+        shared = {"supplementalGroups": [65532]} if pod["metadata"]["labels"][names.LABEL_ROLE] == "trainer" else None
+        assert spec.get("securityContext") == shared  # only the agent's group: the files it shares with trainer code
         assert all(set(v) - {"name"} <= {"emptyDir", "projected", "secret"} for v in spec["volumes"])
         for c in [*spec["initContainers"], *spec["containers"]]:
             security = c.get("securityContext") or {}

@@ -20,7 +20,7 @@ from weightsync.api import names
 from weightsync.api.load import SpecError, parse_group
 from weightsync.api.v1alpha1 import EPHEMERAL_PORTS, MAX_PORT_RANGE
 from weightsync.plan import plan_for
-from weightsync_operator.builders import build_network_policy, desired_state
+from weightsync_operator.builders import build_mesh_policies, build_network_policy, desired_state
 from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
 
 # --- An evaluator of NetworkPolicy ingress, for the clients these tests care about ---------------
@@ -319,3 +319,72 @@ def test_every_policy_is_valid_kubernetes_and_its_spec_is_valid_for_the_api(
     policy = build_network_policy(group)
     assert policy is not None
     kubernetes_validate.validate(policy, "1.37.0", strict=True)
+
+
+# --- Multi-pod jobs: the mesh policies -------------------------------------------------------------
+
+
+def admitted(policies: list[dict[str, Any]], destination: dict[str, str], client: Client, port: int) -> bool:
+    """NetworkPolicy semantics over several policies: a pod some policy selects takes a connection that one of the
+    policies selecting it admits."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], destination)]
+    assert selecting, destination  # the fence selects every pod of the group
+    return any(admits(p, client, port) for p in selecting)
+
+
+TRAINER = {names.LABEL_GROUP: "g", names.LABEL_ROLE: "trainer"}
+ENGINE = {names.LABEL_GROUP: "g", names.LABEL_ROLE: "engine", names.LABEL_ENGINE: "0"}
+OTHER_ENGINE = {**ENGINE, names.LABEL_ENGINE: "1"}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["p2p", "broadcast"]),
+    trainers=st.integers(1, 3),
+    pods_per_engine=st.sampled_from([1, 2, 4]),
+    enabled=st.booleans(),
+    probe=st.integers(1, 65535),
+)
+def test_a_multi_pod_job_reaches_its_own_pods_on_every_port_and_no_other_role(
+    mode: str, trainers: int, pods_per_engine: int, enabled: bool, probe: int
+) -> None:
+    group = _group(
+        _ns(GroupBuilder("g"))
+        .set("transfer.mode", mode)
+        .set("trainer.replicas", trainers)
+        .set("inference.engines", 2)
+        .set("inference.ranksPerPod", 1)
+        .set("inference.ranksPerEngine", pods_per_engine)
+        .set("networkPolicy.enabled", enabled)
+    )
+    desired = desired_state(group, plan_for(group.spec, group="g", namespace="ns"))
+    meshes = build_mesh_policies(group)
+    assert dict(desired.mesh_policies) == meshes
+    if not enabled:
+        assert meshes == {} and desired.network_policy is None
+        return
+    assert desired.network_policy is not None
+    policies = [desired.network_policy, *meshes.values()]
+    assert [p["metadata"]["name"] for p in meshes.values()] == [
+        names.mesh_policy("g", role) for role in ("trainer", "engine") if role in meshes
+    ]
+    fenced = {group.spec.agent.port, group.spec.inference.port} | set(
+        range(group.spec.transfer.mooncake_ports.start, group.spec.transfer.mooncake_ports.end + 1)
+    )
+    p2p_port = probe in fenced
+    # Written from the docs' promise: the fence's ports between any of the group's pods (every port in broadcast),
+    # plus every port between a multi-pod trainer's pods and between multi-pod engines' pods (p2p).
+    trainer_mesh = mode == "p2p" and trainers > 1
+    engine_mesh = mode == "p2p" and pods_per_engine > 1
+    for source, destination, mesh in [
+        (TRAINER, TRAINER, trainer_mesh),
+        (ENGINE, ENGINE, engine_mesh),
+        (OTHER_ENGINE, ENGINE, engine_mesh),
+        (TRAINER, ENGINE, False),
+        (ENGINE, TRAINER, False),
+    ]:
+        want = mode == "broadcast" or p2p_port or mesh
+        assert admitted(policies, destination, Client(source), probe) == want, (source, destination, probe)
+    assert not admitted(policies, ENGINE, OTHER_GROUP_POD, probe) or probe == group.spec.inference.port
+    for policy in meshes.values():
+        kubernetes_validate.validate(policy, "1.37.0", strict=True)

@@ -299,10 +299,12 @@ def test_a_rounds_phases_pause_window_and_slowest_peers_reach_the_status() -> No
     slowest = {"peer": "engine 1 rank 0", "bytes": 4096, "seconds": 0.5, "gbps": 0.0655}
     status = fold_with_round(
         None, version=3, result="Succeeded", phases={"write": 0.5, "verify": 0.1, "commit": 0.05},
-        pausedSeconds=0.7, slowestTarget=slowest, slowestSource={**slowest, "peer": "source 0"},
+        pausedSeconds=0.7, pausePolicy="overlap", slowestTarget=slowest, slowestSource={**slowest, "peer": "source 0"},
     )  # fmt: skip
     assert status["lastSync"]["phases"]["write"] == 0.5 and status["lastSync"]["pausedSeconds"] == 0.7
     assert status["recentSyncs"][-1]["slowestTarget"] == slowest
+    # which pause policy ran, per round (what `weightsync rounds` shows)
+    assert status["lastSync"]["pausePolicy"] == status["recentSyncs"][-1]["pausePolicy"] == "overlap"
 
 
 def fold_warnings(previous: dict[str, Any] | None, **round_fields: Any) -> tuple[tuple[str, str], ...]:
@@ -338,6 +340,26 @@ def test_a_round_over_its_slow_percentage_is_a_warning_naming_its_slowest_phase_
     assert "slowest phase write 151.000 s" in message
     assert "slowest source source 1 (151.000 s" in message and "slowest target engine 1 rank 0" in message
     assert fold_warnings(None, durationSeconds=budget * 0.5, **fields) == ()  # at the line: not slow
+
+
+def test_a_scrubs_repair_is_a_weights_drifted_warning_naming_the_engine_rank_and_parameter() -> None:
+    drift = f"{names.DRIFT_FOUND} in committed version 3: engine 0 rank 0: parameters ['model.norm.weight'] differ"
+    fields = {"version": 3, "startedAt": "2030-01-01T12:00:00Z", "durationSeconds": 0.2}
+    ((reason, message),) = fold_warnings(None, result="Succeeded", reason=f"{drift}; repaired", **fields)
+    assert reason == "WeightsDrifted" and "engine 0 rank 0: parameters ['model.norm.weight'] differ" in message
+    failed = fold_warnings(None, result="Failed", reason=f"{drift}; repair failed: catch-up: x", **fields)
+    assert [r for r, _ in failed] == ["WeightsDrifted", "SyncFailed"]
+
+
+def test_an_unrepaired_drift_is_not_ready_and_degraded_until_a_round_lands() -> None:
+    drift = f"{names.DRIFT_FOUND} in committed version 3: engine 1 rank 0: buckets [2] differ"
+    fields = {"version": 3, "startedAt": "2030-01-01T12:00:00Z", "durationSeconds": 0.0}
+    status = fold_with_round(None, result="Failed", reason=f"{drift}; not repaired yet: round not started: x", **fields)
+    ready = cond(status, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "WeightsDrifted" and "engine 1 rank 0" in ready["message"]
+    assert cond(status, "Degraded")["reason"] == "WeightsDrifted" and status["phase"] == "Degraded"
+    repaired = fold_with_round(status, result="Succeeded", reason=f"{drift}; repaired", **fields)
+    assert cond(repaired, "Ready")["status"] == "True" and repaired["phase"] == "Ready"
 
 
 @pytest.mark.parametrize(

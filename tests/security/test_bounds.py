@@ -8,6 +8,7 @@ TCP) with a short round budget. Each test sends what issue 11's review sent (or 
   strings of megabytes, lists of a hundred thousand items, unknown fields, bodies nested a million deep, bodies
   over the cap (413 before parsing), invalid UTF-8;
 * a source call asking for a day holds its rank no longer than the plan's round budget;
+* every rank publishing 2^53 - 1 is refused at once (it would lock the group out), and the next version lands;
 * ``bucket_bytes=1`` (a checksum answer 20 times the rank) is refused, and no allowed bucket size amplifies;
 * 5,000 requests to distinct paths add no metric series;
 * long polls (more than the loop's default executor has threads) do not delay a publish;
@@ -34,7 +35,8 @@ import pytest
 
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client import WeightSyncClient
-from weightsync_agent.http.bounds import MAX_BODY_BYTES, MAX_BUCKETS, MIN_BUCKET_BYTES
+from weightsync_agent.client.trainer import RoundOutcome
+from weightsync_agent.http.bounds import MAX_BODY_BYTES, MAX_BUCKETS, MAX_VERSION, MIN_BUCKET_BYTES
 from weightsync_agent.http.client import HttpCallError, JsonHttpClient, PeerUnreachableError
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.reference_engine.model import full_state
@@ -182,6 +184,23 @@ def test_every_agent_request_field_is_bounded(group: LoopbackGroup, clients: lis
     state = send(base + "/v1/state", "GET", token=group.token)[1]
     assert state["committed"] is None or state["committed"] < 2**53
     publish_and_check(group, clients, 1)
+
+
+def test_a_huge_version_cannot_lock_the_group_out(group: LoopbackGroup, clients: list[WeightSyncClient]) -> None:
+    """Issue 26: every trainer rank publishing 2^53 - 1 committed it, and versions only move forward, so the trainer's
+    own next version was refused for good. Now a version more than ``maxVersionStep`` past the committed one is
+    refused before anything is touched, the committed version kept, and the next version lands."""
+    committed = send(group.agents[0].url + "/v1/state", "GET", token=group.token)[1]["committed"]
+    held = group.engines[0].client().weight_version()
+    start = time.monotonic()
+    outcomes = publish_all(clients, full_state(seed=9), MAX_VERSION, timeout=30)
+    for outcome in outcomes:
+        assert isinstance(outcome, RoundOutcome) and not outcome.round.started, outcome
+        assert "maxVersionStep" in outcome.round.reason, outcome.round.reason
+    assert time.monotonic() - start < 2, "every rank hears the refusal at once"
+    assert send(group.agents[0].url + "/v1/state", "GET", token=group.token)[1]["committed"] == committed
+    assert group.engines[0].client().weight_version() == held
+    publish_and_check(group, clients, int(committed or 0) + 1)
 
 
 def test_a_source_call_asking_for_a_day_holds_its_rank_no_longer_than_a_round(group: LoopbackGroup) -> None:

@@ -19,6 +19,7 @@ import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -169,8 +170,10 @@ def test_the_trainer_token_opens_its_own_agents_publish_and_state_only(group: Lo
     }
     assert len(set(tokens.values())) == 2 and group.token not in tokens.values()
     for pod, agent in group.agents.items():
-        mode = trainer_token_file(agent.env["WEIGHTSYNC_REPLICA_PATH"]).stat().st_mode & 0o777
-        assert mode == 0o600, oct(mode)
+        folder = Path(agent.env["WEIGHTSYNC_REPLICA_PATH"])
+        # Group-shared (trainer code may run as another user of the pod's group), never world-readable.
+        assert trainer_token_file(folder).stat().st_mode & 0o777 == 0o640
+        assert {path.stat().st_mode & 0o777 for path in folder.glob("*.replica")} == {0o660}
         own = tokens[pod]
         assert call(agent.url + "/v1/state", "GET", token=own)[0] == 200
         assert call(agent.url + "/v1/publish", "POST", token=own)[0] == 400  # authenticated: the body is wrong

@@ -29,6 +29,13 @@ def service(group: str) -> str:
     return group
 
 
+def pod_address(group: str, namespace: str, pod: str) -> str:
+    """A group's pod's stable DNS name through the headless Service (the pod's ``hostname`` is its name, its
+    ``subdomain`` the Service): resolvable from any pod of the cluster, the pod itself included, without knowing the
+    cluster's domain (the resolver's search path ends in it)."""
+    return f"{pod}.{service(group)}.{namespace}.svc"
+
+
 def agent_service_account(group: str) -> str:
     return f"{group}-agent"
 
@@ -41,6 +48,12 @@ def group_secret(group: str) -> str:
 def network_policy(group: str) -> str:
     """The group's NetworkPolicy: ingress to its pods (docs/security.md, "The data plane")."""
     return f"{group}-ingress"
+
+
+def mesh_policy(group: str, role: str) -> str:
+    """A p2p group's NetworkPolicy between the pods of its multi-pod trainer or engines (``role``): every port,
+    for their launchers' rendezvous and collectives (docs/workload-identity.md)."""
+    return f"{group}-{role}-mesh"
 
 
 # --- Labels --------------------------------------------------------------------------------------
@@ -91,6 +104,9 @@ ENV_DEVICES: Final = "WEIGHTSYNC_RDMA_DEVICES"
 ENV_ENGINE_URL: Final = "WEIGHTSYNC_ENGINE_URL"
 #: Where the agent says it can be reached (default: POD_IP + agent port).
 ENV_AGENT_URL: Final = "WEIGHTSYNC_AGENT_URL"
+#: ``1``: peers' advertised URLs may name loopback as well as their pod's own IPs. Only the local cluster sets it
+#: (its agents are local processes on 127.0.0.1, bound to pods whose ``podIP`` is kwok's); never the operator.
+ENV_LOOPBACK_PEERS: Final = "WEIGHTSYNC_LOOPBACK_PEERS"
 #: Local runs without a cluster: JSON ``{"engines": {"0": url}, "trainers": {"0": url}}`` naming every
 #: engine's and trainer pod's URL (instead of reading pod annotations).
 ENV_DIRECTORY_FILE: Final = "WEIGHTSYNC_DIRECTORY_FILE"
@@ -110,6 +126,30 @@ CREDENTIALS_PATH: Final = "/var/run/weightsync/credentials"
 ENV_POD_NAME: Final = "POD_NAME"
 ENV_POD_IP: Final = "POD_IP"
 
+# --- Workload identity: what the operator gives the user's containers --------------------------------
+# Besides the agent's own group, namespace, role, pod index, engine index, ranks and agent port (what
+# ``WeightSyncClient.from_env`` reads), a pod's place in its trainer or engine, named for launchers' flags
+# (``torchrun --nnodes $(WEIGHTSYNC_NNODES) ...``; docs/workload-identity.md). "Node" is a pod: each launcher
+# calls one host of a multi-host job a node.
+#: Pods of this pod's trainer (``trainer.replicas``), or of its engine (``ranksPerEngine / ranksPerPod``).
+ENV_NNODES: Final = "WEIGHTSYNC_NNODES"
+#: This pod's index within its trainer or engine (= ``WEIGHTSYNC_POD_INDEX``), 0..NNODES-1.
+ENV_NODE_RANK: Final = "WEIGHTSYNC_NODE_RANK"
+#: Ranks (processes, GPUs) per pod: ``trainer.ranksPerPod`` or ``inference.ranksPerPod``.
+ENV_NPROC_PER_NODE: Final = "WEIGHTSYNC_NPROC_PER_NODE"
+#: Ranks of this pod's whole trainer (``replicas * ranksPerPod``) or engine (``ranksPerEngine``: its TP size).
+ENV_WORLD_SIZE: Final = "WEIGHTSYNC_WORLD_SIZE"
+#: The stable DNS name of pod 0 of this pod's trainer or engine (:func:`pod_address`).
+ENV_LEADER_ADDR: Final = "WEIGHTSYNC_LEADER_ADDR"
+#: The port the leader's rendezvous / dist-init store listens on (:data:`RENDEZVOUS_PORT`).
+ENV_LEADER_PORT: Final = "WEIGHTSYNC_LEADER_PORT"
+#: ``<leader addr>:<leader port>``: torchrun's ``--rdzv-endpoint``, SGLang's ``--dist-init-addr``.
+ENV_DIST_INIT_ADDR: Final = "WEIGHTSYNC_DIST_INIT_ADDR"
+#: The leader's rendezvous port: torch's own default (``MASTER_PORT``, torchrun's ``--master-port``). Outside the
+#: default Mooncake range (15000-17000) and Linux's ephemeral ports; another port works with
+#: ``$(WEIGHTSYNC_LEADER_ADDR):<port>``.
+RENDEZVOUS_PORT: Final = 29500
+
 #: Plan ConfigMap data key.
 PLAN_KEY: Final = "plan.json"
 #: Plan ConfigMap data key of the plan's seal: an HMAC of :data:`PLAN_KEY`'s text keyed with the group's token
@@ -121,7 +161,7 @@ SECRET_TOKEN_KEY: Final = "token"
 #: finished (``weightsync rotate-token``; docs/security.md, "Rotating the token").
 SECRET_PREVIOUS_KEY: Final = "previous"
 #: In a trainer rank's replica folder: the token the pod's own agent accepts from trainer code on
-#: ``/v1/publish`` and ``/v1/state`` only (written by the agent, mode 0600; never the group's token).
+#: ``/v1/publish`` and ``/v1/state`` only (written by the agent, mode 0640; never the group's token).
 TRAINER_TOKEN_FILE: Final = "agent.token"
 
 #: Named port of the agent on every pod and on the headless Service.
@@ -144,3 +184,7 @@ OPERATOR_ENV_RESYNC_SECONDS: Final = "WEIGHTSYNC_RESYNC_SECONDS"
 #: how the reference engine and stock SGLang (whose Mooncake reads the same variables) get them.
 ENV_MOONCAKE_MIN_PORT: Final = "MC_MIN_RPC_PORT"
 ENV_MOONCAKE_MAX_PORT: Final = "MC_MAX_RPC_PORT"
+
+#: How a round's reason begins when a scrub found engines serving other bytes than the committed version's
+#: (agent: ``rounds/coordinator.py``; the operator turns it into a ``WeightsDrifted`` Warning event).
+DRIFT_FOUND: Final = "scrub found drift"

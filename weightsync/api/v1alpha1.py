@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_camel
 
 from weightsync.api.cel import CelRule
 from weightsync.api.engines import Adapter, Request, Staging, SyncModeName
+from weightsync.api.pause import PausePolicy
 from weightsync.api.timeouts import Timeouts
 
 GROUP = "weightsync.io"
@@ -34,6 +35,14 @@ AGENT_CONTAINER = "weightsync-agent"
 MAX_NAME_LENGTH = 40
 #: Most ranks on either side of one group; also bounds the plan's size.
 MAX_RANKS = 16384
+#: Largest weight version: versions travel as JSON numbers, which a float or JavaScript reader rounds above 2^53.
+MAX_WEIGHT_VERSION = 2**53 - 1
+#: Default ``transfer.maxVersionStep``: how far past the committed version (or past 0, before any) a published
+#: version may jump. Versions only move forward, so one huge version (a bug, or a trainer rank's code gone wrong)
+#: would otherwise refuse every later one for good; 2^20 steps is more than any training run publishes.
+DEFAULT_MAX_VERSION_STEP = 1 << 20
+#: The longest scrub period (a day); 0 turns scrubbing off.
+MAX_SCRUB_SECONDS = 86400
 
 
 def rules(*items: CelRule) -> dict[str, Any]:
@@ -293,6 +302,35 @@ class TransferSpec(SpecModel):
         "port, two per engine; an agent opens one engine per peer it writes to): the agents, the reference engine "
         "and stock SGLang (through MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) bind inside it, and the group's NetworkPolicy "
         "opens it to the group's pods only. Default: Mooncake's own 15000-17000.",
+    )
+    max_version_step: int = Field(
+        default=DEFAULT_MAX_VERSION_STEP,
+        ge=1,
+        le=MAX_WEIGHT_VERSION,
+        description="How far a published version may jump past the committed one (past 0 before any is committed): "
+        "a version further ahead is refused, the committed version kept. Versions only move forward, so this "
+        "keeps one huge version from refusing every later one. Default 2^20; raise it for versions that are not "
+        "step counts (timestamps).",
+    )
+    scrub_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SCRUB_SECONDS,
+        description="Scrubbing: every this many seconds, between rounds, the coordinator has each engine's own checker "
+        "hash the weights it serves and compares them with the committed version's verified checksums; an engine "
+        "that drifted (a foreign write, a flipped bit) is named in the status and repaired from the replicas by a "
+        "catch-up, without a new version. Each scrub costs one checksum pass over every engine's weights. 0 (the "
+        "default): off. Engines whose adapter has no out-of-round checker (vLLM) are not scrubbed.",
+    )
+    pause: PausePolicy = Field(
+        default="minimal",
+        description="When live engines are paused for a version the trainer streams (stages while its sources "
+        "already write). minimal (the default): the engines keep serving until every byte of the version is staged, "
+        "then pause only for the write, verify and commit; a round from stage to commit takes staging plus writing. "
+        "overlap: the engines pause at the first write and wait through the rest of the staging; the shortest "
+        "round, the longest pause. Staged targets (targetStaging: staged) get both either way: the writes stream into "
+        "the staging area while the engines serve, and they pause only to apply. Each round records which ran "
+        "(status.lastSync.pausePolicy).",
     )
 
     @property
@@ -700,6 +738,11 @@ class SyncStatus(ApiModel):
         ge=0,
         description="How long the round kept engines from serving: a live round from pause to resume; a staged "
         "round its commit (the most an engine applying staged weights inside a pause can have been paused).",
+    )
+    pause_policy: PausePolicy | None = Field(
+        default=None,
+        description="When the round paused the engines (transfer.pause as it applied to the round): minimal, for "
+        "the writes only (staged rounds: only to apply); overlap, from the first write of a streamed version on.",
     )
     slowest_source: PeerSync | None = Field(default=None, description="The source whose writes took longest.")
     slowest_target: PeerSync | None = Field(default=None, description="The engine rank that was written last.")

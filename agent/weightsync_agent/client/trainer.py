@@ -125,7 +125,9 @@ class RoundOutcome:
             f"round v{r.version}: {r.result} after {r.attempts} attempt(s) in {r.duration_seconds:.3f} s, {r.bytes} B"
         )
         if r.paused_seconds is not None:
-            text += f", engines paused {r.paused_seconds:.3f} s"
+            text += f", engines paused {r.paused_seconds:.3f} s" + (
+                f" (pause: {r.pause_policy})" if r.pause_policy else ""
+            )
         if (slowest := r.slowest_target) is not None:
             (engine, rank), stat = slowest
             text += f", slowest target engine {engine} rank {rank} ({stat.seconds:.3f} s, {stat.gbps:.2f} Gb/s)"
@@ -152,9 +154,10 @@ class RoundPublisher:
         return RoundOutcome(self.driver.run(version, canary=canary))
 
     def publish_streaming(self, version: int, deadline: float, gate: StreamGate) -> RoundOutcome:
-        """The round starts now: its prepare waits for this rank's first complete bucket (so engines are paused no
-        earlier than the first write needs), its writes follow the staging, and it commits once every source sent
-        everything and every target verified."""
+        """The round starts now: its prepare waits for this rank's first complete bucket (``transfer.pause:
+        overlap``, or staged targets: engines are paused no earlier than the first write needs) or its last (``minimal``
+        into live targets: the engines serve through the staging), its writes follow the staging, and it commits once
+        every source sent everything and every target verified."""
         if self.control is None:
             raise ClientError("this round publisher has no in-process source to stream")
         self.control.stream(gate)
@@ -337,6 +340,7 @@ class WeightSyncClient:
                 engines,
                 {source_rank: control, **(other_sources or {})},
                 staging=plan.transfer.target_staging,
+                pause_policy=plan.transfer.pause,
                 verify=plan.transfer.verify,
                 timeout_seconds=plan.transfer.timeouts.round_budget,
                 call_timeout=call_timeout,
@@ -422,8 +426,10 @@ class WeightSyncClient:
         early as it can; any order is correct."""
         order: dict[str, None] = {}
         for replica in self.replicas:
+            scales = {q.scale for q in replica.layout.quantized.values()}  # made by the source with their weights
             for slot in replica.layout.slots:
-                order.setdefault(slot.part.source, None)
+                if slot.part.source not in scales:
+                    order.setdefault(slot.part.source, None)
         return list(order)
 
     def expected(self) -> set[str]:

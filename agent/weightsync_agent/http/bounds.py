@@ -11,14 +11,14 @@ from typing import Annotated, Any, Final, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from weightsync.api.v1alpha1 import MAX_RANKS
+from weightsync.api.v1alpha1 import MAX_RANKS, MAX_WEIGHT_VERSION
 
 #: Largest request body (bytes), checked from Content-Length and while reading, before any parsing. The largest
 #: legitimate body is the coordinator's call to a source: one 16-hex-digit placement per target, at most
 #: ``MAX_RANKS`` targets (about 0.5 MB); a verify's checksums are 16 hex digits per bucket.
 MAX_BODY_BYTES: Final = 4 << 20
 #: Versions are JSON numbers: above 2^53 a JavaScript or float reader rounds them (10^15 is fine, 2^60 is not).
-MAX_VERSION: Final = 2**53 - 1
+MAX_VERSION: Final = MAX_WEIGHT_VERSION
 #: A trainer rank or an engine rank: the spec caps ranks at MAX_RANKS (trainer and inference each).
 MAX_RANK: Final = MAX_RANKS - 1
 #: A request's own timeout: the spec's own maximum ``timeoutSeconds`` (one day). Sources also clamp it to their
@@ -29,6 +29,15 @@ MAX_POLL_SECONDS: Final = 60.0
 #: Concurrent long polls per agent; one more is answered 429 at once (the caller retries), so waiters cannot
 #: pile up without end. Every trainer pod of the largest group waits at most once.
 MAX_WAITERS: Final = 4096
+#: Seconds a connection may take to send a request's headers, from its opening or from the end of its previous answer
+#: (aiohttp's ``keepalive_timeout``, which also closes a connection idle that long between requests). Every client
+#: of ours sends its headers in one write; a client trickling them (slowloris) is cut off here.
+HEADER_READ_SECONDS: Final = 10.0
+#: Seconds a request's body (at most MAX_BODY_BYTES) may take to arrive once its headers did: a 408 beyond.
+BODY_READ_SECONDS: Final = 30.0
+#: Connections one server holds at once; one more is answered 503 and closed at once, never queued. Room for every
+#: long poll (MAX_WAITERS) plus each rank's publish and its coordinator's calls, probes and scrapes.
+MAX_CONNECTIONS: Final = MAX_WAITERS + 1024
 #: A version label (engines take strings: SGLang's ``weight_version``).
 MAX_LABEL_CHARS: Final = 128
 #: A round id is the coordinator's uuid4 hex (32 characters); anything much longer is not one.

@@ -1,4 +1,7 @@
-"""Serving an aiohttp app from a thread, and the pieces every handler shares: body parsing, the error shape."""
+"""Serving an aiohttp app from a thread, and the pieces every handler shares: body parsing, the error shape.
+
+What a connection may cost (how long its headers and body may take, how many connections at once) is bounded where
+the server listens (:mod:`.listener`) and where a body is read (:func:`json_object`)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,15 @@ from typing import Any
 
 from aiohttp import web
 
-from weightsync_agent.http.bounds import MAX_BODY_BYTES, BadRequestError
+from weightsync_agent.http.bounds import (
+    BODY_READ_SECONDS,
+    HEADER_READ_SECONDS,
+    MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
+    BadRequestError,
+)
 from weightsync_agent.http.credential import Credential
+from weightsync_agent.http.listener import CappedSite, bounded_runner
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +140,14 @@ def auth_middleware(
 
 
 async def json_object(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object body; over :data:`MAX_BODY_BYTES` a 413 before a byte is parsed."""
+    """The request's JSON object body; over :data:`MAX_BODY_BYTES` a 413 before a byte is parsed, not all there
+    within :data:`BODY_READ_SECONDS` a 408 (a client trickling its body holds a handler no longer)."""
     refuse_oversized(request)
     try:
-        body = await request.json()
+        async with asyncio.timeout(BODY_READ_SECONDS):
+            body = await request.json()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {BODY_READ_SECONDS:g} s") from None
     except ValueError as exc:
         raise BadRequestError(f"body is not JSON: {exc}") from exc
     except RecursionError:  # "[[[[...": json's recursion limit, not our stack
@@ -153,14 +167,30 @@ def refuse_oversized(request: web.Request) -> None:
 class BackgroundServer:
     """Serve an aiohttp app from a thread of this process (the agent's routes, an engine in tests).
 
-    A context manager; ``url`` is valid once started (port 0 picks a free port).
+    A context manager; ``url`` is valid once started (port 0 picks a free port). ``header_seconds`` and
+    ``max_connections``: the listener's bounds (:mod:`.listener`), the agent's own by default.
     """
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0, *, name: str = "http") -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        name: str = "http",
+        header_seconds: float = HEADER_READ_SECONDS,
+        max_connections: int = MAX_CONNECTIONS,
+        also_loopback: bool = False,
+    ) -> None:
         self.app = app
         self.host = host
+        #: Listen on 127.0.0.1 too, at the same port (each listener with its own connection cap): an agent listens on
+        #: its pod's IP for peers and on the pod's loopback for its own trainer containers, which reach it there.
+        self.also_loopback = also_loopback and host != "127.0.0.1"
         self.port = port
         self.name = name
+        self.header_seconds = header_seconds
+        self.max_connections = max_connections
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
@@ -182,11 +212,14 @@ class BackgroundServer:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner = web.AppRunner(self.app, access_log=None)
+            self._runner = bounded_runner(self.app, header_seconds=self.header_seconds)
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
+            site = CappedSite(self._runner, self.host, self.port, max_connections=self.max_connections)
             self._loop.run_until_complete(site.start())
-            self.port = bound_port(self._runner, self.port)
+            self.port = site.port
+            if self.also_loopback:
+                local = CappedSite(self._runner, "127.0.0.1", self.port, max_connections=self.max_connections)
+                self._loop.run_until_complete(local.start())
         except BaseException as exc:  # reported to start()
             self._error = exc
             self._ready.set()
@@ -206,11 +239,3 @@ class BackgroundServer:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
-
-
-def bound_port(runner: web.AppRunner, requested: int) -> int:
-    """The port a runner actually listens on (``requested`` 0 picks one)."""
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            return int(address[1])
-    return requested

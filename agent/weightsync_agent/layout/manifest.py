@@ -43,6 +43,8 @@ ITEMSIZE: dict[str, int] = {
     "int64": 8,
     "float8_e4m3fn": 1,
 }
+#: What a quantized weight's scale entry may be stored as (checkpoints store INT8 channel scales in the model's dtype).
+FLOAT_SCALES = frozenset({"float32", "float16", "bfloat16"})
 
 
 #: How a target checks what landed (docs/architecture.md): per bucket, xxh3-64 of the bytes (weightsync's
@@ -125,10 +127,33 @@ class TensorEntry(ApiModel):
         ge=0,
         description="Trailing slices along cat_dim that no full tensor writes and the engine holds as zeros.",
     )
+    quantize: Literal["int8-channel", "fp8-block"] | None = Field(
+        default=None,
+        description="A quantized checkpoint tensor the source makes from the trainer's float tensors its parts cut "
+        "(layout/quantize.py: int8-channel = symmetric INT8 per output channel, a whole copy; fp8-block = e4m3 in "
+        "block x block tiles of each full tensor, cut on tile edges); scale names the entry its scale goes to.",
+    )
+    block: tuple[int, int] | None = Field(default=None, description="fp8-block: the tile, [rows, columns].")
+    scale: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         expected = math.prod(self.shape) * ITEMSIZE[self.dtype]
+        if (self.quantize is None) != (self.scale is None):
+            raise ManifestError(f"{self.name}: a quantized tensor names its method and its scale's entry together")
+        whole = len(self.parts) == 1 and self.parts[0].full_shape == self.shape
+        if self.quantize == "int8-channel" and (self.dtype != "int8" or len(self.shape) != 2 or not whole):
+            raise ManifestError(f"{self.name}: an int8-channel tensor is a whole 2-D int8 copy of one trainer tensor")
+        if (self.quantize == "fp8-block") != (self.block is not None):
+            raise ManifestError(f"{self.name}: a block goes with fp8-block quantization, and only with it")
+        if self.quantize == "fp8-block" and (
+            self.dtype != "float8_e4m3fn" or len(self.shape) != 2 or self.padding or self.path != "trace"
+            or any(p.at for p in self.parts) or min(self.block or (0,)) < 1
+        ):  # fmt: skip
+            raise ManifestError(
+                f"{self.name}: an fp8-block tensor is a 2-D float8_e4m3fn cut of whole trainer tensors (no padding, "
+                "no sub-tensors) with a positive block"
+            )
         if self.nbytes != expected:
             raise ManifestError(
                 f"{self.name}: nbytes {self.nbytes} does not match shape {list(self.shape)} of {self.dtype} "
@@ -303,6 +328,12 @@ class Manifest(ApiModel):
     replica: EngineReplica | None = Field(
         default=None, description="The engine replica that fills the engine-replica tensors (none: all traced)."
     )
+    rederived: tuple[str, ...] = Field(
+        default=(),
+        description="Buffers the engine derives from the written parameters at load and re-derives itself when told, "
+        "after the writes and before its session ends (stock SGLang: GemmaRMSNorm's gemma_weight, through its "
+        "--custom-weight-loader; docs/engines/sglang.md). None: the writes and the session's end are all.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -318,6 +349,7 @@ class Manifest(ApiModel):
         if len(set(names)) != len(names):
             duplicated = sorted({n for n in names if names.count(n) > 1})
             raise ManifestError(f"duplicate tensor names: {duplicated[:5]}")
+        self._check_scales()
         ordered = sorted(self.tensors, key=lambda t: t.address)
         for before, after in pairwise(ordered):
             if after.address < before.end:
@@ -333,6 +365,40 @@ class Manifest(ApiModel):
             if tensor.nbytes and self.region_of(tensor.address, tensor.nbytes) is None:
                 raise ManifestError(f"{tensor.name} is not inside any registered region")
         return self
+
+    def _check_scales(self) -> None:
+        """Each quantized tensor's scale entry is one no other tensor claims and no trainer tensor is cut into (the
+        source writes it from the quantizer only): int8-channel, a whole float ``[out, 1]``; fp8-block, the float32
+        tiles of exactly the weight's cut (:func:`block_scale_cut`)."""
+        by_name = {t.name: t for t in self.tensors}
+        claimed: set[str] = set()
+        for tensor in self.tensors:
+            if tensor.scale is None:
+                continue
+            scale = by_name.get(tensor.scale)
+            if scale is None:
+                raise ManifestError(f"{tensor.name}: its scale entry {tensor.scale} is not in the manifest")
+            if scale.quantize is not None or tensor.scale in claimed or tensor.scale == tensor.name:
+                raise ManifestError(f"{tensor.name}: scale entry {tensor.scale} is claimed twice or is quantized")
+            if tensor.quantize == "fp8-block":
+                assert tensor.block is not None  # TensorEntry checks it goes with fp8-block
+                shape, cat_dim, parts = block_scale_cut(tensor.name, tensor.shape, tensor.cat_dim, tensor.parts,
+                                                        tensor.block)  # fmt: skip
+                if (scale.dtype, scale.shape, scale.cat_dim, scale.parts, scale.padding) != (
+                    "float32", shape, cat_dim, parts, 0
+                ):  # fmt: skip
+                    raise ManifestError(
+                        f"{tensor.name}: its scale entry {tensor.scale} must be float32 {list(shape)}, cut from the "
+                        f"trainer tensors' {SCALE_SUFFIX} tiles as the weight is cut from theirs"
+                    )
+            else:
+                if scale.dtype not in FLOAT_SCALES or scale.shape != (tensor.shape[0], 1):
+                    raise ManifestError(f"{tensor.name}: its scale entry {tensor.scale} must be a float "
+                                        f"[{tensor.shape[0]}, 1] (one per output channel)")  # fmt: skip
+                whole = len(scale.parts) == 1 and scale.parts[0].full_shape == scale.shape
+                if not whole or scale.parts[0].source != scale.name:
+                    raise ManifestError(f"{tensor.scale}: a scale entry is written whole from the quantizer")
+            claimed.add(tensor.scale)
 
     def region_of(self, address: int, nbytes: int) -> Region | None:
         for region in self.regions:
@@ -350,7 +416,8 @@ class Manifest(ApiModel):
 
         Targets with the same fingerprint can be written from one shared replica.
         """
-        layout: list[object] = [t.model_dump(mode="json", exclude={"address"}) for t in self.tensors]
+        # exclude_none: an unquantized tensor describes itself (and so fingerprints) as before quantized entries.
+        layout: list[object] = [t.model_dump(mode="json", exclude={"address"}, exclude_none=True) for t in self.tensors]
         if self.replica is not None:  # what builds the bytes is part of the layout (ranks of one shape differ)
             layout.append(self.replica.model_dump(mode="json"))
         return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
@@ -367,3 +434,45 @@ class Manifest(ApiModel):
 
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
+
+
+#: Where an FP8 block weight's tiles' scales come from: the trainer tensor ``X`` is quantized whole, and its scales
+#: are the (virtual) full tensor ``X`` + this suffix, as the DeepSeek-V3 / Kimi-K2 checkpoints name them.
+SCALE_SUFFIX: Final = "_scale_inv"
+
+
+def block_scale_cut(
+    name: str, shape: tuple[int, ...], cat_dim: int, parts: tuple[ShardPart, ...], block: tuple[int, int]
+) -> tuple[tuple[int, ...], int, tuple[ShardPart, ...]]:
+    """The scale entry an FP8 block weight (``name``, ``shape``, cut as ``parts`` along ``cat_dim``) needs, in
+    ``block`` tiles: ``(shape, cat_dim, parts)``, each part the tiles of the weight's part (source
+    ``<source>_scale_inv``, the full tensor's tile grid). Pure.
+
+    The source quantizes each full trainer tensor whole (its tiles start at row and column 0), so a cut is exact only
+    on tile edges: every part starts on one along its cut, ends on one or at the tensor's end, and every part but the
+    last along ``cat_dim`` covers whole tiles (so the next part's tiles start a new scale row). Otherwise this
+    refuses by name: an engine that cut inside a tile would need a scale no checkpoint has."""
+    if len(shape) != 2 or any(len(p.full_shape) != 2 or p.at for p in parts):
+        raise ManifestError(f"{name}: FP8 block tiles are of 2-D weights cut from 2-D trainer tensors")
+    scales: list[ShardPart] = []
+    along = 0
+    for index, part in enumerate(parts):
+        tile = block[part.dim]
+        end = part.start + part.length
+        if part.start % tile or (end % tile and end != part.full_shape[part.dim]):
+            raise ManifestError(
+                f"{name}: part {part.source}[{part.start}:{end}] along dim {part.dim} is not on {tile}-wide tile edges"
+            )
+        if index < len(parts) - 1 and part.shape[cat_dim] % block[cat_dim]:
+            raise ManifestError(
+                f"{name}: part {part.source} is {part.shape[cat_dim]} long along dim {cat_dim}, not whole "
+                f"{block[cat_dim]}-tiles, and another part follows it"
+            )
+        grid = tuple(-(-n // b) for n, b in zip(part.full_shape, block, strict=True))
+        first = part.start // tile
+        scales.append(ShardPart(source=part.source + SCALE_SUFFIX, full_shape=grid, dim=part.dim, start=first,
+                                length=-(-end // tile) - first))  # fmt: skip
+        along += scales[-1].shape[cat_dim]
+    tiles = [-(-n // b) for n, b in zip(shape, block, strict=True)]
+    tiles[cat_dim] = along
+    return tuple(tiles), cat_dim, tuple(scales)

@@ -28,6 +28,9 @@ that hold less are behind: a catch-up brings them up when the replicas still hol
 writes every engine. Until every engine answered, no round starts. What the coordinator's pod reported before
 (its weight-version annotation, when it runs in a cluster) is a floor: if every engine restarted as well, the
 version still does not go back.
+
+A version is adopted only within ``transfer.maxVersionStep`` of the committed one (:mod:`.versions`): one huge
+version must not lock the group out of every later one.
 """
 
 from __future__ import annotations
@@ -37,25 +40,29 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
+from weightsync.api import names
 from weightsync.api.engines import refusal
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan
+from weightsync.plan.document import Target
 from weightsync_agent import metrics
 from weightsync_agent.directory import Directory, DirectoryError
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.http.credential import ApiKey
+from weightsync_agent.layout.manifest import ManifestError
 from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
 from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult, new_round_id
 from weightsync_agent.rounds.remote import AgentClient, AgentError, HttpSourceControl
+from weightsync_agent.rounds.versions import credible_floor, version_refusal
 from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.control import RoundScope, SourceControl
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.writer import SourceConfigError
-from weightsync_agent.targets.adapter import AdapterUnavailableError, EngineAdapter
+from weightsync_agent.targets.adapter import AdapterUnavailableError, EngineAdapter, ScrubbedEngine
 from weightsync_agent.targets.registry import make_adapter, settings_for
 from weightsync_agent.transport.base import TransportError
 
@@ -75,6 +82,9 @@ RETRY_GRACE_SECONDS = 5.0
 #: Engines asked for their version per catch-up tick although nothing says they are behind (in turn, so each is
 #: asked every ``engines / SWEEP_PER_TICK`` ticks): catches an engine restarted with no agent to report it.
 SWEEP_PER_TICK = 1
+
+#: The timeout of each resume :meth:`Coordinator.settle` sends between rounds (a tick's work must stay short).
+SETTLE_CALL_SECONDS = 2.0
 
 #: Why a round could not even start (nothing was paused or written).
 NOT_STARTED = (
@@ -154,6 +164,16 @@ class Coordinator:
         self._running: int | None = None
         self._finished_at: dict[int, float] = {}
         self._cond = threading.Condition()
+        #: Scrubbing (``transfer.scrubSeconds``): what each target verified for the committed version, the engines a
+        #: scrub found drifted (engine -> what differs) until a round repairs them, and when the next scrub is due.
+        self._committed_sums: dict[Target, tuple[str, ...]] = {}
+        self._drifted: dict[int, str] = {}
+        #: Drifted engines whose repair could not start yet, already reported (the catch-up retries every tick).
+        self._drift_reported: set[int] = set()
+        self._next_scrub = 0.0
+        #: The last round that touched engines, if it meant to leave some of them serving whose resume did not answer
+        #: in time, with the plan it ran under: :meth:`settle` resumes them between rounds.
+        self._unresumed: tuple[RoundResult, str] | None = None
 
     # --- Rounds ----------------------------------------------------------------------------------
 
@@ -186,11 +206,10 @@ class Coordinator:
         unknown = self._recover(plan)
         if unknown is not None:
             return self._finish(self._refused(version, unknown), "regular")
-        if self.committed is not None and version <= self.committed:  # learnt just now from the engines
-            return self._finish(
-                self._refused(version, f"version {version} is not newer than committed {self.committed}"),
-                "regular",
-            )
+        # The committed version is known now (learnt from the engines if this coordinator just started).
+        refused_version = version_refusal(version, self.committed, plan.transfer.max_version_step)
+        if refused_version is not None:
+            return self._finish(self._refused(version, refused_version), "regular")
         mode = self._mode_for(plan)
         self._agents = {}
         round_id = new_round_id()
@@ -208,6 +227,9 @@ class Coordinator:
         if result.committed:  # also a round whose resume failed: every engine holds v
             self.committed = version
             self._canary = canary
+            self._committed_sums = dict(driver.verified)
+            self._drifted.clear()  # every engine was written and verified again
+            self._drift_reported.clear()
             mode.committed(self, plan, version)
             self._learnt(range(plan.layout.engines), str(version))
         else:
@@ -226,9 +248,10 @@ class Coordinator:
             mode = self._mode_for(plan)
             if not mode.catch_up:
                 return None
-            lagging = [e for e in self._to_ask(plan) if self._lags(plan, e, version)]
+            lagging = [e for e in self._to_ask(plan) if e in self._drifted or self._lags(plan, e, version)]
             if not lagging:
                 return None
+            drifted = {e: self._drifted[e] for e in lagging if e in self._drifted}
             log.info("engines %s do not hold committed version %d: catching them up", lagging, version)
             self._agents = {}
             round_id = new_round_id()
@@ -248,14 +271,113 @@ class Coordinator:
                 # A source cannot serve it (its replica holds no committed version yet, or the trainer has begun
                 # staging the next one): nothing was paused; joiners get the next round.
                 log.warning("catch-up of engines %s not possible yet: %s", lagging, result.reason)
+                if set(drifted) - self._drift_reported:  # said once per drift: the status must not show them as fine
+                    self._drift_reported.update(drifted)
+                    return self._finish(dataclasses.replace(result, reason=f"{drift_reason(version, drifted)}; not "
+                                                            f"repaired yet: {result.reason}"), "catch-up")  # fmt: skip
                 return None
             if result.result == "Succeeded":
                 self._learnt(lagging, str(version))
+                self._committed_sums.update(driver.verified)
+                for engine in drifted:
+                    del self._drifted[engine]
+                    self._drift_reported.discard(engine)
+                if drifted:
+                    result = dataclasses.replace(result, reason=f"{drift_reason(version, drifted)}; repaired")
             else:
                 self._doubt(lagging)
                 reason = f"catch-up of engines {lagging}: {result.reason}"
+                if drifted:
+                    reason = f"{drift_reason(version, drifted)}; repair failed: {reason}"
                 result = dataclasses.replace(result, reason=reason)
             return self._finish(result, "catch-up")
+
+    def settle(self) -> list[int]:
+        """Resume, between rounds, the engines the last round meant to leave serving whose resume did not answer in
+        time (an engine hung through the round's end, then back: it may have run the late calls or not), naming that
+        round; once every one answered, report the round again without ``enginesPaused``, so the status stops
+        saying engines are paused when they serve. An engine that refuses (its weights are not known clean) stays
+        paused, as reported. Returns the engines resumed now."""
+        with self._round:
+            pending, plan = self._unresumed, self.own_sources.plan
+            if pending is None or plan is None:
+                return []
+            result, plan_hash = pending
+            if plan.hash != plan_hash or result.round_id is None:  # replanned: the next round settles every engine
+                self._unresumed = None
+                return []
+            left: list[int] = []
+            resumed: list[int] = []
+            refused: list[int] = []
+            try:
+                engines = self.engines(plan, [e for e in result.unresumed if e < plan.layout.engines])
+            except NOT_STARTED as exc:  # the tick's scrub and catch-up must still run: try again next tick
+                log.info("engines %s not resumed yet: %s", list(result.unresumed), exc)
+                return []
+            for index, engine in engines.items():
+                try:
+                    engine.resume(SETTLE_CALL_SECONDS, round_id=result.round_id)
+                except (RoundError, HttpCallError) as exc:
+                    unanswered = isinstance(exc, HttpCallError) and (exc.status is None or exc.status >= 500)
+                    (left if unanswered else refused).append(index)
+                    log.info("engine %d still not resumed after round v%d: %s", index, result.version, exc)
+                else:
+                    resumed.append(index)
+            if left:
+                self._unresumed = (dataclasses.replace(result, unresumed=tuple(left)), plan_hash)
+                return resumed
+            self._unresumed = None
+            if refused:  # they stay paused, and the status keeps saying so
+                return resumed
+            log.info("engines %s serve again after round v%d", resumed, result.version)
+            if self.report is not None:
+                said = f"{result.reason}; engines {resumed} serve again" if result.reason else None
+                try:
+                    self.report(dataclasses.replace(result, engines_paused=False, reason=said, unresumed=()),
+                                self.committed)  # fmt: skip
+                except Exception as exc:  # as in _finish: the next report retries
+                    log.warning("could not report round v%d on the pod: %s", result.version, exc)
+            return resumed
+
+    def scrub(self) -> dict[int, str]:
+        """Scrubbing, every ``transfer.scrubSeconds`` between rounds: each engine's own checker hashes the weights it
+        serves, against what verified the committed version there. Drifted engines (engine -> what differs) are
+        repaired by the next catch-up (the sidecar's tick runs one right after) without a new version."""
+        plan, version = self.own_sources.plan, self.committed
+        if plan is None or version is None or not plan.transfer.scrub_seconds:
+            return {}
+        now = time.monotonic()
+        if now < self._next_scrub:
+            return {}
+        self._next_scrub = now + plan.transfer.scrub_seconds
+        found: dict[int, str] = {}
+        for (engine, rank), checksums in sorted(self._committed_sums.items()):
+            if engine >= plan.layout.engines or engine in self._drifted or engine in found:
+                continue
+            # One rank at a time under the round lock: never while a round writes, and a round that is due waits
+            # for one checker call at most, not for the whole pass.
+            with self._round:
+                if self.committed != version or (engine, rank) not in self._committed_sums:
+                    break  # a round committed meanwhile: its checksums are the next pass's
+                try:
+                    adapter = self._adapter(plan, engine)
+                    if not isinstance(adapter, ScrubbedEngine):
+                        continue
+                    began = time.monotonic()
+                    verdict = adapter.scrub(rank, version, checksums, self.call_timeout)
+                    metrics.SCRUB_SECONDS.labels(self.group).observe(time.monotonic() - began)
+                except (DirectoryError, HttpCallError, AdapterUnavailableError, ManifestError) as exc:
+                    log.warning("scrub of engine %d rank %d skipped: %s", engine, rank, exc)
+                    continue
+                metrics.SCRUBS.labels(self.group, "drift" if not verdict.ok else "clean").inc()
+                if not verdict.ok:
+                    found[engine] = f"engine {engine} rank {rank}: {verdict.error or 'its weights differ'}"
+                    with self._cond:
+                        self._drifted[engine] = found[engine]
+        if found:
+            log.warning("scrub: %s", drift_reason(version, found))
+            self._doubt(found)
+        return found
 
     def heard(self, engine: int, held: str | None) -> None:
         """An engine's pod agent reports the version its engine holds (a hint: it is asked before a catch-up)."""
@@ -292,9 +414,16 @@ class Coordinator:
                 self._cond.wait(min(left, grace) if grace > 0 else left)
 
     def _final_refusal(self, version: int, result: RoundResult) -> bool:
-        """A refused round of a version not newer than the committed one is final: no round of it runs again, so a
-        rank that heard it already and asks again gets it again instead of waiting out its timeout."""
-        return not result.started and self.committed is not None and version <= self.committed
+        """A refused round of a version the committed one refuses (not newer, or too far ahead) is final: no round of
+        it runs now, so a rank that heard it already and asks again gets it again instead of waiting out its timeout."""
+        if result.started:
+            return False
+        if self.committed is not None and version <= self.committed:
+            return True
+        plan = self.own_sources.plan
+        if not self.recovered or plan is None:
+            return False
+        return version_refusal(version, self.committed, plan.transfer.max_version_step) is not None
 
     def close(self) -> None:
         if self.mode is not None:
@@ -343,6 +472,7 @@ class Coordinator:
             engines,
             sources,
             staging=transfer.target_staging,
+            pause_policy=transfer.pause,
             verify=transfer.verify,
             timeout_seconds=transfer.timeouts.round_budget,
             call_timeout=self.call_timeout,
@@ -377,7 +507,17 @@ class Coordinator:
         with self._cond:
             self._held.update(held)
         versions = {e: int(v) for e, v in held.items() if v is not None and v.isdigit()}
+        newest_held = max(versions.values(), default=None)
         floor = self._recalled()
+        if floor is not None and not credible_floor(floor, newest_held, plan.transfer.max_version_step):
+            log.warning(
+                "ignoring the committed version %d this coordinator's pod reported: it is more than "
+                "transfer.maxVersionStep (%d) past the newest version any engine holds (%d)",
+                floor,
+                plan.transfer.max_version_step,
+                newest_held,
+            )
+            floor = None
         newest = max([*versions.values(), *([] if floor is None else [floor])], default=None)
         if newest is not None and (self.committed is None or newest > self.committed):
             self.committed = newest
@@ -482,6 +622,10 @@ class Coordinator:
             result.bytes,
             f" ({result.reason})" if result.reason else "",
         )
+        if result.unresumed and self.own_sources.plan is not None:
+            self._unresumed = (result, self.own_sources.plan.hash)
+        elif result.started:  # a round that reached the engines again settles them itself
+            self._unresumed = None
         with self._cond:
             if kind == "regular":
                 self.finished[result.version] = result
@@ -499,3 +643,8 @@ class Coordinator:
             except Exception as exc:  # reporting must not undo a round; the next report retries
                 log.warning("could not report round v%d on the pod: %s", result.version, exc)
         return result
+
+
+def drift_reason(version: int, drifted: Mapping[int, str]) -> str:
+    """What a round's status says of engines a scrub found drifted (the operator's ``WeightsDrifted`` event)."""
+    return f"{names.DRIFT_FOUND} in committed version {version}: {'; '.join(drifted[e] for e in sorted(drifted))}"

@@ -28,21 +28,29 @@ import contextlib
 import datetime as dt
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from weightsync.api.engines import Staging
+from weightsync.api.pause import PausePolicy, round_schedule
 from weightsync.api.timeouts import HTTP_CALL_SECONDS
 from weightsync.plan import Plan, Target
 from weightsync_agent.rounds.canary import Canary, gaps, judge
 from weightsync_agent.source.control import SourceControl
 from weightsync_agent.source.report import SourceReport, Throughput
-from weightsync_agent.targets.adapter import EngineRound, GatedRound, TargetVerdict
+from weightsync_agent.targets.adapter import ClosesAtVerify, EngineRound, GatedRound, HealthProbe, TargetVerdict
 
 T = TypeVar("T")
+
+#: The least an engine control call gets, even past the round's deadline: a round that wrote and verified can still
+#: commit and resume, and a failed one abort and resume, within the 5 s over its budget a round may take.
+CALL_FLOOR_SECONDS = 1.0
+#: How long a source the round's deadline caught writing is waited for still: its own stall detection (the
+#: transport's, from its write's start) fires just after the deadline and names the engine that stopped taking writes.
+SOURCE_GRACE_SECONDS = 2.0
 
 #: A round's phases, in the order they run (``pause`` and ``resume`` only in live rounds, ``gate`` only with a
 #: canary, where it runs after the resume and before the label, which adds to ``commit``).
@@ -94,6 +102,13 @@ class RoundResult:
     #: A round whose semantic gate passed: the largest difference any engine showed between its logprob of a canary
     #: token and the trainer's (nats; within the canary's tolerance, else the round failed). None: no gate passed.
     gate_gap: float | None = None
+    #: When the round paused its engines (``weightsync.api.pause``): ``overlap`` only for a live round of a version a
+    #: source streamed under ``transfer.pause: overlap`` (paused from its first write on, through the staging);
+    #: ``minimal`` otherwise (for the writes only; staged rounds, to apply). None: a round that never reached an engine.
+    pause_policy: PausePolicy | None = None
+    #: Engines this round meant to leave serving whose resume did not answer in time (hung, or slow to answer): the
+    #: coordinator resumes them again between rounds and says so once they serve. Not reported on the wire.
+    unresumed: tuple[int, ...] = ()
 
     @property
     def slowest_source(self) -> tuple[int, Throughput] | None:
@@ -127,6 +142,8 @@ class RoundResult:
             status["pausedSeconds"] = round(self.paused_seconds, 4)
         if self.gate_gap is not None:
             status["gateGap"] = round(self.gate_gap, 6)
+        if self.pause_policy is not None:
+            status["pausePolicy"] = self.pause_policy
         if (slowest := self.slowest_source) is not None:
             status["slowestSource"] = _peer_status(f"source {slowest[0]}", slowest[1])
         if (target := self.slowest_target) is not None:
@@ -146,6 +163,7 @@ class RoundDriver:
         sources: Mapping[int, SourceControl],
         *,
         staging: Staging = "live",
+        pause_policy: PausePolicy = "minimal",
         verify: bool = True,
         timeout_seconds: float = 300.0,
         call_timeout: float = HTTP_CALL_SECONDS,
@@ -155,7 +173,9 @@ class RoundDriver:
         settle_seconds: float = 10.0,
     ) -> None:
         """``covering``: the engines this driver's rounds write (default: all). A catch-up round for
-        joining engines covers only them; the others are not paused, begun or committed."""
+        joining engines covers only them; the others are not paused, begun or committed. ``pause_policy``: the
+        plan's ``transfer.pause``; the sources apply it (when a streamed one says it can write), the round records
+        it."""
         strangers = sorted({e for e in (*engines, *(covering or ())) if not 0 <= e < plan.layout.engines})
         unknown_sources = sorted(s for s in sources if not 0 <= s < len(plan.sources))
         if strangers or unknown_sources:
@@ -177,6 +197,7 @@ class RoundDriver:
         self.engines = {e: engines[e] for e in sorted(self.covering)}
         self.sources = {s: sources[s] for s in sorted(needed)}
         self.staging = staging
+        self.schedule = round_schedule(staging, pause_policy)
         self.verify = verify
         self.timeout = timeout_seconds
         self.call_timeout = call_timeout
@@ -184,12 +205,17 @@ class RoundDriver:
         self.clock = clock
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines) + len(self.sources)))
         self.round_id: str | None = None
+        self._deadline = 0.0  # the running round's: started + timeout
+        self._unanswered: list[int] = []  # the engines whose last control call failed or did not finish in time
         self._written = False
         self._phases: dict[str, float] = {}
         self._paused: tuple[float, float | None] | None = None  # (pause began, resume ended) of a live round
         self._reports: dict[int, SourceReport] = {}
+        self._streamed = False  # some source of this round answered its prepare for a streamed version
+        #: The checksums each target verified in the last verify pass (what the coordinator's scrubs compare with
+        #: once the round commits).
+        self.verified: dict[Target, tuple[str, ...]] = {}
         self._gate_resumed = False  # the gate resumed the engines before the label (the run must not again)
-        #: Per engine, the largest logprob gap of its last passing canary score.
         #: Per engine, its largest canary gap in this round's gate, for the engines whose scores passed.
         self.gate_gaps: dict[int, float] = {}
 
@@ -204,14 +230,15 @@ class RoundDriver:
         ``canary``: gate the label on it (every engine must score it within its tolerance)."""
         self.round_id = round_id or new_round_id()
         self._written = False  # whether any source may have written in this round
-        self._phases, self._paused, self._reports = {}, None, {}
+        self._phases, self._paused, self._reports, self._streamed = {}, None, {}, False
         self._gate_resumed, self.gate_gaps = False, {}
         started = self.clock()
+        self._deadline = started + self.timeout
         started_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         attempts = 0
         moved = 0
         reason: str | None = None
-        pausing = self.staging == "live"
+        pausing = self.schedule.pause_engines
         ungated = self._ungated(canary)
         if ungated is not None:
             return self._result(version, "Failed", started, started_at, 0, 0, f"round not started: {ungated}")
@@ -223,25 +250,31 @@ class RoundDriver:
             if pausing:
                 self._paused = (self.clock(), None)
                 with self._timed("pause"):
-                    self._each_engine("pause", lambda e: e.pause(self.call_timeout, round_id=self._rid))
+                    self._each_engine("pause", lambda e, t: e.pause(t, round_id=self._rid))
             with self._timed("begin"):
-                self._each_engine("begin", lambda e: e.begin(version, self.call_timeout, round_id=self._rid))
+                self._each_engine("begin", lambda e, t: e.begin(version, t, round_id=self._rid))
         except RoundError as exc:
             # Nothing was written; whichever engines did pause must serve again (an engine that began tracks
             # its live weights as dirty until told no source was asked to write).
             self._abort_quietly(version, written=False)
             stuck = self._resume_quietly() if pausing else []
             reason = f"could not start the round: {exc}{_still_paused(stuck)}"
-            return self._result(version, "Failed", started, started_at, 0, 1, reason, paused=bool(stuck))
-        while attempts <= self.retries:
+            return self._result(version, "Failed", started, started_at, 0, 1, reason, paused=bool(stuck),
+                                unresumed=stuck)  # fmt: skip
+        failures: list[str] = []
+        # A retry once the budget is spent could only time out, and its reason would hide the attempt's cause.
+        while attempts <= self.retries and (attempts == 0 or self.clock() < started + self.timeout):
             attempts += 1
             try:
+                if attempts > 1:  # engines that closed verified ranks to writes take the retry's writes again
+                    self._each_engine("reopen", _reopen(version, self._rid))
                 moved = self._attempt(version, started, canary)
             except GateError as exc:
                 return self._result(version, "Failed", started, started_at, self._moved(), attempts, str(exc),
                                     paused=True)  # fmt: skip
             except RoundError as exc:
-                reason = str(exc)
+                failures.append(str(exc))
+                reason = attempts_reason(failures)
                 if self.staging == "staged":
                     self._abort_quietly(version)
                     break
@@ -249,14 +282,14 @@ class RoundDriver:
             try:
                 if pausing and not self._gate_resumed:
                     with self._timed("resume"):
-                        self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
+                        self._each_engine("resume", lambda e, t: e.resume(t, round_id=self._rid))
                     self._resumed()
             except RoundError as exc:
                 # Every engine holds and reports verified v (the committed version moves), but one does not
                 # serve: the round did not fully complete, and says so.
                 reason = f"committed version {version}, but resume failed: {exc}"
                 return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True,
-                                    committed=True)  # fmt: skip
+                                    committed=True, unresumed=self._unanswered)  # fmt: skip
             return self._result(version, "Succeeded", started, started_at, moved, attempts, None, committed=True)
         if self.staging == "staged":
             return self._result(version, "Aborted", started, started_at, moved, attempts, reason)
@@ -266,7 +299,8 @@ class RoundDriver:
             self._abort_quietly(version, written=False)
             stuck = self._resume_quietly()
             return self._result(version, "Failed", started, started_at, 0, attempts,
-                                f"nothing written: {reason}{_still_paused(stuck)}", paused=bool(stuck))  # fmt: skip
+                                f"nothing written: {reason}{_still_paused(stuck)}", paused=bool(stuck),
+                                unresumed=stuck)  # fmt: skip
         # Live: some engines may hold a mix of v-1 and v. They stay paused (still reporting v-1, which
         # they no longer fully hold for serving) until a later round succeeds.
         return self._result(version, "Failed", started, started_at, moved, attempts, reason, paused=True)
@@ -275,14 +309,19 @@ class RoundDriver:
         """Why some source cannot write ``version`` (each asked at once, waiting for its trainer to stage up to
         ``deadline``), or None when every one can."""
         futures = {s: self.pool.submit(src.prepare, version, deadline) for s, src in self.sources.items()}
+        # Every source's answer is awaited, not just the first refusal: a prepare is also how a source learns that an
+        # engine moved its weights (it refetches its manifests then), and one cut short would refuse the next round.
+        first: str | None = None
         for source, future in futures.items():
             try:
                 report = self._result_by(future, deadline, f"source {source}")
             except RoundError as exc:
-                return str(exc)
+                first = first or str(exc)
+                continue
             if not report.ok:
-                return f"source {source} is not ready: {report.error}"
-        return None
+                first = first or f"source {source} is not ready: {report.error}"
+            self._streamed = self._streamed or report.streamed
+        return first
 
     def _ungated(self, canary: Canary | None) -> str | None:
         """Why this round cannot take ``canary``'s gate, or None (also when there is no canary)."""
@@ -308,7 +347,7 @@ class RoundDriver:
         if canary is not None:
             self._gate(version, canary)
         with self._timed("commit"):
-            self._each_engine("commit", lambda e: e.commit(version, self.call_timeout, round_id=self._rid))
+            self._each_engine("commit", lambda e, t: e.commit(version, t, round_id=self._rid))
         return self._moved()
 
     def _moved(self) -> int:
@@ -318,10 +357,10 @@ class RoundDriver:
         """Apply ``version`` unlabelled, resume, and have every engine score ``canary``; on any failure from the
         resume on, pause the engines again and raise :class:`GateError` (the commit that follows only labels)."""
         with self._timed("commit"):
-            self._each_engine("apply", lambda e: _gated(e).apply(version, self.call_timeout, round_id=self._rid))
+            self._each_engine("apply", lambda e, t: _gated(e).apply(version, t, round_id=self._rid))
         try:
             with self._timed("resume"):
-                self._each_engine("resume", lambda e: e.resume(self.call_timeout, round_id=self._rid))
+                self._each_engine("resume", lambda e, t: e.resume(t, round_id=self._rid))
             self._gate_resumed = True
             self._resumed()
             with self._timed("gate"):
@@ -337,11 +376,12 @@ class RoundDriver:
 
     def _scores_off(self, canary: Canary) -> list[str]:
         """Each engine's failure to score ``canary`` within its tolerance (none: the gate passes)."""
+        budget = self._call_budget()
         futures = {
-            index: self.pool.submit(_gated(engine).score, canary.input_ids, self.call_timeout, round_id=self._rid)
+            index: self.pool.submit(_gated(engine).score, canary.input_ids, budget, round_id=self._rid)
             for index, engine in self.engines.items()
         }
-        deadline = self.clock() + self.call_timeout
+        deadline = self.clock() + budget
         failures = []
         for index, future in futures.items():
             scored = self._result_by(future, deadline, f"engine {index} canary")
@@ -381,10 +421,13 @@ class RoundDriver:
         try:
             for current, future in futures.items():
                 source = current
-                report = self._result_by(future, deadline, f"source {source}")
+                try:
+                    report = self._result_by(future, deadline, f"source {source} write")
+                except RoundError as exc:
+                    report = self._late_failure(future, exc)
                 if not report.ok:
                     target = report.failed_target
-                    where = f" writing engine {target[0]} rank {target[1]}" if target else ""
+                    where = f" writing engine {target[0]} rank {target[1]}" if target else " to write"
                     bucket = f", bucket {report.failed_bucket}" if report.failed_bucket is not None else ""
                     raise RoundError(
                         f"source {source} failed{where}{bucket}: {report.error}",
@@ -406,6 +449,7 @@ class RoundDriver:
 
     def _verify(self, version: int, reports: Mapping[int, SourceReport], deadline: float) -> None:
         jobs: dict[Target, Future[TargetVerdict]] = {}
+        wanted: dict[Target, tuple[str, ...]] = {}
         for assignment in self.plan.sources:
             report = reports.get(assignment.source)
             for target in assignment.targets:
@@ -418,12 +462,16 @@ class RoundDriver:
                     )
                 engine = self.engines[target[0]]
                 sums = report.checksums[target]
+                wanted[target] = tuple(sums)
                 jobs[target] = self.pool.submit(
-                    engine.verify, target[1], version, sums, self.call_timeout, round_id=self._rid
+                    engine.verify, target[1], version, sums, self._call_budget(), round_id=self._rid
                 )
+        self.verified = {}
         for target, future in sorted(jobs.items()):
             result = self._result_by(future, deadline, f"engine {target[0]} rank {target[1]} verify")
-            if not result.ok:
+            if result.ok:
+                self.verified[target] = wanted[target]
+            else:
                 detail = result.error or f"buckets {list(result.mismatched)[:8]} differ"
                 raise RoundError(
                     f"engine {target[0]} rank {target[1]} failed verification of version {version}: {detail}",
@@ -443,11 +491,48 @@ class RoundDriver:
         except Exception as exc:  # an engine or source client error: name the peer
             raise RoundError(f"{what}: {exc}", peer=what) from exc
 
-    def _each_engine(self, step: str, action: Callable[[EngineRound], None]) -> None:
-        futures = {index: self.pool.submit(action, engine) for index, engine in self.engines.items()}
-        deadline = self.clock() + self.call_timeout
+    def _call_budget(self) -> float:
+        """An engine call's timeout: the round's time left, at most ``call_timeout``, at least
+        :data:`CALL_FLOOR_SECONDS` (a hung engine must not hold a round for a call's 30 s past its budget)."""
+        return max(CALL_FLOOR_SECONDS, min(self.call_timeout, self._deadline - self.clock()))
+
+    def _each_engine(self, step: str, action: Callable[[EngineRound, float], None]) -> None:
+        """``action(engine, timeout)`` on every engine at once; the first failure is raised once every call ended or
+        timed out, and the engines whose call did not succeed are kept (``_unanswered``)."""
+        budget = self._call_budget()
+        futures = {index: self.pool.submit(action, engine, budget) for index, engine in self.engines.items()}
+        deadline = self.clock() + budget
+        self._unanswered = []
+        first: RoundError | None = None
         for index, future in futures.items():
-            self._result_by(future, deadline, f"engine {index} {step}")
+            try:
+                self._result_by(future, deadline, f"engine {index} {step}")
+            except RoundError as exc:
+                self._unanswered.append(index)
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _late_failure(self, future: Future[SourceReport], caught: RoundError) -> SourceReport:
+        """A source the deadline caught writing: its own failure if it reports one within
+        :data:`SOURCE_GRACE_SECONDS` (naming the engine it was writing); else ``caught``, naming an engine that
+        does not answer a health check, if one does not (a hung engine stalls its writers without a word)."""
+        if future.done():  # it failed (raised) rather than ran out of time: that failure is the reason
+            raise caught
+        done, _ = wait([future], timeout=SOURCE_GRACE_SECONDS)
+        if done and future.exception() is None and not future.result().ok:
+            return future.result()
+        silent = self._silent_engines()
+        if silent:
+            raise RoundError(f"{caught}; engine {silent[0]} does not answer", peer=f"engine {silent[0]}") from caught
+        raise caught
+
+    def _silent_engines(self) -> list[int]:
+        """The engines of this round that do not answer a health check within :data:`CALL_FLOOR_SECONDS`."""
+        probed = {index: self.pool.submit(engine.healthy, CALL_FLOOR_SECONDS)
+                  for index, engine in self.engines.items() if isinstance(engine, HealthProbe)}  # fmt: skip
+        wait(probed.values(), timeout=CALL_FLOOR_SECONDS + 0.5)
+        return [i for i, f in probed.items() if not f.done() or f.exception() is not None or not f.result()]
 
     @property
     def _rid(self) -> str:
@@ -457,7 +542,7 @@ class RoundDriver:
     def _pause_quietly(self) -> None:
         rid = self._rid  # bound now, as below
         with self._timed("pause"):
-            self._each_engine_quietly(lambda e: e.pause(self.call_timeout, round_id=rid))
+            self._each_engine_quietly(lambda e, t: e.pause(t, round_id=rid))
         self._paused = (self.clock() if self._paused is None else self._paused[0], None)
 
     def _resume_quietly(self) -> list[int]:
@@ -465,26 +550,26 @@ class RoundDriver:
         writes refuses until a round lands), which the round's result then reports as paused."""
         rid = self._rid  # bound now: a late call must name its own round, not whichever runs when it lands
         with self._timed("resume"):
-            stuck = self._each_engine_quietly(lambda e: e.resume(self.call_timeout, round_id=rid))
+            stuck = self._each_engine_quietly(lambda e, t: e.resume(t, round_id=rid))
         if not stuck:
             self._resumed()
         return stuck
 
     def _abort_quietly(self, version: int, *, written: bool = True) -> None:
         rid = self._rid  # bound now, as above
-        self._each_engine_quietly(lambda e: e.abort(version, self.call_timeout, round_id=rid, written=written))
+        self._each_engine_quietly(lambda e, t: e.abort(version, t, round_id=rid, written=written))
 
-    def _each_engine_quietly(self, action: Callable[[EngineRound], None]) -> list[int]:
-        """Best effort, every engine at once, so a hung engine costs one ``call_timeout``, not one each; returns the
-        engines whose call failed or did not finish in time.
+    def _each_engine_quietly(self, action: Callable[[EngineRound, float], None]) -> list[int]:
+        """Best effort, every engine at once, so a hung engine costs one call's budget (:meth:`_call_budget`), not one
+        each; returns the engines whose call failed or did not finish in time.
 
         Errors are dropped: the failure already being reported matters more, and an engine that missed an
         abort has its round superseded by the next begin. One that arrives late, after a newer round began, names
         this round's id and is refused by the engine (it never cancels the newer round).
         """
-        futures = {index: self.pool.submit(action, engine) for index, engine in self.engines.items()}
-        done, _ = wait(futures.values(), timeout=self.call_timeout)
-        return [index for index, f in futures.items() if f not in done or f.exception() is not None]
+        with contextlib.suppress(RoundError):
+            self._each_engine("cleanup", action)
+        return list(self._unanswered)
 
     def _result(
         self,
@@ -498,6 +583,7 @@ class RoundDriver:
         *,
         paused: bool = False,
         committed: bool = False,
+        unresumed: Collection[int] = (),
     ) -> RoundResult:
         seconds = max(self.clock() - started, 1e-9)
         return RoundResult(
@@ -519,6 +605,8 @@ class RoundDriver:
             gate_gap=max(self.gate_gaps.values())
             if self.gate_gaps and len(self.gate_gaps) == len(self.engines)
             else None,
+            pause_policy=None if not attempts else self.schedule.policy if self._streamed else "minimal",
+            unresumed=tuple(sorted(unresumed)),
         )
 
 
@@ -539,9 +627,25 @@ def _may_have_written(future: Future[SourceReport]) -> bool:
     return future.result().wrote
 
 
+def attempts_reason(failures: Sequence[str]) -> str:
+    """A round's reason from its attempts' failures: the first (the cause: a retry's failure is often its consequence,
+    such as writes refused by an engine that committed before another failed its commit), then the last if it
+    differs."""
+    first, last = failures[0], failures[-1]
+    return first if last == first else f"{first}; retried ({len(failures) - 1}x), then: {last}"
+
+
 def _still_paused(engines: list[int]) -> str:
     """The reason's tail when engines stayed paused after a round that wrote nothing."""
     return f"; engines {engines} did not resume (their weights are not known to be clean)" if engines else ""
+
+
+def _reopen(version: int, round_id: str) -> Callable[[EngineRound, float], None]:
+    def call(engine: EngineRound, timeout: float) -> None:
+        if isinstance(engine, ClosesAtVerify):
+            engine.reopen(version, timeout, round_id=round_id)
+
+    return call
 
 
 def _gated(engine: EngineRound) -> GatedRound:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync.api.pause import PAUSE_POLICIES, PausePolicy
 from weightsync.plan import Target
 from weightsync_agent.rounds.driver import PHASES, RoundResult
 from weightsync_agent.source.report import SourceReport, Throughput
@@ -54,6 +55,7 @@ def source_report_to_json(report: SourceReport) -> dict[str, Any]:
         "failedTarget": list(report.failed_target) if report.failed_target else None,
         "failedBucket": report.failed_bucket,
         "wrote": report.wrote,
+        "streamed": report.streamed,
         "targets": _throughputs_to_json({_target_key(t): stat for t, stat in report.targets.items()}),
     }
 
@@ -76,6 +78,7 @@ def source_report_from_json(data: Any) -> SourceReport:
             failed_target=(int(failed[0]), int(failed[1])) if failed else None,
             failed_bucket=None if data.get("failedBucket") is None else int(data["failedBucket"]),
             wrote=bool(data.get("wrote", True)),
+            streamed=bool(data.get("streamed", False)),
             targets={_target_of(k): v for k, v in _throughputs(data.get("targets"), "targets").items()},
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -135,6 +138,7 @@ def round_result_from_json(data: Any) -> RoundResult:
             sources={int(k): v for k, v in _throughputs(data.get("sources"), "sources").items()},
             targets={_target_of(k): v for k, v in _throughputs(data.get("targets"), "targets").items()},
             gate_gap=None if data.get("gateGap") is None else float(data["gateGap"]),
+            pause_policy=_pause_policy(data.get("pausePolicy")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, WireError):
@@ -148,3 +152,12 @@ def _phases_from_json(data: Any) -> dict[str, float]:
     if not isinstance(data, dict) or not set(data) <= set(PHASES):
         raise WireError(f"phases must map some of {', '.join(PHASES)} to seconds")
     return {phase: float(data[phase]) for phase in PHASES if phase in data}
+
+
+def _pause_policy(data: Any) -> PausePolicy | None:
+    if data is None:
+        return None
+    for policy in PAUSE_POLICIES:
+        if data == policy:
+            return policy
+    raise WireError(f"pausePolicy must be one of {', '.join(PAUSE_POLICIES)}, got {data!r}")

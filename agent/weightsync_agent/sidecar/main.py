@@ -29,7 +29,7 @@ def make_directory(config: AgentConfig, plan: Plan) -> Directory:
     """A local directory file when given (runs without a cluster), else the pods' annotations."""
     if config.directory_file:
         return FileDirectory(config.directory_file)
-    return PodDirectory(kube_core_api(), config.namespace, config.group, plan.layout)
+    return PodDirectory(kube_core_api(), config.namespace, config.group, plan.layout, loopback=config.loopback_peers)
 
 
 def make_transport(config: AgentConfig, plan: Plan) -> Transport:
@@ -96,7 +96,8 @@ def run(plan_file: Path | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server = BackgroundServer(build_app(runtime), config.host, config.agent_port).start()
+    # The pod's IP for peers, its loopback for the trainer containers beside it (WeightSyncClient.from_env).
+    server = BackgroundServer(build_app(runtime), config.host, config.agent_port, also_loopback=True).start()
     log.info("agent listening on %s", server.url)
     try:
         runtime.start()

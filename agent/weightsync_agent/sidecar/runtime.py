@@ -14,7 +14,6 @@ and retried on the next tick: a peer that is not up yet is the normal state duri
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.coordinator import Coordinator
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
+from weightsync_agent.shared_files import write_shared
 from weightsync_agent.sidecar.report import PodReporter
 from weightsync_agent.source.agent import SourceAgent
 from weightsync_agent.source.replica import ReplicaError
@@ -78,6 +78,8 @@ class AgentRuntime:
         self.tick_seconds = tick_seconds
         self.plan = load_plan()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a tick now, not at the next period (stale manifests)
+        self.last_round: dict[str, Any] | None = None
         self._thread: threading.Thread | None = None
         #: Every HTTP call of this agent (to engines, other agents, the coordinator): the plan's
         #: ``timeouts.http_call`` unless a test sets one ("One value, one channel", docs/architecture.md).
@@ -101,8 +103,9 @@ class AgentRuntime:
         if config.role == "trainer":
             self.trainer_token = new_token()
             for rank in config.ranks:
-                write_private(trainer_token_file(replica_root(rank)), self.trainer_token)
+                write_shared(trainer_token_file(replica_root(rank)), self.trainer_token)  # the trainer reads it
             self.sources = SourceAgent(config.group, config.ranks, lambda: make_transport(self.plan), replica_root)
+            self.sources.on_stale = self._wake.set
             if 0 in config.ranks:
                 self.coordinator = Coordinator(
                     config.group,
@@ -177,6 +180,7 @@ class AgentRuntime:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.coordinator is not None:
@@ -187,7 +191,11 @@ class AgentRuntime:
             self.reporter.close()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.tick_seconds):
+        while not self._stop.is_set():
+            self._wake.wait(self.tick_seconds)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self.tick()
             except Exception:  # the loop must survive anything one tick meets
@@ -213,6 +221,8 @@ class AgentRuntime:
         if self.engine is not None:
             self.engine.check()
         if self.coordinator is not None and self.sources is not None and self.sources.built:
+            self.coordinator.settle()  # engines a failed round left paused by a resume that did not answer
+            self.coordinator.scrub()  # when due: drifted engines are then repaired by this tick's catch-up
             self.coordinator.catch_up()
 
     def _reload_plan(self) -> None:
@@ -258,6 +268,7 @@ class AgentRuntime:
         return int(value) if value is not None and value.isdigit() else None
 
     def _report_round(self, result: RoundResult, committed: int | None) -> None:
+        self.last_round = result.as_status()  # also in state(): a local group has no pod to carry it
         if self.reporter is None:
             return
         values: dict[str, str | dict[str, Any] | int | None] = {names.ANNOTATION_LAST_ROUND: result.as_status()}
@@ -279,17 +290,24 @@ class AgentRuntime:
             raise ValueError(f"a canary goes with trainer rank 0's publish (the coordinator's), not rank {rank}'s")
         sources = self.sources_or_fail()
         sources.mark_ready(rank, version)
-        if self.coordinator is not None and rank == 0:
-            return self.coordinator.run_round(version, canary)
-        with self._heard_lock:
-            seen = self._heard.get((rank, version))
-        result = self._wait_for_round(version, timeout, seen=seen)
-        with self._heard_lock:
-            self._heard[(rank, version)] = result.round_id
-            self._heard.move_to_end((rank, version))
-            while len(self._heard) > HEARD_ROUNDS:
-                self._heard.popitem(last=False)
-        return result
+        committed = False
+        try:
+            if self.coordinator is not None and rank == 0:
+                result = self.coordinator.run_round(version, canary)
+            else:
+                with self._heard_lock:
+                    seen = self._heard.get((rank, version))
+                result = self._wait_for_round(version, timeout, seen=seen)
+                with self._heard_lock:
+                    self._heard[(rank, version)] = result.round_id
+                    self._heard.move_to_end((rank, version))
+                    while len(self._heard) > HEARD_ROUNDS:
+                        self._heard.popitem(last=False)
+            committed = result.committed
+            return result
+        finally:
+            if not committed:  # the trainer's call ends here: what it staged is offered again only by its next publish
+                sources.withdraw(rank, version)
 
     def _wait_for_round(self, version: int, timeout: float, *, seen: str | None) -> RoundResult:
         deadline = time.monotonic() + timeout
@@ -321,20 +339,11 @@ class AgentRuntime:
             "plan": {"revision": self.plan.revision, "hash": self.plan.hash},
             "coordinator": self.coordinator is not None,
             "committed": None if self.coordinator is None else self.coordinator.committed,
+            #: The last round as the coordinator's pod shows it (a catch-up's, or one re-reported once its engines
+            #: serve again), None before the first round or on other agents.
+            "lastRound": self.last_round,
             "sources": None if self.sources is None else self.sources.state(),
             "engine": None
             if self.engine is None
             else {"ready": self.engine.state.ready, "version": self.engine.state.version},
         }
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by this user only (0600), replacing it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)

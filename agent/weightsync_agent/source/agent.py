@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from weightsync.api.pause import round_schedule
 from weightsync.plan import Plan, Target
 from weightsync_agent import metrics
 from weightsync_agent.layout.manifest import Manifest
@@ -28,7 +29,7 @@ from weightsync_agent.source.engine_loader import EngineLoader
 from weightsync_agent.source.replica import IncompleteReplicaError, ReplicaBusyError, ReplicaError, ReplicaSet
 from weightsync_agent.source.report import SourceReport
 from weightsync_agent.source.stream import ReplicaGate
-from weightsync_agent.source.writer import Source, SourceConfigError, first_buckets_staged
+from weightsync_agent.source.writer import Source, SourceConfigError, streamed_ready
 from weightsync_agent.transport.base import Transport
 
 log = logging.getLogger("weightsync.agent.source")
@@ -39,6 +40,8 @@ ManifestFetcher = Callable[[int, int], Manifest]  # (engine, rank) -> manifest
 ALL = RoundScope()
 #: How long a source waits before it starts an engine replica's loader again after one failed to start.
 LOADER_RETRY_SECONDS = 60.0
+#: How long a round's prepare waits for the sidecar to refetch manifests it found stale (an engine restarted).
+REFETCH_SECONDS = 5.0
 
 
 class SourceAgent:
@@ -78,6 +81,8 @@ class SourceAgent:
         #: A round found an engine publishing other addresses than a manifest here (it restarted): the
         #: agent refetches every manifest and rebuilds before the next round (sidecar/runtime.py).
         self.stale = False
+        #: Called when a round finds the manifests stale: the sidecar refetches at once instead of at its next tick.
+        self.on_stale: Callable[[], None] | None = None
         self._cond = threading.Condition()
         self._locks = {rank: threading.Lock() for rank in self.ranks}
 
@@ -166,7 +171,9 @@ class SourceAgent:
         """The mode built everything ``plan`` needs here; ``manifests``: every target manifest it fetched."""
         self.manifests = manifests
         self.plan = plan
-        self.stale = False
+        with self._cond:
+            self.stale = False
+            self._cond.notify_all()
 
     # --- The trainer's side ----------------------------------------------------------------------
 
@@ -177,13 +184,28 @@ class SourceAgent:
             self.ready_version[rank] = version
             self._cond.notify_all()
 
+    def withdraw(self, rank: int, version: int) -> None:
+        """Trainer rank ``rank``'s publish of ``version`` ended without the version committing: it no longer offers
+        it. A later round of ``version`` waits for the rank's next publish (a retry restages, or streams anew) instead
+        of taking what this one left: an aborted stream's mark, or a replica the trainer may be restaging."""
+        with self._cond:
+            if self.ready_version.get(rank) == version:
+                del self.ready_version[rank]
+
     # --- The coordinator's side ------------------------------------------------------------------
 
     def prepare(self, rank: int, version: int, deadline: float, scope: RoundScope = ALL) -> SourceReport:
         """Whether ``publish`` of ``version`` can run (see ``SourceControl.prepare``); writes nothing."""
+        gate = None
         try:
             source, targets = self._round_source(rank, scope)
             moved = self._moved(source, scope, targets)
+            if moved is not None and not scope.catch_up and self._refetched(deadline):
+                # The engine restarted since the manifests were fetched; the sidecar fetched them again just now, so
+                # this round need not fail for it. (A catch-up does not wait: it runs on the sidecar's own tick,
+                # which does the refetch, right after it; the next tick's catch-up finds them fresh.)
+                source, targets = self._round_source(rank, scope)
+                moved = self._moved(source, scope, targets)
             if moved is not None:
                 return moved
             if scope.round_id is not None:
@@ -196,13 +218,16 @@ class SourceAgent:
                 with self._locks[rank]:
                     self._load_engine_replicas(rank, version, deadline)
                 gate = self._stream(rank, version)
-                if gate is not None:  # a streamed version: ready at its first complete buckets
-                    error = first_buckets_staged(source, gate, deadline)
+                if gate is not None:  # a streamed version: ready at its first complete buckets, or at its last
+                    schedule = round_schedule(source.plan.transfer.target_staging, source.plan.transfer.pause)
+                    error = streamed_ready(
+                        source, gate, deadline, write_while_staging=schedule.write_while_staging, targets=targets
+                    )
                     if error is not None:
                         return SourceReport(source=rank, ok=False, error=error)
         except (SourceConfigError, TimeoutError, ReplicaError, ReplicaBusyError) as exc:
             return SourceReport(source=rank, ok=False, error=str(exc))
-        return SourceReport(source=rank, ok=True)
+        return SourceReport(source=rank, ok=True, streamed=gate is not None)
 
     def publish(self, rank: int, version: int, deadline: float, scope: RoundScope = ALL) -> SourceReport:
         """Write ``rank``'s targets within ``scope``; failures come back as a report.
@@ -302,8 +327,11 @@ class SourceAgent:
             raise SourceConfigError(f"this agent runs trainer ranks {list(self.ranks)}, not {rank}")
 
     def wait_ready(self, rank: int, version: int, deadline: float) -> None:
+        """Wait until trainer rank ``rank``'s latest publish is ``version``: a version is adopted only when every rank
+        publishes it. A rank whose latest is newer is not ready either: its replica holds that version's bytes, which
+        must not go out as ``version`` (it may still publish ``version``, e.g. after its newer one was refused)."""
         with self._cond:
-            while self.ready_version.get(rank, -1) < version:
+            while self.ready_version.get(rank, -1) != version:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -329,8 +357,22 @@ class SourceAgent:
                 "or re-registered them; nothing written, the manifests are refetched for the next round"
             )
             log.warning("source %d: %s", source.source, error)
+            if self.on_stale is not None:
+                self.on_stale()
             return SourceReport(source=source.source, ok=False, error=error, failed_target=target, wrote=False)
         return None
+
+    def _refetched(self, deadline: float) -> bool:
+        """Wait (up to :data:`REFETCH_SECONDS`, and the round's ``deadline``) for the sidecar to refetch the
+        manifests a round found stale; whether it did."""
+        until = min(deadline, time.monotonic() + REFETCH_SECONDS)
+        with self._cond:
+            while self.stale:
+                left = until - time.monotonic()
+                if left <= 0 or self.on_stale is None:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def _check_round(self, rank: int, scope: RoundScope) -> None:
         """A coordinator prepares each round before it publishes; a publish from another round (one a dead or

@@ -57,7 +57,7 @@ import struct
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -71,7 +71,8 @@ from weightsync_agent.layout.buckets import replica_offsets
 from weightsync_agent.layout.checksums import view
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
 from weightsync_agent.layout.placement import part_view
-from weightsync_agent.layout.quantize import fp8_block
+from weightsync_agent.layout.quantize import fp8_block, int8_channel
+from weightsync_agent.shared_files import SHARED_READ_WRITE, make_shared_folders, open_shared
 from weightsync_agent.source.stream import StreamState
 
 log = logging.getLogger("weightsync.agent.replica")
@@ -176,6 +177,39 @@ class PartSlot:
 
 
 @dataclass(frozen=True)
+class Quantized:
+    """How staging makes a quantized weight from the trainer's float tensor of its name (``layout/quantize.py``)."""
+
+    scheme: str  # "fp8-block" (block set) | "int8-channel"
+    block: tuple[int, int] | None
+    scale: str  # the tensor (or feed) its scale goes to
+
+
+@dataclass(frozen=True)
+class _StagedWrite:
+    """``tensor`` into ``slots`` of ``replica``; ``origin`` ``(dim, start)``: ``tensor`` is the full tensor's slice from
+    ``start`` along ``dim`` (a quantized cut), not the whole."""
+
+    replica: Replica
+    slots: tuple[PartSlot, ...]
+    tensor: torch.Tensor
+    origin: tuple[int, int] | None = None
+
+
+def _tile_span(slots: Sequence[PartSlot], shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int, int]:
+    """``(dim, start, end)``: the tile rows (or columns) of a full tensor of ``shape`` that ``slots`` cut from, when
+    they all cut along one dim; else the whole tensor along dim 0."""
+    dims = {slot.part.dim for slot in slots}
+    if len(dims) != 1:
+        return 0, 0, shape[0]
+    (dim,) = dims
+    tile = block[dim]
+    start = min(slot.part.start for slot in slots) // tile * tile
+    end = min(shape[dim], -(-max(slot.part.start + slot.part.length for slot in slots) // tile) * tile)
+    return dim, start, end
+
+
+@dataclass(frozen=True)
 class MissingPart:
     tensor: str
     source: str
@@ -186,7 +220,8 @@ class MissingPart:
 
 
 def _layout_json(tensors: Iterable[TensorEntry]) -> list[dict[str, Any]]:
-    return [t.model_dump(mode="json", exclude={"address"}) for t in tensors]
+    # As Manifest.layout_fingerprint describes tensors (exclude_none).
+    return [t.model_dump(mode="json", exclude={"address"}, exclude_none=True) for t in tensors]
 
 
 def _fingerprint(layout: list[dict[str, Any]], replica: dict[str, Any] | None = None) -> str:
@@ -251,12 +286,19 @@ class ReplicaLayout:
                 slots.append(slot)
                 along[part.at] = slot.cat_start + slot.cat_length
         self.slots: tuple[PartSlot, ...] = tuple(slots)
-        #: A feed layout's quantized weights: name -> (block, the feed that takes its scale_inv).
-        self.quantized: dict[str, tuple[tuple[int, int], str]] = {
-            str(raw["name"]): ((int(raw["block"][0]), int(raw["block"][1])), str(raw["scale"]))
-            for raw in layout
-            if raw.get("quantize") == "fp8-block"
-        }
+        #: Quantized trainer tensors: source name -> how staging makes what this layout's parts cut from it (an
+        #: engine replica's FP8 block feeds, a traced FP8 block target, a staged target's INT8 channels), and the
+        #: source its scale's parts cut from (the weight's parts and its scale entry's pair up, in order).
+        self.quantized: dict[str, Quantized] = {}
+        by_name = {t.name: t for t in self.tensors}
+        for raw in layout:
+            if raw.get("quantize") in ("fp8-block", "int8-channel"):
+                block = (int(raw["block"][0]), int(raw["block"][1])) if raw["quantize"] == "fp8-block" else None
+                weight, scale = by_name[str(raw["name"])], by_name.get(str(raw["scale"]))
+                if scale is None or len(scale.parts) != len(weight.parts):
+                    raise ReplicaError(f"{weight.name}: its scale entry {raw['scale']} does not cut as it does")
+                for part, scale_part in zip(weight.parts, scale.parts, strict=True):
+                    self.quantized[part.source] = Quantized(str(raw["quantize"]), block, scale_part.source)
         by_source: dict[str, list[PartSlot]] = {}
         for slot in self.slots:
             if replica is None:  # an engine replica's slots are the loader's, never a staged tensor's
@@ -426,7 +468,7 @@ class Replica:
         size = data_offset + max(layout.nbytes, 1)
         path = Path(shm_path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_shared(tmp, os.O_RDWR | os.O_TRUNC, SHARED_READ_WRITE)  # the trainer stages into it: group rw
         try:
             os.ftruncate(fd, size)
             with mmap.mmap(fd, size) as mm:
@@ -530,7 +572,7 @@ class Replica:
 
     def full_names(self) -> set[str]:
         """The trainer's tensor names this replica takes (a quantized feed's scales come with their weights)."""
-        return set(self.layout.by_source) - {scale for _, scale in self.layout.quantized.values()}
+        return set(self.layout.by_source) - {q.scale for q in self.layout.quantized.values()}
 
     def tensor(self, name: str) -> torch.Tensor:
         """The local tensor ``name`` as the target will hold it.
@@ -634,9 +676,12 @@ class Replica:
                 "sent already; each part is staged once per streamed version"
             )
 
-    def _write(self, slots: tuple[PartSlot, ...], full: torch.Tensor | None) -> None:
+    def _write(
+        self, slots: tuple[PartSlot, ...], full: torch.Tensor | None, origin: tuple[int, int] | None = None
+    ) -> None:
         """Copy (the caller holds ``_lock``), then hash the chunks this completed, on the digest threads; ``full``
-        None: the bytes are written already (an engine replica's loader), only file the slots as staged."""
+        None: the bytes are written already (an engine replica's loader), only file the slots as staged. ``origin``:
+        as :class:`_StagedWrite`'s."""
         grain = self.digest_grain
         touched = sorted({c for slot in slots for c in self.layout.chunks_of(slot.tensor, grain)})
         for chunk in touched:  # the bytes change: no stale digest may be read, or filed, from now on
@@ -646,7 +691,7 @@ class Replica:
             for slot in slots:
                 self._staged[slot.index] = 1
         else:
-            self._copy(slots, full)
+            self._copy(slots, full, origin)
         for chunk in touched:
             if self.staged(self._chunk_slots[chunk]):
                 self._valid[chunk] = _DIGEST_HASHING
@@ -672,12 +717,13 @@ class Replica:
             self._digests[chunk] = value
             self._valid[chunk] = _DIGEST_VALID  # after the digest: a reader in another process checks the flag
 
-    def _copy(self, slots: tuple[PartSlot, ...], full: torch.Tensor) -> None:
+    def _copy(self, slots: tuple[PartSlot, ...], full: torch.Tensor, origin: tuple[int, int] | None = None) -> None:
         with torch.no_grad():
             source = full.detach()
             for slot in slots:
                 tensor = slot.tensor
-                piece = source.narrow(slot.part.dim, slot.part.start, slot.part.length)
+                shift = origin[1] if origin is not None and origin[0] == slot.part.dim else 0
+                piece = source.narrow(slot.part.dim, slot.part.start - shift, slot.part.length)
                 typed = self._typed(tensor)
                 if typed is not None:
                     self._place(typed, slot).copy_(piece)
@@ -865,7 +911,7 @@ class ReplicaSet:
                 for fingerprint, layout in kinds.items():
                     path = None if shm_dir is None else Path(shm_dir) / f"{fingerprint}{suffix}"
                     if path is not None:
-                        path.parent.mkdir(parents=True, exist_ok=True)
+                        make_shared_folders(path.parent)
                     grain = digest_grain if suffix == REPLICA_SUFFIX else 0  # no target is written from a feed
                     made.append(Replica.create(layout, shm_path=path, pin=pin, digest_grain=grain))
         except BaseException:
@@ -927,35 +973,50 @@ class ReplicaSet:
         name no target tensor is cut from is an error (usually a naming mismatch with the engine).
         """
         plans = [plan for replica in self.every() for plan in self._plans(replica, full_name, full)]
-        if strict and not any(slots for _, slots, _ in plans):
+        if strict and not any(plan.slots for plan in plans):
             raise ReplicaError(f"no target tensor of this source is cut from {full_name!r}")
-        plans = [plan for plan in plans if plan[1]]
+        plans = [plan for plan in plans if plan.slots]
         with contextlib.ExitStack() as stack:
-            for replica in {id(r): r for r, _, _ in plans}.values():  # every replica free before any is written
+            for replica in {id(p.replica): p.replica for p in plans}.values():  # every one free before any is written
                 stack.enter_context(replica._staging())
-            for replica, slots, _ in plans:
-                replica._check_restage(slots)
-            for replica, slots, tensor in plans:
-                replica._write(slots, tensor)
-        return sum(len(slots) for _, slots, _ in plans)
+            for plan in plans:
+                plan.replica._check_restage(plan.slots)
+            for plan in plans:
+                plan.replica._write(plan.slots, plan.tensor, plan.origin)
+        return sum(len(plan.slots) for plan in plans)
 
     @staticmethod
-    def _plans(
-        replica: Replica, name: str, full: torch.Tensor
-    ) -> list[tuple[Replica, tuple[PartSlot, ...], torch.Tensor]]:
-        """What staging ``full`` writes into ``replica``: its parts, or for a quantized feed the FP8 weight and its
-        scale_inv (quantized here, where the trainer stages: on its device)."""
+    def _plans(replica: Replica, name: str, full: torch.Tensor) -> list[_StagedWrite]:
+        """What staging ``full`` writes into ``replica``: its parts, or for a quantized weight the quantized weight and
+        its scale (quantized here, where the trainer stages: on its device)."""
         quantized = replica.layout.quantized.get(name)
         if quantized is None:
-            return [(replica, replica.check(name, full), full)]
-        block, scale_name = quantized
+            return [_StagedWrite(replica, replica.check(name, full), full)]
         if not isinstance(full, torch.Tensor) or full.dim() != 2 or not full.is_floating_point():
             raise ReplicaError(
-                f"cannot stage {name!r}: the engine's FP8 checkpoint quantizes it; stage a 2-D float tensor"
+                f"cannot stage {name!r}: the engine's checkpoint quantizes it ({quantized.scheme}); stage a 2-D float "
+                "tensor"
             )
-        weight, scale = fp8_block(full.detach(), block)
-        weight, scale = weight.cpu(), scale.cpu()
-        return [(replica, replica.check(name, weight), weight), (replica, replica.check(scale_name, scale), scale)]
+        if quantized.block is None:
+            scale_dtype = TORCH_DTYPES[replica.layout.by_name[quantized.scale].dtype]  # the checkpoint's
+            weight, scale = int8_channel(full.detach(), scale_dtype)
+            return [_StagedWrite(replica, replica.check(name, weight.cpu()), weight.cpu()),
+                    _StagedWrite(replica, replica.check(quantized.scale, scale.cpu()), scale.cpu())]  # fmt: skip
+        # Only the tiles this replica's cut covers (a TP shard's rows): the same bytes as quantizing the whole tensor
+        # (tiles start at row and column 0; the manifest holds cuts to tile edges), a fraction of the work.
+        slots = replica.layout.by_source.get(name, ())
+        dim, low, high = _tile_span(slots, tuple(full.shape), quantized.block)
+        for slot in slots:
+            if tuple(full.shape) != slot.part.full_shape:
+                raise ReplicaError(
+                    f"cannot stage {name!r} into {slot.tensor.name!r}: shape {list(full.shape)} differs from the full "
+                    f"shape the target expects, {list(slot.part.full_shape)}"
+                )
+        weight, scale = fp8_block(full.detach().narrow(dim, low, high - low), quantized.block)
+        tile = quantized.block[dim]
+        scale_slots = replica.layout.by_source.get(quantized.scale, ())
+        return [_StagedWrite(replica, slots, weight.cpu(), (dim, low)),
+                _StagedWrite(replica, scale_slots, scale.cpu(), (dim, low // tile))]  # fmt: skip
 
     def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         items = tensors.items() if isinstance(tensors, Mapping) else tensors

@@ -39,3 +39,6 @@ class SourceReport:
     #: False only when the source is sure it wrote nothing in this attempt (it refused before its first write:
     #: another plan or round, a stale manifest, nothing staged); the driver then knows live weights are clean.
     wrote: bool = True
+    #: A prepare's answer: the trainer streams this version, so the source writes while it stages (what makes a
+    #: live round under ``transfer.pause: overlap`` pause its engines through staging).
+    streamed: bool = False

@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from weightsync.api.pause import round_schedule
 from weightsync.plan import Plan, Target
 from weightsync_agent.layout.buckets import Bucket, plan_buckets
 from weightsync_agent.layout.checksums import source_checksum, tensor_jobs
@@ -421,8 +422,9 @@ class InProcessSourceControl:
         self.gate: StreamGate | None = None
 
     def stream(self, gate: StreamGate | None) -> None:
-        """The trainer streams ``gate.version``: prepare waits only for each target's first bucket, publish sends
-        while the trainer stages (None: back to stage-all-then-publish)."""
+        """The trainer streams ``gate.version``: prepare waits for each target's first bucket (or, under
+        ``transfer.pause: minimal`` into live targets, for every bucket), publish sends what is staged while the
+        trainer stages the rest (None: back to stage-all-then-publish)."""
         self.gate = gate
 
     def _streaming(self, version: int) -> StreamGate | None:
@@ -431,16 +433,18 @@ class InProcessSourceControl:
     def prepare(self, version: int, deadline: float) -> SourceReport:
         gate = self._streaming(version)
         if gate is not None:
-            return self._first_buckets(gate, deadline)
+            return self._streamed_ready(gate, deadline)
         missing = self.sender.replicas.missing()
         if missing:
             error = f"{len(missing)} part(s) not staged for {version}, e.g. {missing[0]}"
             return SourceReport(source=self.source, ok=False, error=error)
         return SourceReport(source=self.source, ok=True)
 
-    def _first_buckets(self, gate: StreamGate, deadline: float) -> SourceReport:
-        error = first_buckets_staged(self.sender, gate, deadline)
-        return SourceReport(source=self.source, ok=error is None, error=error)
+    def _streamed_ready(self, gate: StreamGate, deadline: float) -> SourceReport:
+        transfer = self.sender.plan.transfer
+        schedule = round_schedule(transfer.target_staging, transfer.pause)
+        error = streamed_ready(self.sender, gate, deadline, write_while_staging=schedule.write_while_staging)
+        return SourceReport(source=self.source, ok=error is None, error=error, streamed=True)
 
     def publish(self, version: int, deadline: float) -> SourceReport:
         gate = self._streaming(version)
@@ -756,18 +760,34 @@ class _Run:
         return f"write of {transfer.nbytes} B in a {bucket.nbytes} B bucket failed: {said}"
 
 
-def first_buckets_staged(source: Source, gate: Gate, deadline: float) -> str | None:
-    """Wait until each of ``source``'s targets has its first bucket staged (a streamed version's ``prepare``:
-    nothing is paused before the first write needs it); why not, or None."""
-    while not all(source.bucket_ready(t, 0) for t in source.targets if source.buckets[t]):
-        if gate.state == "aborted":
+def streamed_ready(
+    source: Source, gate: Gate, deadline: float, *, write_while_staging: bool, targets: Collection[Target] | None = None
+) -> str | None:
+    """Wait until a streamed version can be written (its ``prepare``; ``weightsync.api.pause`` decides which): with
+    ``write_while_staging``, until each target's first bucket is staged (nothing is paused before the first write
+    needs it); otherwise until every bucket of every target is (live engines then pause for the writes alone).
+    ``targets``: those the round covers (None: all). Why not, or None."""
+    chosen = [t for t in source.targets if (targets is None or t in targets) and source.buckets[t]]
+    # Per target, the first bucket not seen staged yet: a stream never unstages a part, so each is checked once.
+    cursor = dict.fromkeys(chosen, 0)
+    wanted = {t: 1 if write_while_staging else len(source.buckets[t]) for t in chosen}
+    while True:
+        # The stream's state is read before its parts: a trainer that stages its last part and closes the stream
+        # between the two reads must not look like one that closed with parts missing (it failed a round).
+        state = gate.state
+        for target in chosen:
+            while cursor[target] < wanted[target] and source.bucket_ready(target, cursor[target]):
+                cursor[target] += 1
+        if all(cursor[t] >= wanted[t] for t in chosen):
+            return None
+        if state == "aborted":
             return f"the trainer aborted the stream: {gate.reason}"
-        if gate.state == "closed":
+        if state == "closed":
             return f"the stream closed with {len(source.replicas.missing())} part(s) not staged"
         if time.monotonic() >= deadline:
-            return f"trainer rank {source.source} staged no complete bucket of {gate.version} before the deadline"
+            what = "no complete bucket" if write_while_staging else "not every bucket"
+            return f"trainer rank {source.source} staged {what} of {gate.version} before the deadline"
         time.sleep(source.poll_interval)
-    return None
 
 
 def _resolved(job: Future[str] | str) -> str:

@@ -138,6 +138,23 @@ class EngineRound(Protocol):
 
 
 @runtime_checkable
+class ClosesAtVerify(Protocol):
+    """An engine that closes each rank's write window when it verifies it (the reference engine: nothing can change
+    verified bytes before the commit). A live retry rewrites every target, so it reopens the round first."""
+
+    def reopen(self, version: int, timeout: float, *, round_id: str) -> None:
+        """Open round ``version`` (``round_id``, still open here) to writes again, forgetting what it verified."""
+        ...
+
+
+@runtime_checkable
+class HealthProbe(Protocol):
+    """An engine that answers a health check (every adapter): the driver asks it to name a hung engine."""
+
+    def healthy(self, timeout: float) -> bool: ...
+
+
+@runtime_checkable
 class GatedRound(Protocol):
     """An engine that can take the semantic gate (``rounds/canary.py``): apply a version without labelling it, then
     score a prompt with the applied weights. After :meth:`apply` in a round, that round's ``commit`` only labels."""
@@ -153,6 +170,18 @@ class GatedRound(Protocol):
     def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
         """The logprob the engine gives each of ``input_ids`` after the first (teacher forcing); the engine must be
         serving (resumed)."""
+        ...
+
+
+@runtime_checkable
+class ScrubbedEngine(Protocol):
+    """An engine whose served weights can be checked between rounds (scrubbing, ``transfer.scrubSeconds``): its own
+    checker hashes what it serves now, and the result is compared with the committed version's verified checksums."""
+
+    def scrub(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+        """Rank ``rank``'s served weights against ``checksums`` (what verified ``version``'s commit), outside any
+        round. A mismatch also lets the next round write ``version`` into this engine again (a repair: versions
+        otherwise only move forward), and an engine that can stops serving the drifted weights until then."""
         ...
 
 

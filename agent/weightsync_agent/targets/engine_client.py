@@ -210,17 +210,7 @@ class EngineClient(JsonHttpClient):
         body = {"rank": rank, "version": str(version), "bucket_bytes": bucket_bytes, "checksums": list(checksums)}
         body = _with_round(body, round_id)
         answer = _object(self._post("/weightsync/verify", body, timeout), "/weightsync/verify")
-        try:
-            return RankVerification(
-                rank=int(answer["rank"]),
-                version=str(answer["version"]),
-                ok=bool(answer["ok"]),
-                buckets=int(answer["buckets"]),
-                mismatched=tuple(int(m["index"]) for m in answer["mismatched"]),
-                error=answer.get("error"),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HttpCallError("/weightsync/verify", 200, f"unexpected answer: {exc!r}", answer) from exc
+        return _rank_verification("/weightsync/verify", answer)
 
     def apply(self, version: str | int, timeout: float | None = None, *, round_id: str | None = None) -> dict[str, Any]:
         """The semantic gate's apply: the verified weights may serve; the label stays (docs/agent.md)."""
@@ -246,6 +236,16 @@ class EngineClient(JsonHttpClient):
         if not written:
             body["written"] = False
         return _object(self._post("/weightsync/abort", _with_round(body, round_id), timeout), "/weightsync/abort")
+
+    def scrub(
+        self, rank: int, version: str | int, bucket_bytes: int, checksums: Sequence[str], timeout: float | None = None
+    ) -> RankVerification:
+        """Scrubbing (reference engine): ``rank``'s live memory against the held ``version``'s ``checksums``, between
+        rounds; a drift stops the engine serving until a round repairs it."""
+        route = "/weightsync/scrub"
+        body = {"rank": rank, "version": str(version), "bucket_bytes": bucket_bytes, "checksums": list(checksums)}
+        answer = _object(self._post(route, body, timeout), route)
+        return _rank_verification(route, answer)
 
     def checksums(self, rank: int, bucket_bytes: int, timeout: float | None = None) -> list[str]:
         """Per-bucket checksums of what ``rank``'s target memory holds now (reference engine)."""
@@ -274,3 +274,18 @@ def _object(payload: Any, route: str) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise HttpCallError(route, 200, f"expected a JSON object, got {type(payload).__name__}", payload)
     return payload
+
+
+def _rank_verification(route: str, answer: dict[str, Any]) -> RankVerification:
+    """The reference engine's answer to a verify or a scrub of one rank."""
+    try:
+        return RankVerification(
+            rank=int(answer["rank"]),
+            version=str(answer["version"]),
+            ok=bool(answer["ok"]),
+            buckets=int(answer["buckets"]),
+            mismatched=tuple(int(m["index"]) for m in answer["mismatched"]),
+            error=answer.get("error"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HttpCallError(route, 200, f"unexpected answer: {exc!r}", answer) from exc

@@ -24,11 +24,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 import torch
 
-from weightsync_agent.layout.manifest import ITEMSIZE, DType, Manifest, Region, ShardPart, TensorEntry
+from weightsync_agent.layout.manifest import (
+    ITEMSIZE,
+    SCALE_SUFFIX,
+    DType,
+    Manifest,
+    Region,
+    ShardPart,
+    TensorEntry,
+    block_scale_cut,
+)
+from weightsync_agent.layout.quantize import BLOCK, dequantize, fp8_block
 
 TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     "float32": torch.float32,
@@ -36,6 +46,11 @@ TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+#: The engine's linear weights: what an FP8 block checkpoint quantizes (embedding, norms and head stay in ``dtype``).
+#: What an engine rank's tensors may be stored as: the model's dtype, and an FP8 target's weights.
+TARGET_DTYPES: Final[dict[str, torch.dtype]] = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+LINEAR_WEIGHTS: Final = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight", ".down_proj.weight")
+TRAINER_LINEAR_WEIGHTS: Final = tuple(f".{w}_proj.weight" for w in ("q", "k", "v", "o", "gate", "up", "down"))
 
 
 @dataclass(frozen=True)
@@ -50,10 +65,17 @@ class ModelConfig:
     rms_eps: float = 1e-6
     rope_theta: float = 10000.0
     dtype: DType = "float32"
+    #: An FP8 block target (the DeepSeek-V3 / Kimi-K2 checkpoint format): the linear weights are float8_e4m3fn with
+    #: float32 ``_scale_inv`` tiles of ``block``; the trainer still holds ``dtype`` and the sources quantize.
+    quantization: Literal["fp8-block"] | None = None
+    block: tuple[int, int] = BLOCK
 
     def __post_init__(self) -> None:
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"reference model dtype must be one of {sorted(TORCH_DTYPES)}, not {self.dtype}")
+        if self.quantization not in (None, "fp8-block"):
+            raise ValueError(f"reference model quantization is fp8-block or none, not {self.quantization}")
+        object.__setattr__(self, "block", (int(self.block[0]), int(self.block[1])))  # JSON gives a list
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads do not group over {self.num_kv_heads} kv heads")
         if self.head_dim % 2:
@@ -73,6 +95,14 @@ class ModelConfig:
         ):
             if size % tp:
                 raise ValueError(f"{what}={size} is not divisible by tp={tp}")
+        if self.quantization and tp > 1:
+            for what, size in (
+                ("q heads x head_dim", self.num_heads * self.head_dim),
+                ("kv heads x head_dim", self.num_kv_heads * self.head_dim),
+                ("intermediate_size", self.intermediate_size),
+            ):
+                if size // tp % min(self.block):
+                    raise ValueError(f"an FP8 block target cuts {what}={size} over tp={tp} inside a {self.block} tile")
 
 
 DEFAULT_CONFIG: Final = ModelConfig()
@@ -130,6 +160,19 @@ class LocalSpec:
     shape: tuple[int, ...]
     cat_dim: int
     parts: tuple[ShardPart, ...]
+    dtype: DType | None = None  # None: the model's
+    block: tuple[int, int] | None = None  # an fp8-block weight; its scale is the next spec, name + SCALE_SUFFIX
+
+    @property
+    def scale(self) -> str | None:
+        return None if self.block is None else self.name + SCALE_SUFFIX
+
+
+def _quantized(spec: LocalSpec, block: tuple[int, int]) -> tuple[LocalSpec, LocalSpec]:
+    """``spec`` as an FP8 block weight, and its scale's spec (the tiles of the same cut: ``block_scale_cut``)."""
+    weight = LocalSpec(spec.name, spec.shape, spec.cat_dim, spec.parts, "float8_e4m3fn", block)
+    shape, cat_dim, parts = block_scale_cut(spec.name, spec.shape, spec.cat_dim, spec.parts, block)
+    return weight, LocalSpec(spec.name + SCALE_SUFFIX, shape, cat_dim, parts, "float32")
 
 
 def _whole(name: str, shape: tuple[int, ...]) -> LocalSpec:
@@ -181,11 +224,40 @@ def local_layout(tp: int, rank: int, config: ModelConfig = DEFAULT_CONFIG) -> tu
             LocalSpec(f"{mlp}.down_proj.weight", (hidden, inter_r), 1, (cols(f"{mlp}.down_proj.weight", inter_r),)),
         ]
     specs += [_whole("model.norm.weight", (hidden,)), _whole("lm_head.weight", full["lm_head.weight"])]
+    if config.quantization:
+        specs = [q for spec in specs for q in (_quantized(spec, c.block) if spec.name.endswith(LINEAR_WEIGHTS)
+                                               else (spec,))]  # fmt: skip
     return tuple(specs)
 
 
+def quantized_full(full: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """What the engine's checkpoint holds for the trainer's ``full`` weights: unchanged without quantization; for an
+    FP8 block target every linear weight ``X`` as ``fp8_block`` makes it, with ``X_scale_inv``."""
+    if not config.quantization:
+        return dict(full)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        if name.endswith(TRAINER_LINEAR_WEIGHTS):
+            out[name], out[name + SCALE_SUFFIX] = fp8_block(tensor, config.block)
+        else:
+            out[name] = tensor
+    return out
+
+
+def dequantized(local: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """An engine rank's weights as float32, FP8 block weights multiplied out by their scales (what it computes with)."""
+    if not config.quantization:
+        return {name: t.float() for name, t in local.items()}
+    return {
+        name: dequantize(t, local[name + SCALE_SUFFIX], config.block) if t.dtype == torch.float8_e4m3fn else t.float()
+        for name, t in local.items()
+        if not name.endswith(SCALE_SUFFIX)
+    }
+
+
 def shard(full: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """The reference resharding: rank ``rank``'s local tensors, cut from ``full`` with plain tensor ops.
+    """The reference resharding: rank ``rank``'s local tensors, cut from ``full`` with plain tensor ops. ``full`` may
+    be a quantized checkpoint (:func:`quantized_full`): each ``X_scale_inv`` is cut and fused as ``X`` is.
 
     Deliberately written without :func:`local_layout`, so each can check the other.
     """
@@ -195,20 +267,28 @@ def shard(full: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, tor
         return full[name].chunk(tp, dim=dim)[rank]
 
     for name, tensor in full.items():
-        if name.endswith((".k_proj.weight", ".v_proj.weight", ".up_proj.weight")):
+        suffix = SCALE_SUFFIX if name.endswith(SCALE_SUFFIX) else ""
+        base = name.removesuffix(suffix)
+        if base.endswith((".k_proj.weight", ".v_proj.weight", ".up_proj.weight")):
             continue  # folded into their fused partner below
-        if name.endswith(".q_proj.weight"):
-            stem = name.removesuffix(".q_proj.weight")
-            fused = [piece(f"{stem}.{w}_proj.weight", 0) for w in ("q", "k", "v")]
-            out[f"{stem}.qkv_proj.weight"] = torch.cat(fused, dim=0)
-        elif name.endswith(".gate_proj.weight"):
-            stem = name.removesuffix(".gate_proj.weight")
-            out[f"{stem}.gate_up_proj.weight"] = torch.cat([piece(name, 0), piece(f"{stem}.up_proj.weight", 0)], dim=0)
-        elif name.endswith((".o_proj.weight", ".down_proj.weight")):
+        if base.endswith(".q_proj.weight"):
+            stem = base.removesuffix(".q_proj.weight")
+            fused = [piece(f"{stem}.{w}_proj.weight{suffix}", 0) for w in ("q", "k", "v")]
+            out[f"{stem}.qkv_proj.weight{suffix}"] = torch.cat(fused, dim=0)
+        elif base.endswith(".gate_proj.weight"):
+            stem = base.removesuffix(".gate_proj.weight")
+            gate_up = [piece(name, 0), piece(f"{stem}.up_proj.weight{suffix}", 0)]
+            out[f"{stem}.gate_up_proj.weight{suffix}"] = torch.cat(gate_up, dim=0)
+        elif base.endswith((".o_proj.weight", ".down_proj.weight")):
             out[name] = piece(name, 1).contiguous()
         else:
             out[name] = tensor.clone()
     return out
+
+
+def local_state(full: Mapping[str, torch.Tensor], tp: int, rank: int, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """What engine rank ``rank`` of ``tp`` holds for the trainer's ``full`` weights (quantized where ``config`` is)."""
+    return shard(quantized_full(full, config), tp, rank)
 
 
 class RankWeights:
@@ -223,12 +303,14 @@ class RankWeights:
         self.tp = tp
         self.rank = rank
         self.specs = local_layout(tp, rank, config)
-        self.itemsize = ITEMSIZE[config.dtype]
+        self.dtypes: dict[str, DType] = {spec.name: spec.dtype or config.dtype for spec in self.specs}
         self.offsets: dict[str, int] = {}
         cursor = 0
         for spec in self.specs:
+            itemsize = ITEMSIZE[self.dtypes[spec.name]]
+            cursor = -(-cursor // itemsize) * itemsize  # aligned for its dtype (an FP8 weight may end odd)
             self.offsets[spec.name] = cursor
-            cursor += math.prod(spec.shape) * self.itemsize
+            cursor += math.prod(spec.shape) * itemsize
         self.nbytes = cursor
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8)
         self.params = self.views(self.buffer)
@@ -243,9 +325,9 @@ class RankWeights:
             raise ValueError(f"buffer must be a flat uint8 tensor of {self.nbytes} bytes")
         out = {}
         for spec in self.specs:
-            start = self.offsets[spec.name]
-            raw = buffer[start : start + math.prod(spec.shape) * self.itemsize]
-            out[spec.name] = raw.view(self.config.torch_dtype).view(spec.shape)
+            start, dtype = self.offsets[spec.name], self.dtypes[spec.name]
+            raw = buffer[start : start + math.prod(spec.shape) * ITEMSIZE[dtype]]
+            out[spec.name] = raw.view(TARGET_DTYPES[dtype]).view(spec.shape)
         return out
 
     def load(self, local: Mapping[str, torch.Tensor]) -> None:
@@ -272,12 +354,15 @@ class RankWeights:
         entries = [
             TensorEntry(
                 name=spec.name,
-                dtype=self.config.dtype,
+                dtype=self.dtypes[spec.name],
                 shape=spec.shape,
                 address=base + self.offsets[spec.name],
-                nbytes=math.prod(spec.shape) * self.itemsize,
+                nbytes=math.prod(spec.shape) * ITEMSIZE[self.dtypes[spec.name]],
                 cat_dim=spec.cat_dim,
                 parts=spec.parts,
+                quantize=None if spec.block is None else "fp8-block",
+                block=spec.block,
+                scale=spec.scale,
             )
             for spec in self.specs
         ]
@@ -366,7 +451,7 @@ def forward_tp(
     tp = len(ranks)
     config.check_tp(tp)
     ids = _tokens(tokens, config)
-    w = [{name: t.float() for name, t in r.items()} for r in ranks]
+    w = [dequantized(r, config) for r in ranks]
     n_heads, n_kv, inter = config.num_heads // tp, config.num_kv_heads // tp, config.intermediate_size // tp
     q_out, kv_out = n_heads * config.head_dim, n_kv * config.head_dim
     h = w[0]["model.embed_tokens.weight"][ids]

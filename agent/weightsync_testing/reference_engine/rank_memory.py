@@ -7,8 +7,9 @@ its live weights while sources write, and :meth:`RankMemory.promote` copies stag
 (one memcpy; the caller makes that atomic with respect to serving).
 
 **Write window**: with ``windowed`` (the default), the buffer sources write into is registered with the
-transport only between :meth:`RankMemory.open_window` (the round's begin) and :meth:`RankMemory.close_window`
-(its commit or abort). Mooncake's target checks every incoming write against its *current* registrations, so
+transport only between :meth:`RankMemory.open_window` (the round's begin, or a failed verification the sources
+write again after) and :meth:`RankMemory.close_window` (the rank's verification, before it hashes, or the round's
+commit or abort). Mooncake's target checks every incoming write against its *current* registrations, so
 outside a round a peer's write is refused at once (rc < 0) and no byte lands, whoever the peer is: Mooncake's
 ports carry no credential, this is what keeps them from being a way into the engine between rounds. The
 addresses do not move (the buffers stay allocated), so manifests and the sources' pinned placements stay valid.
@@ -25,7 +26,7 @@ from typing import Protocol
 import torch
 
 from weightsync_agent.layout.buckets import plan_buckets
-from weightsync_agent.layout.checksums import target_checksum
+from weightsync_agent.layout.checksums import checksum_ranges, target_checksum, target_ranges
 from weightsync_agent.layout.manifest import Manifest
 from weightsync_agent.transport.base import Transport
 
@@ -112,7 +113,7 @@ class RankMemory:
             self._register(self.target)
 
     def close_window(self) -> None:
-        """The round ended (commit or abort): refuse every write again. Idempotent."""
+        """The rank is about to be checked, or the round ended: refuse every write again. Idempotent."""
         if self.windowed:
             for address in list(self._registered):
                 self._unregister(address)
@@ -152,9 +153,11 @@ class RankMemory:
         self.staging = None
         self._manifests.pop(True, None)
 
-    def verify(self, bucket_bytes: int, checksums: list[str]) -> VerifyResult:
-        """Compare the source's per-bucket checksums with what is in this rank's target memory now."""
+    def verify(self, bucket_bytes: int, checksums: list[str], *, served: bool = False) -> VerifyResult:
+        """Compare the source's per-bucket checksums with what is in this rank's target memory now; ``served``: with
+        the live weights the engine computes with instead (scrubbing; the same bytes as staging after a commit)."""
         manifest = self.manifest()
+        shift = self.weights.buffer.data_ptr() - self.target.data_ptr() if served else 0
         try:
             buckets = plan_buckets(manifest, bucket_bytes)
         except ValueError as exc:
@@ -169,7 +172,7 @@ class RankMemory:
             )
         mismatched = []
         for bucket, expected in zip(buckets, checksums, strict=True):
-            actual = target_checksum(bucket)
+            actual = checksum_ranges((address + shift, length) for address, length in target_ranges(bucket))
             if actual != expected.lower():
                 mismatched.append(BucketMismatch(bucket.index, expected, actual))
         return VerifyResult(self.rank, bucket_bytes, len(buckets), tuple(mismatched), staged=self.staged)

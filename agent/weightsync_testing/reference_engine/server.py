@@ -46,10 +46,13 @@ partial write cannot be undone. In staged mode the engine keeps serving the prev
 weights during the round; commit copies staging over live and sets the version in one step of the event
 loop, so no request sees a mix.
 
-**Write window**: each rank's memory is registered with its transport only while a round is open (from
-``begin`` to ``commit`` or ``abort``; ``status`` reports it as ``writable``). Mooncake refuses a write into memory
-that is not registered, so between rounds a peer that learned the addresses still lands no byte (Mooncake's
-ports carry no credential; docs/security.md, "The data plane").
+**Write window**: each rank's memory is registered with its transport only while a round is open and that rank
+is not verified: from ``begin`` to the rank's successful ``verify`` (``status`` reports it as ``writable``). Mooncake
+refuses a write into memory that is not registered, so between rounds a peer that learned the addresses still lands
+no byte (Mooncake's ports carry no credential; docs/security.md, "The data plane"), and a write after a rank's
+checksums were taken cannot change what its commit labels: ``verify`` closes the rank's window *before* it hashes.
+A failed verify opens it again (same addresses: the sources' manifests name them) for the sources' rewrite; a
+``begin`` opens every rank again, ``commit`` and ``abort`` close every rank.
 
 **Bounds** (docs/security.md, "Bounds"): bodies over ``MAX_BODY_BYTES`` are refused (413) before parsing; every
 field is checked (versions: integers in [0, 2^53) or labels of at most 128 characters; ``bucket_bytes`` at least
@@ -61,6 +64,11 @@ begin, verify, commit, abort and broadcast/receive). ``begin`` records it; a ver
 naming another id than the open round's is refused (409, naming both), so a late abort of an earlier round of
 the same version never cancels the round that superseded it; a continue naming another round than the pause
 that holds the engine is refused likewise. Calls without an id (tests, an operator by hand) are taken as before.
+The engine remembers the last :data:`ENDED_ROUNDS_KEPT` ids of rounds that ended here (aborted, committed, or
+resumed with no round of that id open) and refuses (409) a ``pause`` or ``begin`` naming one of them: a coordinator
+that gave up on a slow call has resumed or aborted the engine already, so that call landing late would leave the
+engine paused, or a round open, for nobody. A late pause still lands on live weights a round left dirty (they must
+not serve anyway), and a resume with its own round open (the semantic gate scoring its canary) does not end it.
 An abort saying ``"written": false`` (the coordinator asked no source to write) puts back whether the live
 weights were dirty before the round's begin, so generation can continue.
 
@@ -77,6 +85,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -85,6 +94,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,10 +113,10 @@ from weightsync_agent.http.bounds import (
     MIN_BUCKET_BYTES,
     short,
 )
+from weightsync_agent.http.listener import CappedSite, bounded_runner
 from weightsync_agent.http.server import (
     BackgroundServer,
     auth_middleware,
-    bound_port,
     bounded_app,
     error_response,
     http_exception_response,
@@ -122,7 +132,7 @@ from weightsync_testing.reference_engine.model import (
     forward_tp,
     full_state,
     greedy,
-    shard,
+    local_state,
 )
 from weightsync_testing.reference_engine.rank_memory import RankMemory, VerifyResult
 
@@ -135,6 +145,9 @@ MAX_QUEUED_FORWARDS = 32
 MAX_INIT_METHOD_CHARS = 512
 #: A round id is the coordinator's uuid4 hex; anything much longer is not one.
 MAX_ROUND_ID = 64
+#: Ended round ids remembered to refuse their late pause or begin: a call arrives late by at most the coordinator's
+#: HTTP timeout, during which it runs a round or two, not dozens.
+ENDED_ROUNDS_KEPT = 64
 
 
 log = logging.getLogger(__name__)
@@ -191,7 +204,7 @@ class ReferenceEngine:
         full = full_state(seed, config)
         self.weights = [RankWeights(tp, rank, config) for rank in range(tp)]
         for rank, weights in enumerate(self.weights):
-            weights.load(shard(full, tp, rank))
+            weights.load(local_state(full, tp, rank, config))
         self.memory: list[RankMemory] = []
         try:  # from here on the engine owns the transports: on failure, close them all
             for rank, weights in enumerate(self.weights):
@@ -206,12 +219,17 @@ class ReferenceEngine:
         self.paused = False
         self.pause_mode: str | None = None
         self.paused_by: str | None = None  # the round id of the pause that holds the engine, if it named one
+        #: Round ids that ended here (aborted, committed, resumed after their round): their late pause or begin is
+        #: refused (the module's "Round ids").
+        self.ended_rounds: deque[str] = deque(maxlen=ENDED_ROUNDS_KEPT)
         #: When the current pause began (monotonic), and how long the last finished one lasted: what a
         #: rollout client lost to a round, measured where it happens.
         self.paused_since: float | None = None
         self.last_pause_seconds: float | None = None
         self.pauses = 0
         self.live_dirty = False
+        self.scrub_drifts = 0  # scrubs that found the live weights differing from the held version's checksums
+        self.scrub_paused = False  # a scrub stopped generation; the commit that repairs the weights ends that pause
         #: Per rank, checksums of the live weights as they serve (bucket bytes, checksums): what an abort with
         #: nothing written re-verifies the live memory against before it may serve again. None: not known yet
         #: (computed at the next live begin, before the memory opens to writes).
@@ -240,6 +258,11 @@ class ReferenceEngine:
     def pause(self, mode: str, round_id: str | None = None) -> dict[str, Any]:
         if mode not in PAUSE_MODES:
             raise EngineError(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        if round_id is not None and round_id in self.ended_rounds and (self.paused or not self.live_dirty):
+            # Its coordinator gave up on this call and resumed or aborted the engine: pausing now would leave it
+            # paused for nobody, or take the pause of the round now running. Only weights that must not serve and
+            # still do (a gate's abort that came before its pause) are better paused by anyone.
+            raise self._ended_round(round_id, "pause")
         # Requests here are synchronous, so nothing is in flight: abort, retract and in_place coincide.
         if not self.paused:
             self.paused_since = time.monotonic()
@@ -266,7 +289,22 @@ class ReferenceEngine:
             self.last_pause_seconds = time.monotonic() - self.paused_since
             self.paused_since = None
         self.paused, self.pause_mode, self.paused_by = False, None, None
+        if self.round is None or self.round.round_id != round_id:
+            # Resumed with its round still open is the semantic gate scoring its canary: it may pause again.
+            self._end_round(round_id)
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _end_round(self, round_id: str | None) -> None:
+        if round_id is not None and round_id not in self.ended_rounds:
+            self.ended_rounds.append(round_id)
+
+    def _ended_round(self, round_id: str, call: str) -> EngineError:
+        return EngineError(
+            409,
+            f"round {round_id} already ended on this engine (aborted, committed or resumed): its late {call} is "
+            "refused",
+            round_id=round_id,
+        )
 
     def update_weight_version(self, new_version: str) -> dict[str, Any]:
         """SGLang's route; here it is a commit, so it cannot claim a version that was not verified."""
@@ -377,6 +415,7 @@ class ReferenceEngine:
             "last_pause_seconds": self.last_pause_seconds,
             "staged": self.staged,
             "live_dirty": self.live_dirty,
+            "scrub_drifts": self.scrub_drifts,
             "round": None
             if self.round is None
             else {
@@ -386,6 +425,8 @@ class ReferenceEngine:
                 "verified": {str(r): v.ok for r, v in sorted(self.round.verified.items())},
             },
             "sessions": [m.session_id for m in self.memory],
+            # Per rank: where the weights it computes with start (the manifest names the staging twin when staged).
+            "live_addresses": [m.weights.buffer.data_ptr() for m in self.memory],
             # Per rank: whether its memory accepts transport writes now (only inside a round).
             "writable": [m.writable for m in self.memory],
             "broadcast": None if self.broadcast is None else self.broadcast.status(),
@@ -415,6 +456,10 @@ class ReferenceEngine:
         ``verify=False`` (a group with ``transfer.verify: false``) lets the commit go without checksums:
         the user chose the transport's completion as the only evidence.
         """
+        if round_id is not None and round_id in self.ended_rounds:
+            # Its coordinator gave up on this call and aborted the round: opening it now would open the memory to
+            # writes, and in live mode mark the weights dirty, for a round nobody runs.
+            raise self._ended_round(round_id, "begin")
         current = self.round
         if current is not None and current.reception is not None and current.reception.running:
             # Its bytes would keep landing under the new round: wait for the receive to end.
@@ -439,17 +484,19 @@ class ReferenceEngine:
     def verify(
         self, rank: int, version: str, bucket_bytes: int, checksums: list[str], round_id: str | None = None
     ) -> dict[str, Any]:
-        if not 0 <= rank < self.tp:
-            raise EngineError(400, f"rank {rank} outside tp={self.tp}")
-        check_buckets(bucket_bytes, self.weights[rank].nbytes)
-        if len(checksums) > MAX_BUCKETS:
-            raise EngineError(400, f"at most {MAX_BUCKETS} checksums per verify, got {len(checksums)}")
+        self._check_buckets_of(rank, bucket_bytes, checksums, "verify")
         current = self._open_round(version, round_id)
+        memory = self.memory[rank]
+        close_failure = self._close_window_of(memory)
         received = None if current.reception is None else current.reception.error_for(rank)
-        if received is not None:  # broadcast: this rank does not hold the round, whatever its bytes hash to
+        if close_failure is not None:  # still open to writes: bytes that hash right now may not be what commits
+            result = VerifyResult(rank, bucket_bytes, 0, error=close_failure, staged=current.staged)
+        elif received is not None:  # broadcast: this rank does not hold the round, whatever its bytes hash to
             result = VerifyResult(rank, bucket_bytes, 0, error=received, staged=current.staged)
         else:
-            result = self.memory[rank].verify(bucket_bytes, checksums)
+            result = memory.verify(bucket_bytes, checksums)
+        if not result.ok:
+            result = self._reopen_window_of(memory, result)
         current.verified[rank] = result  # the LAST verify of a rank is what commit looks at
         if result.ok:
             current.sums[rank] = (bucket_bytes, list(checksums))
@@ -475,6 +522,31 @@ class ReferenceEngine:
                 round_id=current.round_id,
             )
         return current
+
+    def scrub(self, rank: int, version: str, bucket_bytes: int, checksums: list[str]) -> dict[str, Any]:
+        """Scrubbing (docs/agent.md): does ``rank``'s live memory still hash to ``checksums``, the ones that verified
+        the held ``version``? A drift stops generation at once and marks the weights dirty, so they are not served
+        again until a round writes and verifies them (a repair of ``version`` is then allowed: see begin)."""
+        self._check_buckets_of(rank, bucket_bytes, checksums, "scrub")
+        if self.round is not None:
+            raise EngineError(409, f"round {self.round.version} is open: scrubbing waits for it to end")
+        if version != self.weight_version:
+            raise EngineError(409, f"this engine holds version {self.weight_version}, not {version}")
+        result = self.memory[rank].verify(bucket_bytes, checksums, served=True)
+        if not result.ok:
+            self.live_dirty = True
+            self.pause("abort")  # nothing is served from weights known to differ from the version's
+            self.scrub_paused = True
+            self.scrub_drifts += 1
+        return {"version": version, **result.to_json()}
+
+    def _check_buckets_of(self, rank: int, bucket_bytes: int, checksums: list[str], what: str) -> None:
+        """A verify's or a scrub's rank, bucket size and checksum count are ones this engine can check."""
+        if not 0 <= rank < self.tp:
+            raise EngineError(400, f"rank {rank} outside tp={self.tp}")
+        check_buckets(bucket_bytes, self.weights[rank].nbytes)
+        if len(checksums) > MAX_BUCKETS:
+            raise EngineError(400, f"at most {MAX_BUCKETS} checksums per {what}, got {len(checksums)}")
 
     def _check_newer(self, version: str) -> None:
         """Versions only move forward: refuse an integer version not newer than the integer one held (the held one
@@ -519,12 +591,16 @@ class ReferenceEngine:
         if current.staged:
             for memory in self.memory:
                 memory.promote()
+            if self.scrub_paused:  # a staged round does not pause or resume: the repair it was ends the scrub's pause
+                self.paused, self.pause_mode, self.paused_by = False, None, None
+        self.scrub_paused = False
         self.weight_version = version
         self.live_dirty = False
         # What now serves is what every rank verified (a round without checksums: hashed at the next begin).
         self.clean_sums = dict(current.sums) if len(current.sums) == self.tp else None
         self.round = None
         self._close_windows()
+        self._end_round(current.round_id)
         return {"success": True, "weight_version": version}
 
     def _open_windows(self) -> None:
@@ -537,6 +613,27 @@ class ReferenceEngine:
             self._close_windows()
             raise EngineError(500, f"could not open the ranks' memory to writes: {exc}") from exc
 
+    def _close_window_of(self, memory: RankMemory) -> str | None:
+        """Close one rank's memory to writes before its check, so what the check sees is what a commit labels;
+        why it could not be closed, or None."""
+        try:
+            memory.close_window()
+        except TransportError as exc:
+            log.exception("engine %d rank %d: could not unregister its memory", self.engine, memory.rank)
+            return f"could not close rank {memory.rank}'s memory to writes before verifying it: {exc}"
+        return None
+
+    def _reopen_window_of(self, memory: RankMemory, failed: VerifyResult) -> VerifyResult:
+        """After a failed check the coordinator's retry has the sources write the rank again, at the addresses
+        their manifests name: the buffers never moved, so registering them again makes those addresses writable."""
+        try:
+            memory.open_window()
+        except TransportError as exc:
+            log.exception("engine %d rank %d: could not register its memory again", self.engine, memory.rank)
+            why = failed.error or f"buckets {[m.index for m in failed.mismatched]} differ"
+            return dataclasses.replace(failed, error=f"{why}; its memory could not be opened to writes again: {exc}")
+        return failed
+
     def _close_windows(self) -> None:
         for memory in self.memory:
             try:
@@ -547,6 +644,9 @@ class ReferenceEngine:
     def abort(self, version: str | None, round_id: str | None = None, *, written: bool = True) -> dict[str, Any]:
         """Close the open round. ``written=False``: the coordinator asked no source to write in it, so the live
         weights are as dirty as they were before its begin (a clean engine may continue generating)."""
+        # An abort is the coordinator giving its round up, also when it finds nothing to close here (its begin may
+        # still be on the way) or another round open: whatever of that round lands late is refused.
+        self._end_round(round_id)
         current = self.round
         if current is None:
             return {"aborted": None, "live_dirty": self.live_dirty, "weight_version": self.weight_version}
@@ -564,6 +664,7 @@ class ReferenceEngine:
             self.live_dirty = True  # the gate applied them, then failed: they serve no more until a round lands
         self.round = None
         self._close_windows()
+        self._end_round(current.round_id)
         drifted: list[int] = []
         if not written and current.reception is None:
             # No source was asked to write, but in live mode the memory took writes from the begin: anyone who
@@ -678,6 +779,16 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise EngineError(400, "request body must be a JSON object")
     return data
+
+
+def _bucket_checksums(body: dict[str, Any]) -> list[str]:
+    """A verify's or a scrub's ``checksums``: at most :data:`MAX_BUCKETS` xxh3-64 hex strings."""
+    checksums = body.get("checksums")
+    if not isinstance(checksums, list) or len(checksums) > MAX_BUCKETS:
+        raise EngineError(400, f"checksums must be a list of at most {MAX_BUCKETS} xxh3-64 hex strings")
+    if not all(isinstance(c, str) and len(c) <= 32 for c in checksums):
+        raise EngineError(400, "checksums must be a list of xxh3-64 hex strings")
+    return checksums
 
 
 def _int(value: Any, what: str, low: int = 0, high: int = MAX_VERSION) -> int:
@@ -825,11 +936,7 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
 
     async def verify(request: web.Request) -> web.Response:
         body = await _body(request)
-        checksums = body.get("checksums")
-        if not isinstance(checksums, list) or len(checksums) > MAX_BUCKETS:
-            raise EngineError(400, f"checksums must be a list of at most {MAX_BUCKETS} xxh3-64 hex strings")
-        if not all(isinstance(c, str) and len(c) <= 32 for c in checksums):
-            raise EngineError(400, "checksums must be a list of xxh3-64 hex strings")
+        checksums = _bucket_checksums(body)
         reception = engine.pending_reception()
         if reception is not None and engine.broadcast is not None:
             # The sender is done when verify comes; this rank may still be cutting the last bucket.
@@ -896,6 +1003,13 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
         body = await _body(request)
         return web.json_response(engine.receive_broadcast(_version(body.get("version")), _round_id(body)))
 
+    async def scrub(request: web.Request) -> web.Response:
+        body = await _body(request)
+        checksums = _bucket_checksums(body)
+        rank = _int(body.get("rank"), "rank", 0, engine.tp - 1)
+        bucket_bytes = _int(body.get("bucket_bytes"), "bucket_bytes", 1)
+        return web.json_response(engine.scrub(rank, _version(body.get("version")), bucket_bytes, checksums))
+
     async def checksums(request: web.Request) -> web.Response:
         rank = _query_rank(request)
         if rank is None or not 0 <= rank < engine.tp:
@@ -946,6 +1060,7 @@ def build_app(engine: ReferenceEngine, token: str | None = None) -> web.Applicat
             web.post("/weightsync/abort", abort),
             web.post("/weightsync/forward", forward),
             web.get("/weightsync/checksums", checksums),
+            web.post("/weightsync/scrub", scrub),
             web.post("/weightsync/broadcast", join_broadcast),
             web.post("/weightsync/broadcast/receive", receive_broadcast),
         ]
@@ -1070,13 +1185,14 @@ async def serve(args: argparse.Namespace) -> int:
     token = os.environ.get(names.ENV_GROUP_TOKEN) or None
     if token is None:
         print("warning: no WEIGHTSYNC_GROUP_TOKEN: every route of this engine is open", file=sys.stderr, flush=True)
-    runner = web.AppRunner(build_app(engine, token), access_log=None)
+    runner = bounded_runner(build_app(engine, token))  # the agents' header-read bound and connection cap
     try:
         if args.staged:
             engine.set_staged(True)
         await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
-        port = bound_port(runner, args.port)
+        site = CappedSite(runner, args.host, args.port)
+        await site.start()
+        port = site.port
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

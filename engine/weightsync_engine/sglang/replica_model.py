@@ -11,7 +11,9 @@ The steps mirror stock SGLang's weight-update session (0.5.23,
 * the sources' one-sided writes put the replica's parameters (:func:`load`, on the source) into them;
 * :func:`end` is ``end_weight_update`` when nothing went through ``load_weights`` in the session ("P2P/RDMA"):
   the model's ``post_load_weights`` (MLA's ``w_kc``/``w_vc`` re-derived from ``kv_b_proj``), then every quant
-  method's ``process_weights_after_loading``, on the engine's own device.
+  method's ``process_weights_after_loading``, on the engine's own device;
+* :func:`rebind` is ``/update_weights_from_tensor`` with weightsync's custom weight loader (``aliases.py``): SGLang's
+  own ``_rebind_parameter_aliases`` (Gemma-2's ``gemma_weight`` buffers), for a server started with the flag.
 
 :func:`check` runs that whole path on CPU against SGLang's own full load and names every difference.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync_engine import replica_core
-from weightsync_engine.sglang import trace_model
+from weightsync_engine.sglang import aliases, trace_model
 from weightsync_engine.trace_core import Workarounds
 
 #: The loader's module (``DefaultModelLoader``, ``post_load_weights``), imported with SGLang.
@@ -52,13 +54,23 @@ def begin(sg: types.SimpleNamespace, model: Any) -> None:
     importlib.import_module(LOADER).DefaultModelLoader.restore_weights_before_loading(model, sg.torch.device("cpu"))
 
 
-def end(sg: types.SimpleNamespace, model: Any) -> None:
+def end(sg: types.SimpleNamespace, model: Any, *, run_post_load: bool = True) -> None:
     """``end_weight_update`` of a session with no ``load_weights`` (P2P/RDMA): the model's post-load fixup, then
-    the quant methods' post-processing."""
+    the quant methods' post-processing. ``run_post_load=False``: a session in which ``/update_weights_from_tensor``
+    ran (the alias rebind, :func:`rebind`), which SGLang counts as a load: its end skips the post-load fixup."""
     loader = importlib.import_module(LOADER)
     with sg.torch.no_grad():
-        loader.post_load_weights(model)
+        if run_post_load:
+            loader.post_load_weights(model)
         loader.DefaultModelLoader.postprocess_weights(model, sg.torch.device("cpu"))
+
+
+def rebind(sg: types.SimpleNamespace, model: Any) -> None:
+    """What ``/update_weights_from_tensor`` runs with ``load_format`` :data:`aliases.LOADER_PATH` and no tensors:
+    weightsync's custom weight loader, SGLang's own ``_rebind_parameter_aliases`` (then the post-load fixup the
+    session's end now skips)."""
+    with sg.torch.no_grad():
+        aliases.rebind_parameter_aliases(model, [])
 
 
 def full_load(sg: types.SimpleNamespace, model: Any, weights: Iterable[tuple[str, Any]]) -> None:
@@ -77,6 +89,8 @@ def check(
     old: dict[str, Any],
     new: dict[str, Any],
     ep: int = 1,
+    *,
+    with_rebind: bool = False,
 ) -> dict[str, Any]:
     """The whole path of one round into TP rank ``rank`` (``--ep-size ep``) on CPU, against SGLang's own load of
     ``new``:
@@ -84,7 +98,9 @@ def check(
     1. the engine, fully loaded with ``old`` (its derived attributes are ``old``'s);
     2. the source's replica, its parameters views of one flat buffer (:func:`replica_core.bind`), loaded with
        ``new`` through ``load_weights`` straight into the buffer (ReplicaError if the loader replaced a tensor);
-    3. a session on the engine: :func:`begin`, the replica's parameters written byte for byte, :func:`end`;
+    3. a session on the engine: :func:`begin`, the replica's parameters written byte for byte, with ``with_rebind``
+       SGLang's alias rebind through weightsync's custom weight loader (:func:`rebind`: a server started with
+       ``--custom-weight-loader``, ``aliases.LOADER_PATH``), :func:`end`;
     4. every parameter, buffer and tensor attribute of the engine against a model fully loaded with ``new``.
 
     Returns ``layout`` (the replica's loader layout, with each parameter's offset in the buffer), ``parameters``
@@ -114,7 +130,9 @@ def check(
     reference = build(sg, model_dir, tp, rank, dtype, ep)
     full_load(sg, reference, weights(new))
     before_end = replica_core.differences(sg.torch, engine, reference, ignore=own)
-    end(sg, engine)
+    if with_rebind:
+        rebind(sg, engine)
+    end(sg, engine, run_post_load=not with_rebind)
     found = [f"parameter {name}: not in the replica" for name in skipped]
     found += replica_core.differences(sg.torch, engine, reference, ignore=own)
     return {

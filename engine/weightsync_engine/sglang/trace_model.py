@@ -8,7 +8,8 @@ only the standard library, ``torch``, ``sglang`` (which brings ``transformers``)
 
 prints one JSON object on stdout (``tensors``: per SGLang parameter, in ``named_parameters()`` order,
 the parts it concatenates along ``cat_dim``, each a slice of one HF tensor; ``refused``: every
-parameter or buffer that is not such a block copy, with the reason). The consumer is
+parameter or buffer that is not such a block copy, with the reason; a buffer SGLang's own alias rebind re-derives
+is marked ``rederived_by``, :func:`mark_rederived`). The consumer is
 ``weightsync_agent.targets.sglang.manifest.assemble``. On a real error (bad model directory, SGLang not
 importable, a checkpoint tensor SGLang cannot load) it exits 1 with one line on stderr.
 
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync_engine import trace_core as core
+from weightsync_engine.sglang import aliases
 
 #: The engine's name in the trace's help and messages.
 ENGINE = "SGLang"
@@ -279,12 +281,30 @@ def run(model_dir: Path, tp: int, rank: int, dtype: str, reduce_layers: bool = T
         return core.run_output("sglang_version", sg.version, tp, rank, traced, Workarounds(), started=started,
                                imported=imported)  # fmt: skip
     workarounds = Workarounds()
+    traced_model: list[Any] = []  # the float32 replica the core traces (built once, on CPU)
 
     def build(build_dtype: str, layers: int | None, device: str) -> tuple[Any, str]:
         model, config = build_model(sg, model_dir, tp, rank, build_dtype, workarounds, layers=layers, device=device)
+        if device == "cpu":
+            traced_model[:] = [model]
         return model, dtype_name(config.dtype)
 
     traced = core.trace_layers(sg.torch, build, sources, dtype, ENGINE, reduce_layers)
+    traced["refused"] = mark_rederived(sg.torch, traced_model[0], sources, traced)
     return core.run_output(
         "sglang_version", sg.version, tp, rank, traced, workarounds, started=started, imported=imported
     )
+
+
+def mark_rederived(torch: Any, model: Any, sources: dict[str, tuple[int, ...]], traced: dict[str, Any]) -> list[Any]:
+    """The trace's refusals, each buffer that SGLang's own ``_rebind_parameter_aliases`` re-derives marked
+    ``rederived_by`` (``aliases.rederived_buffers``, checked on ``model``, the traced replica, loaded with the traced
+    layers' HF tensors). Still refusals: a round accepts them only into a server that runs the rebind
+    (``--custom-weight-loader``, ``aliases.LOADER_PATH``), which the agent knows and the trace does not."""
+    refused: list[Any] = traced["refused"]
+    if not any(core.BUFFER_CHANGED in str(r.get("reason", "")) for r in refused):
+        return refused
+    keep = int(traced["layers"]["traced"])
+    loaded = {n: s for n, s in sources.items() if (core.layer_of(n) or 0) < keep}
+    representative = {int(k): int(v) for k, v in traced["layers"]["representative"].items()}
+    return aliases.mark(refused, set(aliases.rederived_buffers(torch, model, loaded)), representative)

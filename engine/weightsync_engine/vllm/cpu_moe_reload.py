@@ -23,8 +23,9 @@ architectures' reload differs from a full load, with it every parameter is bit-e
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
+
+from weightsync_engine.vllm import gated_fix
 
 logger = logging.getLogger("weightsync_engine.vllm")
 
@@ -38,16 +39,8 @@ _MARK = "_weightsync_cpu_moe_reload_fix"
 
 def wanted() -> str | None:
     """Why the fix is not installed here, or None when it should be."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return f"{SWITCH}=0"
-    import vllm
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return "not vLLM's CPU platform (the experts' post-load step is a no-op elsewhere)"
-    if vllm.__version__ != VALIDATED_VLLM:
-        return f"vLLM {vllm.__version__}, checked against {VALIDATED_VLLM} only"
-    return None
+    off_cpu = "not vLLM's CPU platform (the experts' post-load step is a no-op elsewhere)"
+    return gated_fix.why_not(SWITCH, VALIDATED_VLLM, off_cpu)
 
 
 def install() -> bool:
@@ -86,8 +79,4 @@ def uninstall() -> None:
 
 def install_if_wanted() -> str:
     """What :func:`~weightsync_engine.vllm.plugin.register` calls: installs where :func:`wanted`; says what it did."""
-    why_not = wanted()
-    if why_not is not None:
-        return f"not installed: {why_not}"
-    install()
-    return "installed"
+    return gated_fix.install_if_wanted(wanted(), install)

@@ -243,7 +243,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             publish_json(_layout_path(directory), {"placement": "parameters", "device": self.live.device,
                                                    "weights_info": self.live.weights_info(), **common})  # fmt: skip
         else:
-            self._buffer().publish(**common)
+            # The checkpoint's own quantization config: the agent decides from it which tensors sources quantize.
+            quantization = getattr(self.model_config.hf_config, "quantization_config", None)
+            self._buffer().publish(quantization=quantization, **common)
 
     def _buffer(self) -> ReceiveBuffer:
         if self.buffer is None:

@@ -3,7 +3,7 @@
 from weightsync_operator.builders.common import BuildError, BuildOptions, content_hash, owner_reference
 from weightsync_operator.builders.configmap import PlanDecision, build_plan_config_map, decide_plan
 from weightsync_operator.builders.desired import DesiredState, desired_state, expected_pod_names
-from weightsync_operator.builders.network_policy import build_network_policy
+from weightsync_operator.builders.network_policy import build_mesh_policies, build_network_policy
 from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
 from weightsync_operator.builders.secret import build_group_secret, new_token, secret_token
@@ -16,6 +16,7 @@ __all__ = [
     "PlanDecision",
     "build_engine_pod",
     "build_group_secret",
+    "build_mesh_policies",
     "build_network_policy",
     "build_plan_config_map",
     "build_role",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from weightsync.api import names
+from weightsync.api.names import Role
 from weightsync.api.v1alpha1 import WeightSyncGroup, WeightSyncGroupSpec
 from weightsync.plan import Plan
 from weightsync_operator.builders.common import BuildOptions, JsonDict
 from weightsync_operator.builders.configmap import build_plan_config_map
-from weightsync_operator.builders.network_policy import build_network_policy
+from weightsync_operator.builders.network_policy import build_mesh_policies, build_network_policy
 from weightsync_operator.builders.pods import build_engine_pod, build_trainer_pod
 from weightsync_operator.builders.rbac import build_role, build_role_binding, build_service_account
 from weightsync_operator.builders.secret import build_group_secret
@@ -29,6 +31,8 @@ class DesiredState:
     pods: tuple[JsonDict, ...]
     #: Ingress to the group's pods; None when ``networkPolicy.enabled`` is false (the reconciler then deletes ours).
     network_policy: JsonDict | None = None
+    #: Every port between the pods of a multi-pod trainer or engine (p2p groups), by role; a role left out has none.
+    mesh_policies: Mapping[Role, JsonDict] = field(default_factory=dict)
 
     @property
     def pod_names(self) -> tuple[str, ...]:
@@ -37,7 +41,7 @@ class DesiredState:
     def supporting_objects(self) -> tuple[JsonDict, ...]:
         """Everything but the pods and the Secret, in apply order: identity before the pods that use it, and
         the NetworkPolicy before the pods, so that no pod of the group ever runs unfenced."""
-        fence = (self.network_policy,) if self.network_policy is not None else ()
+        fence = (self.network_policy, *self.mesh_policies.values()) if self.network_policy is not None else ()
         return (self.service_account, self.role, self.role_binding, self.service, self.config_map, *fence)
 
     def objects(self) -> tuple[JsonDict, ...]:
@@ -83,4 +87,5 @@ def desired_state(
         secret=build_group_secret(group),
         pods=pods,
         network_policy=build_network_policy(group),
+        mesh_policies=build_mesh_policies(group),
     )

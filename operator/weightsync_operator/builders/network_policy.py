@@ -10,6 +10,13 @@ Ingress only (``policyTypes: [Ingress]``), to every pod labelled ``weightsync.io
 
 Nothing else reaches the group's pods through the pod network (kubelet probes come from the node, which
 common CNIs admit whatever the policy says). The builder is pure; docs/security.md says why each rule exists.
+
+A p2p group whose trainer spans pods (``trainer.replicas`` > 1), or whose engines do (``ranksPerEngine`` >
+``ranksPerPod``), also gets a **mesh** policy per such role (:func:`build_mesh_policies`): its pods admit each other
+on every port, as torchrun's rendezvous and the jobs' own gloo/NCCL sockets need (ephemeral ports nobody pins).
+Its subject is that role's pods only, so a trainer pod still reaches an engine pod only on the ports above.
+Engine pods of different engines of one group reach each other too: one policy cannot tell engines apart without a
+policy per engine, and they run the same image under the same group's credential.
 """
 
 from __future__ import annotations
@@ -64,3 +71,38 @@ def build_network_policy(group: WeightSyncGroup) -> JsonDict | None:
         "metadata": object_meta(group, names.network_policy(group.metadata.name)),
         "spec": {"podSelector": group_pods(group), "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+#: The roles whose pods may form one multi-pod job.
+MESH_ROLES: tuple[names.Role, ...] = ("trainer", "engine")
+
+
+def spans_pods(group: WeightSyncGroup, role: names.Role) -> bool:
+    """Whether ``role``'s job (the trainer, or each engine) runs over more than one pod."""
+    spec = group.spec
+    return spec.trainer.replicas > 1 if role == "trainer" else spec.inference.pods_per_engine > 1
+
+
+def build_mesh_policies(group: WeightSyncGroup) -> dict[names.Role, JsonDict]:
+    """The mesh policy of each role whose job spans pods, in a p2p group with the fence on (a broadcast group's
+    fence admits every port between its pods already). Roles left out have none (the reconciler deletes ours)."""
+    spec = group.spec
+    if not spec.network_policy.enabled or spec.transfer.mode == "broadcast":
+        return {}
+    out: dict[names.Role, JsonDict] = {}
+    for role in MESH_ROLES:
+        if not spans_pods(group, role):
+            continue
+        members = {"matchLabels": {names.LABEL_GROUP: group.metadata.name, names.LABEL_ROLE: role}}
+        out[role] = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": object_meta(group, names.mesh_policy(group.metadata.name, role)),
+            # No "ports": every port, from the role's own pods only.
+            "spec": {
+                "podSelector": members,
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": members}]}],
+            },
+        }
+    return out

@@ -2,7 +2,10 @@
 
 Pods are bare (no StatefulSet): the operator owns rank identity and recreation. A pod's name carries
 its ranks (``<group>-trainer-<i>``, ``<group>-engine-<e>-<j>``), and nothing in a pod depends on how
-many pods the group has, so scaling never touches the pods that stay.
+many engines the group has, so scaling engines never touches the pods that stay. A trainer pod depends on
+``trainer.replicas`` only through its job's size (``WEIGHTSYNC_NNODES``, ``WEIGHTSYNC_WORLD_SIZE``): a trainer is one
+job over its pods, so after the trainer is scaled its running pods are reported outdated (not killed) until they
+are recreated into the new job.
 
 What is added to the template (everything else is the user's and passes through untouched):
 
@@ -11,6 +14,9 @@ What is added to the template (everything else is the user's and passes through 
   pod as built, so drift is detected without comparing against server-defaulted fields);
 - the agent as a native sidecar (init container, ``restartPolicy: Always``) with its env, port and
   resources;
+- the workload identity in every user container's env, first (``builders/identity.py``: group, role, pod
+  index, ranks, node rank, nnodes, the leader's DNS name and rendezvous port; docs/workload-identity.md); a
+  template's variable of one of those names is replaced by the operator's;
 - the group's credential: the group's Secret as a read-only volume in the agent container only (at
   ``/var/run/weightsync/credentials``: ``token`` and, during a rotation, ``previous``; kubelets refresh it in
   place, so a rotation reaches running agents) and, on engine pods, ``WEIGHTSYNC_GROUP_TOKEN`` in the first user
@@ -19,7 +25,8 @@ What is added to the template (everything else is the user's and passes through 
 - the RDMA resource (request = limit) on the first user container and the agent;
 - ``IPC_LOCK`` (merged into the user's capabilities) on every user container and the agent, only when
   the group uses RDMA (``rdma.resourceName``: memory registration needs it); a TCP group adds no capability;
-- a memory-backed ``/dev/shm`` shared by every container (the CPU replica lives there);
+- a memory-backed ``/dev/shm`` shared by every container (the CPU replica lives there), and on trainer pods the
+  agent's group among the pod's ``supplementalGroups`` (the replica files and the pod-local token are group-shared);
 - ``hostname``/``subdomain`` for stable DNS through the headless Service, the agent-ready readiness
   gate, the agents' ServiceAccount, ``restartPolicy: Always``, and host networking when asked;
 - least privilege (docs/security.md, "Least privilege"): ``automountServiceAccountToken: false``, and the
@@ -32,7 +39,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api import names
@@ -44,6 +50,13 @@ from weightsync_operator.builders.common import (
     content_hash,
     group_labels,
     object_meta,
+)
+from weightsync_operator.builders.identity import (
+    PodIdentity,
+    engine_identity,
+    identity_values,
+    trainer_identity,
+    workload_env,
 )
 from weightsync_operator.builders.secret import credentials_volume, token_env
 from weightsync_operator.builders.template_trust import template_refusals
@@ -71,59 +84,6 @@ AGENT_SECRET_VOLUMES = (API_ACCESS_VOLUME, CREDENTIALS_VOLUME)
 AGENT_VOLUMES = (*AGENT_SECRET_VOLUMES, AGENT_TMP_VOLUME)
 AGENT_COMMAND = ["weightsync"]
 AGENT_ARGS = ["agent"]
-
-
-@dataclass(frozen=True)
-class PodIdentity:
-    """Who a pod is: everything rank-related, derived from the spec and the pod's indices."""
-
-    role: names.Role
-    name: str
-    #: Trainer pod index, or the pod's index inside its engine.
-    index: int
-    engine: int | None
-    #: Global trainer ranks (sources), or ranks inside the engine (targets).
-    ranks: tuple[int, ...]
-
-    @property
-    def rank_label(self) -> str:
-        return str(self.index) if self.engine is None else f"{self.engine}-{self.index}"
-
-
-def trainer_identity(group: WeightSyncGroup, index: int) -> PodIdentity:
-    trainer = group.spec.trainer
-    if not 0 <= index < trainer.replicas:
-        raise ValueError(f"trainer pod index {index} out of range 0..{trainer.replicas - 1}")
-    per_pod = trainer.ranks_per_pod
-    return PodIdentity(
-        role="trainer",
-        name=names.trainer_pod(group.metadata.name, index),
-        index=index,
-        engine=None,
-        ranks=tuple(index * per_pod + local for local in range(per_pod)),
-    )
-
-
-def engine_identity(group: WeightSyncGroup, engine: int, pod: int) -> PodIdentity:
-    inference = group.spec.inference
-    if inference.ranks_per_engine % inference.ranks_per_pod:
-        raise BuildError(
-            "InvalidLayout",
-            f"inference.ranksPerEngine ({inference.ranks_per_engine}) must be a multiple of "
-            f"inference.ranksPerPod ({inference.ranks_per_pod})",
-        )
-    if not 0 <= engine < inference.engines:
-        raise ValueError(f"engine index {engine} out of range 0..{inference.engines - 1}")
-    if not 0 <= pod < inference.pods_per_engine:
-        raise ValueError(f"engine pod index {pod} out of range 0..{inference.pods_per_engine - 1}")
-    per_pod = inference.ranks_per_pod
-    return PodIdentity(
-        role="engine",
-        name=names.engine_pod(group.metadata.name, engine, pod),
-        index=pod,
-        engine=engine,
-        ranks=tuple(pod * per_pod + local for local in range(per_pod)),
-    )
 
 
 def build_trainer_pod(group: WeightSyncGroup, index: int, options: BuildOptions | None = None) -> JsonDict:
@@ -198,6 +158,7 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
 
     # --- user containers ---------------------------------------------------------------------------
     rdma = spec.rdma
+    identity = workload_env(group, who)
     for position, container in enumerate(containers):
         _add_shm_mount(container, shm_volume)
         for volume in AGENT_SECRET_VOLUMES:
@@ -206,10 +167,9 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
             _add_capability(container, IPC_LOCK)
         if position == 0 and rdma.resource_name:
             _add_resource(container, rdma.resource_name, rdma.resource_count)
-        if position == 0 and who.role == "engine":
-            # Each goes first: the token ends first, then the Mooncake range, then the user's variables.
-            for item in (*reversed(mooncake_port_env(group)), token_env(group)):
-                _add_env(container, item)
+        # The engine container's token first, then its Mooncake range, then the pod's identity, then the user's.
+        engine_only = [token_env(group), *mooncake_port_env(group)] if position == 0 and who.role == "engine" else []
+        _put_env_first(container, [*engine_only, *identity])
     pod_spec["containers"] = containers
 
     # --- the agent sidecar ---------------------------------------------------------------------------
@@ -217,6 +177,7 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
     for container in init_containers:
         for volume in AGENT_SECRET_VOLUMES:
             _drop_mount(container, volume)
+        _put_env_first(container, identity)  # the user's init containers are theirs too (e.g. fetch by rank)
     init_containers.append(_agent_container(group, who, options, shm_volume))
     pod_spec["initContainers"] = init_containers
 
@@ -235,6 +196,9 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
     if rdma.host_network:
         pod_spec["hostNetwork"] = True
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    security = with_agent_group(pod_spec.get("securityContext"), agent_security_context(spec))
+    if who.role == "trainer" and security:  # the files the agent shares with trainer code (with_agent_group)
+        pod_spec["securityContext"] = security
 
     pod: JsonDict = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
     meta["annotations"] = {
@@ -308,6 +272,22 @@ def agent_security_context(spec: WeightSyncGroupSpec) -> JsonDict:
     return {**defaults, **overrides.model_dump(by_alias=True, exclude_none=True)}
 
 
+def with_agent_group(pod_security: Mapping[str, Any] | None, agent_security: Mapping[str, Any]) -> JsonDict:
+    """The pod's securityContext with the agent's group among every container's ``supplementalGroups``.
+
+    A trainer pod's agent shares the replica files and the pod-local token with that group (0660, 0640: never
+    world-readable; agent/weightsync_agent/shared_files.py), so trainer code running as any other non-root user can
+    stage and publish. ``supplementalGroups`` changes no volume's ownership (``fsGroup`` would re-own the user's
+    volumes); a template's ``fsGroup`` works as well (the shared files then take it). The user's settings are kept;
+    the root group is never added."""
+    merged: JsonDict = dict(pod_security or {})
+    gid = agent_security.get("runAsGroup")
+    groups = list(merged.get("supplementalGroups") or [])
+    if isinstance(gid, int) and gid != 0 and gid not in groups:
+        merged["supplementalGroups"] = [*groups, gid]
+    return merged
+
+
 def agent_volumes(group: WeightSyncGroup) -> list[JsonDict]:
     """The agent's API credentials (the kubelet's ``kube-api-access`` shape: a bound ServiceAccount token, the
     cluster CA, the namespace), the group's credential and its scratch space."""
@@ -340,16 +320,8 @@ def agent_volumes(group: WeightSyncGroup) -> list[JsonDict]:
 def agent_env(group: WeightSyncGroup, who: PodIdentity) -> list[JsonDict]:
     """The agent's environment: its identity in the group and where to find the plan."""
     spec = group.spec
-    values: list[tuple[str, str]] = [
-        (names.ENV_GROUP, group.metadata.name),
-        (names.ENV_NAMESPACE, group.metadata.namespace),
-        (names.ENV_ROLE, who.role),
-        (names.ENV_POD_INDEX, str(who.index)),
-    ]
-    if who.engine is not None:
-        values.append((names.ENV_ENGINE_INDEX, str(who.engine)))
-    values += [
-        (names.ENV_RANKS, ",".join(str(r) for r in who.ranks)),
+    values = [
+        *identity_values(group, who),
         (names.ENV_PLAN_CONFIG_MAP, names.plan_config_map(group.metadata.name)),
         (names.ENV_AGENT_PORT, str(spec.agent.port)),
     ]
@@ -394,11 +366,14 @@ def _drop_mount(container: JsonDict, volume: str) -> None:
         container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != volume]
 
 
-def _add_env(container: JsonDict, item: JsonDict) -> None:
-    """Put ``item`` first in the container's env (replacing one of that name). ``$(VAR)`` in command and args sees
-    every variable, but in another variable's value only those defined before it: first, the user's may use it."""
-    env = [dict(e) for e in container.get("env") or [] if e.get("name") != item["name"]]
-    container["env"] = [item, *env]
+def _put_env_first(container: JsonDict, items: Sequence[JsonDict]) -> None:
+    """Put ``items`` first in the container's env, in order, dropping the user's variables of those names (ours
+    win: a template's ``WEIGHTSYNC_NODE_RANK`` would give every pod the same rank; its ``WEIGHTSYNC_GROUP_TOKEN`` a
+    guessable credential). ``$(VAR)`` in command and args sees every variable, but in another variable's value only
+    those defined before it: first, the user's may use them. An ``envFrom`` key never overrides an ``env`` entry."""
+    ours = {item["name"] for item in items}
+    env = [dict(e) for e in container.get("env") or [] if e.get("name") not in ours]
+    container["env"] = [*items, *env]
 
 
 def _add_capability(container: JsonDict, capability: str) -> None:

@@ -14,7 +14,7 @@ from refsync import new_transport, write_version
 from weightsync_agent.http.client import HttpCallError
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing.reference_engine.model import full_state
-from weightsync_testing.reference_engine.server import ReferenceEngine, serve_in_thread
+from weightsync_testing.reference_engine.server import ENDED_ROUNDS_KEPT, EngineError, ReferenceEngine, serve_in_thread
 
 TP = 2
 BUCKET = 8192
@@ -93,6 +93,104 @@ def test_a_late_continue_of_a_finished_round_does_not_unpause_the_round_now_writ
     assert client.status()["paused"] and client.status()["paused_by"] == "B"
     client.continue_generation(round_id="B")
     assert not client.status()["paused"]
+
+
+def test_a_late_pause_or_begin_of_a_round_that_ended_is_refused(rig: Rig) -> None:
+    """docs/faults.md, finding 1: a coordinator that bounds its calls by the round's deadline gives up on a slow pause
+    or begin, then aborts and resumes the engine; the call it gave up on may still land. It must not leave the engine
+    paused (or a round open) for nobody."""
+    client = rig.client
+    client.pause_generation(round_id="A")
+    client.continue_generation(round_id="A")  # round A is over: a pause of A landing from now on is late
+    late = refused(client.pause_generation, round_id="A")
+    assert "round A already ended" in late.message and "pause" in late.message
+    assert not client.status()["paused"]
+
+    client.pause_generation(round_id="B")
+    client.abort("1", round_id="B", written=False)  # B's begin is still on the way: nothing open here to close
+    client.continue_generation(round_id="B")
+    assert "round B already ended" in refused(client.begin, "1", round_id="B").message
+    assert "round B already ended" in refused(client.pause_generation, round_id="B").message
+    status = client.status()
+    assert status["round"] is None and status["writable"] == [False, False]
+    assert not status["paused"] and not status["live_dirty"]
+
+    rig.sync("1", seed=1, round_id="C")  # a fresh round goes through, and one without an id is taken as before
+    assert client.weight_version() == "1" and not client.status()["paused"]
+    refused(client.pause_generation, round_id="C")  # committed and resumed: ended too
+    client.pause_generation()
+    client.continue_generation()
+
+
+def test_a_late_pause_during_another_round_does_not_take_its_pause(rig: Rig) -> None:
+    client = rig.client
+    client.pause_generation(round_id="A")
+    client.continue_generation(round_id="A")
+    client.pause_generation(round_id="B")
+    refused(client.pause_generation, round_id="A")
+    assert client.status()["paused_by"] == "B"
+    client.begin("1", round_id="B")
+    rig.verify_all("1", rig.write(seed=1), "B")
+    client.commit("1", round_id="B")
+    client.continue_generation(round_id="B")  # B still holds the pause: its own continue ends it
+    assert not client.status()["paused"]
+
+
+def test_the_semantic_gate_may_pause_its_round_again_after_resuming_it(rig: Rig) -> None:
+    """The gate resumes mid-round to score its canary and, when the gate fails, pauses again and aborts: that resume
+    does not end the round. A gate's pause landing after its abort still pauses: the applied weights must not serve."""
+    client = rig.client
+    for round_id, pause_first in (("G1", True), ("G2", False)):
+        client.pause_generation(round_id=round_id)
+        client.begin("1", round_id=round_id)
+        rig.verify_all("1", rig.write(seed=1), round_id)
+        client.apply("1", round_id=round_id)
+        client.continue_generation(round_id=round_id)  # the canary is scored; it fails
+        if pause_first:
+            client.pause_generation(round_id=round_id)
+            client.abort("1", round_id=round_id)
+        else:
+            client.abort("1", round_id=round_id)
+            assert client.status()["live_dirty"] and not client.status()["paused"]
+            client.pause_generation(round_id=round_id)  # late
+        assert client.status()["paused"] and client.status()["live_dirty"]
+        assert client.weight_version() == "default"
+
+
+def test_ended_round_ids_are_remembered_up_to_a_bound() -> None:
+    engine = ReferenceEngine(engine=0, tp=1, seed=0, transports=[new_transport()])
+    try:
+        for index in range(ENDED_ROUNDS_KEPT + 1):
+            engine.pause("abort", f"r{index}")
+            engine.resume(f"r{index}")
+        assert len(engine.ended_rounds) == ENDED_ROUNDS_KEPT
+        with pytest.raises(EngineError) as err:
+            engine.pause("abort", f"r{ENDED_ROUNDS_KEPT}")
+        assert err.value.status == 409 and not engine.paused
+        engine.pause("abort", "r0")  # forgotten: the oldest id is taken as a new one
+        assert engine.paused and engine.paused_by == "r0"
+    finally:
+        engine.close()
+
+
+def test_verified_ranks_refuse_writes_until_their_round_begins_again(rig: Rig) -> None:
+    """A rank's verify closes its memory to writes (test_reference_verify_window.py), so a retry that has the sources
+    write every rank again needs the round begun again first (same id): that opens every rank and forgets what was
+    verified, so the commit needs every rank checked again."""
+    client = rig.client
+    client.pause_generation(round_id="R")
+    client.begin("1", round_id="R")
+    sums = rig.write(seed=1)
+    rig.verify_all("1", sums, "R")
+    assert client.status()["writable"] == [False, False]
+    written = write_version(rig.source, client.manifest(0), full_state(1), BUCKET)
+    assert written.failed, "a verified rank took a write"
+    assert client.begin("1", round_id="R")["resumed"]
+    assert client.status()["writable"] == [True, True] and client.status()["round"]["verified"] == {}
+    rig.verify_all("1", rig.write(seed=1), "R")
+    client.commit("1", round_id="R")
+    client.continue_generation(round_id="R")
+    assert client.weight_version() == "1" and not client.status()["paused"]
 
 
 def test_versions_only_move_forward(rig: Rig) -> None:

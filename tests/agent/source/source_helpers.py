@@ -215,12 +215,14 @@ class TargetMemory:
 TEMPLATE = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
 
 
-def make_plan(sources: int, engines: int, tp: int, *, timeout: int = 30, bucket_mib: int = 1) -> Plan:
+def make_plan(
+    sources: int, engines: int, tp: int, *, timeout: int = 30, bucket_mib: int = 1, pause: str = "minimal"
+) -> Plan:
     spec = WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": sources, "ranksPerPod": 1, "template": TEMPLATE},
             "inference": {"engines": engines, "ranksPerEngine": tp, "ranksPerPod": tp, "template": TEMPLATE},
-            "transfer": {"timeoutSeconds": timeout, "bucketSizeMiB": bucket_mib},
+            "transfer": {"timeoutSeconds": timeout, "bucketSizeMiB": bucket_mib, "pause": pause},
         }
     )
     return plan_for(spec, group="t", namespace="default")

@@ -103,7 +103,7 @@ def test_a_bf16_weight_staged_into_an_fp8_feed_is_quantized_with_its_scale(tmp_p
         quantized, scale = fp8_block(weight, (2, 2))
         assert torch.equal(feed.tensor(Q_A).view(torch.uint8), quantized.view(torch.uint8))
         assert torch.equal(feed.tensor(Q_A + "_scale_inv"), scale)
-        with pytest.raises(ReplicaError, match="quantizes it; stage a 2-D float tensor"):
+        with pytest.raises(ReplicaError, match=r"quantizes it \(fp8-block\); stage a 2-D float tensor"):
             trainer.stage(Q_A, torch.ones(16))
     finally:
         trainer.close()

@@ -331,3 +331,32 @@ def test_misaligned_tensor_round_trips() -> None:
     assert torch.equal(replica.tensor("w"), w[2:])
     assert replica.raw("w").data_ptr() % 4 != 0 or replica.address % 4 != 0
     assert torch.equal(replica.tensor("odd"), torch.tensor([1, -2, 3], dtype=torch.int8))
+
+
+FP8_CONFIG = {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 128, "intermediate_size": 512,
+              "dtype": "bfloat16", "quantization": "fp8-block"}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_fp8_block_target_is_staged_from_bf16_trainer_tensors_as_its_checkpoint_holds(tp: int) -> None:
+    """A traced FP8 block target (the reference engine's, fused qkv and gate_up cut over TP on tile edges): the sources
+    quantize each BF16 trainer tensor whole and cut weight and scale tiles as the engine does; the trainer stages only
+    its own tensors (the scales come with their weights)."""
+    from weightsync_testing.reference_engine import model as ref
+
+    config = ref.ModelConfig(**FP8_CONFIG)  # type: ignore[arg-type]
+    full = ref.full_state(seed=5, config=config)
+    manifests = [ref.RankWeights(tp, rank, config).manifest(engine=0, session_id=f"s{rank}") for rank in range(tp)]
+    assert any(t.quantize == "fp8-block" for t in manifests[0].tensors)
+    replicas = ReplicaSet.for_manifests(manifests, pin=False)
+    assert set().union(*(r.full_names() for r in replicas.every())) == set(full)
+    for name, tensor in full.items():
+        assert replicas.stage(name, tensor) >= 1
+    assert replicas.missing() == []
+    for rank, manifest in enumerate(manifests):
+        replica = replicas[manifest.layout_fingerprint]
+        want = ref.local_state(full, tp, rank, config)
+        assert set(want) == {t.name for t in manifest.tensors}
+        for name, local in want.items():
+            assert torch.equal(as_bytes(replica.tensor(name)), as_bytes(local)), name
+    replicas.close()

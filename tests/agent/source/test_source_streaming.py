@@ -26,7 +26,7 @@ from weightsync_agent.layout.buckets import plan_buckets
 from weightsync_agent.layout.checksums import source_checksum, target_checksum
 from weightsync_agent.source.replica import Replica, ReplicaBusyError, ReplicaSet
 from weightsync_agent.source.stream import StreamGate
-from weightsync_agent.source.writer import InProcessSourceControl, PublishError, PublishResult, Source
+from weightsync_agent.source.writer import InProcessSourceControl, PublishError, PublishResult, Source, streamed_ready
 from weightsync_agent.targets.adapter import TargetVerdict
 
 MIB = 1 << 20
@@ -45,8 +45,11 @@ def big_fulls(seed: int) -> dict[str, torch.Tensor]:
 class StreamRig:
     """``sources`` trainer ranks (one Source each, this process) writing ``engines`` engines at TP1."""
 
-    def __init__(self, engines: int = 1, sources: int = 1, *, timeout: int = 10, staging: str = "live") -> None:
-        self.plan = make_plan(sources, engines, 1, timeout=timeout)
+    def __init__(
+        self, engines: int = 1, sources: int = 1, *, timeout: int = 10, staging: str = "live", pause: str = "overlap"
+    ) -> None:
+        """``pause``: the plan's ``transfer.pause`` (overlap: a streamed round writes while the trainer stages)."""
+        self.plan = make_plan(sources, engines, 1, timeout=timeout, pause=pause)
         self.parties: list[Party] = [new_transport() for _ in range(sources)]
         self.memory: dict[Target, TargetMemory] = {}
         for assignment in self.plan.sources:
@@ -271,6 +274,57 @@ def test_a_stream_sends_each_bucket_once_staged_while_the_rest_is_still_staging(
         assert result.digests_reused == 4
 
 
+def test_a_streamed_source_is_ready_at_its_first_bucket_to_overlap_and_at_its_last_for_a_minimal_pause(
+    rig: StreamRig,
+) -> None:
+    """What a streamed source's prepare waits for (``weightsync.api.pause``), asked with a deadline already passed so
+    that each answer is what is staged now."""
+    source = Source(rig.parties[0].transport, rig.plan, 0, rig.manifests(0), pin=False)  # type: ignore[arg-type]
+    gate, fulls = StreamGate(1), big_fulls(12)
+
+    def ready(write_while_staging: bool) -> str | None:
+        return streamed_ready(source, gate, time.monotonic(), write_while_staging=write_while_staging)
+
+    try:
+        assert "staged no complete bucket of 1" in (ready(True) or "")
+        source.replicas.stage("w0", fulls["w0"])
+        assert ready(True) is None  # overlap: bucket 0 can be written
+        for name in ("w1", "w2"):
+            source.replicas.stage(name, fulls[name])
+            assert "staged not every bucket of 1" in (ready(False) or "")  # minimal: not yet
+        source.replicas.stage("w3", fulls["w3"])
+        assert ready(False) is None
+        source.replicas.reset()
+        source.replicas.stage("w0", fulls["w0"])
+        gate.close()  # the trainer says it is done with w1..w3 missing: no wait can help
+        assert "closed with 3 part(s) not staged" in (ready(False) or "")
+    finally:
+        source.close()
+
+
+def test_a_stream_closed_right_after_its_last_part_is_ready_not_missing_parts(rig: StreamRig) -> None:
+    """The trainer stages its last part and closes the stream while ``prepare`` looks (scenario B's second run
+    failed a round so, ``pause: minimal``): here the close lands just as the stream's state is read."""
+    source = Source(rig.parties[0].transport, rig.plan, 0, rig.manifests(0), pin=False)  # type: ignore[arg-type]
+    fulls = big_fulls(13)
+
+    class ClosingAsRead(StreamGate):
+        @property
+        def state(self) -> str:
+            if source.replicas.missing():
+                source.replicas.stage("w3", fulls["w3"])
+                self.close()
+            return super().state
+
+    gate = ClosingAsRead(1)
+    try:
+        for name in ("w0", "w1", "w2"):
+            source.replicas.stage(name, fulls[name])
+        assert streamed_ready(source, gate, time.monotonic() + 5, write_while_staging=False) is None
+    finally:
+        source.close()
+
+
 def test_a_stream_closed_with_parts_missing_fails_naming_one(rig: StreamRig) -> None:
     client = WeightSyncClient.in_process(rig.parties[0].transport, rig.plan, 0, rig.manifests(0), pin=False)  # type: ignore[arg-type]
     fulls = big_fulls(7)
@@ -290,8 +344,10 @@ def test_a_stream_closed_with_parts_missing_fails_naming_one(rig: StreamRig) -> 
         assert stream.outcome is not None and stream.outcome.ok and rig.holds((0, 0), fulls)
 
 
-def test_streaming_round_pauses_at_the_first_complete_bucket_and_commits_after_the_last() -> None:
-    rig = StreamRig(engines=2)
+@pytest.mark.parametrize("pause", ["overlap", "minimal"])
+def test_streaming_round_pauses_at_the_first_complete_bucket_or_the_last_and_commits_after_the_last(pause: str) -> None:
+    """overlap: the engines pause once the first bucket can be written; minimal: once every bucket is staged."""
+    rig = StreamRig(engines=2, pause=pause)
     engines = {e: VerifyingEngine(e, rig) for e in range(2)}
     client = WeightSyncClient.coordinating(
         rig.parties[0].transport,
@@ -316,6 +372,8 @@ def test_streaming_round_pauses_at_the_first_complete_bucket_and_commits_after_t
         for engine in engines.values():
             assert engine.names() == ["pause", "begin", "verify", "commit", "resume"]
             assert engine.at("pause") >= staged_at["w0"]  # not before the first write needs it
+            if pause == "minimal":  # the engines served through the whole staging
+                assert engine.at("pause") >= staged_at["w3"]
             assert engine.at("verify") >= staged_at["w3"]
             assert engine.version == 3
         assert all(rig.holds(t, fulls) for t in rig.memory)
@@ -386,7 +444,7 @@ def test_a_rank_that_never_finishes_staging_times_the_round_out_and_nothing_comm
                 # writer reports the bucket its trainer never finished staging.
                 pytest.raises(
                     PublishError,
-                    match=r"source 1 (did not finish before the round's deadline"
+                    match=r"source 1 (write did not finish before the round's deadline"
                     r"|failed writing .* not staged by the trainer before the round's deadline)",
                 ),
                 client.stream(5) as stream,

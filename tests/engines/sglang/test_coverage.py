@@ -7,7 +7,10 @@ trace refuses naming the parameter, come out bit-exact through the engine replic
 the source, the loader layout written into an engine that held other weights, SGLang's end-of-session processing;
 every parameter, buffer and tensor attribute equals SGLang's own full load, and for DeepSeek-V3 the end of the
 session had to re-derive ``w_kc``/``w_vc`` (the check sees stale derived attributes). The MoE models also sync with
-expert parallelism (EP 2 and 8: 4 and 1 of the 8 experts per rank) through the engine replica. The committed table is
+expert parallelism (EP 2 and 8: 4 and 1 of the 8 experts per rank) through the engine replica. Gemma-2, whose norms'
+``gemma_weight`` buffers SGLang derives in ``load_weights``, syncs through the trace into a server that runs SGLang's
+own ``_rebind_parameter_aliases`` after the writes (weightsync's custom weight loader): every parameter, buffer and
+tensor attribute then equals SGLang's own full load at every case. The committed table is
 checked to be the survey's output: at least four architectures synced, an MoE among them, every row one of the
 statuses.
 """
@@ -26,12 +29,14 @@ BY_REPLICA = {
     "GPT2LMHeadModel": r"TP 1 rank 0: transformer\.h\.0\.attn\.c_attn\.weight: .*a transposed copy",
     "DeepseekV3ForCausalLM": r"TP 1 rank 0: model\.layers\.0\.self_attn\.\S+: ",
 }
+#: Synced by the trace into a server running SGLang's own rebind of the buffers it derives (refused without it).
+REBOUND = "Gemma2ForCausalLM"
 
 
 def test_the_survey_syncs_by_trace_or_by_engine_replica_and_says_which(sglang_py: Path) -> None:
     assert (8, 7) in CASES  # KV heads (4) replicated across 8 ranks
-    rows = {row["arch"]: row for row in survey(sglang_py, [*SYNCED, *BY_REPLICA], progress=False)}
-    assert set(rows) == {*SYNCED, *BY_REPLICA}
+    rows = {row["arch"]: row for row in survey(sglang_py, [*SYNCED, *BY_REPLICA, REBOUND], progress=False)}
+    assert set(rows) == {*SYNCED, *BY_REPLICA, REBOUND}
     for arch in SYNCED:
         assert (rows[arch]["status"], rows[arch]["reason"], rows[arch]["path"]) == ("synced", "", "trace"), rows[arch]
         assert rows[arch]["parameters"] > 0
@@ -50,8 +55,13 @@ def test_the_survey_syncs_by_trace_or_by_engine_replica_and_says_which(sglang_py
     for arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
         assert rows[arch]["fp8"] == [*everywhere, "TP 2 rank 1 EP 2", "TP 8 rank 7 EP 8"], rows[arch]
     assert "fp8" not in rows["LlamaForCausalLM"]
+    gemma2 = rows[REBOUND]
+    assert (gemma2["status"], gemma2["path"]) == ("synced", "trace"), gemma2
+    assert len(gemma2["rebind"]) == 9 and all(n.endswith(".gemma_weight") for n in gemma2["rebind"])  # 4 per layer + 1
+    assert "rebind" not in rows["LlamaForCausalLM"]
     page = render(list(rows.values()))
-    assert "| synced | 7 |" in page and "| refused | 0 |" in page
+    assert "| synced | 8 |" in page and "| refused | 0 |" in page
+    assert "`Gemma2ForCausalLM` | synced | trace, into a server started with `--custom-weight-loader" in page
     assert "FP8 block target from BF16 (TP 1 rank 0, TP 2 rank 1, TP 8 rank 7, TP 2 rank 1 EP 2" in page
     assert "`DeepseekV3ForCausalLM` | synced | engine replica: every parameter, buffer and tensor attribute" in page
 

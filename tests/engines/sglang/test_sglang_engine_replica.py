@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 from sglang_helpers import assert_generates_like_hf
+from test_sglang_rounds import spec
 
-from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync_agent.client.trainer import RoundOutcome
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.layout.checksums import dequantized_bytes
@@ -39,24 +39,6 @@ from weightsync_testing.sglang_models import ensure_fp8_model, hf_prompt_logprob
 from weightsync_testing.trainer_ranks import publish_all
 
 pytest.importorskip("safetensors.torch")
-
-TEMPLATE: dict[str, Any] = {"spec": {"containers": [{"name": "main", "image": "x"}]}}
-
-
-def spec() -> WeightSyncGroupSpec:
-    return WeightSyncGroupSpec.model_validate(
-        {
-            "trainer": {"replicas": 1, "template": TEMPLATE},
-            "inference": {
-                "engines": 1,
-                "ranksPerEngine": 1,
-                "ranksPerPod": 1,
-                "adapter": "sglang",
-                "template": TEMPLATE,
-            },
-            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 120},
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +61,7 @@ def harness(
 def group(sglang_py: Path, harness: SglangEngines) -> Iterator[LoopbackGroup]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))  # the trainer pod's agent runs SGLang's loader too
-        with LoopbackGroup(spec(), group="sg-dsv3", engines=harness) as running:
+        with LoopbackGroup(spec(1, trainers=1, timeout=120), group="sg-dsv3", engines=harness) as running:
             running.start(timeout=300)
             yield running
 
@@ -188,7 +170,7 @@ def fp8_group(
     engines = SglangEngines(fp8, python=str(sglang_py), dtype="bfloat16", log_dir=logs, no_forward=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))
-        with LoopbackGroup(spec(), group="sg-dsv3-fp8", engines=engines) as running:
+        with LoopbackGroup(spec(1, trainers=1, timeout=120), group="sg-dsv3-fp8", engines=engines) as running:
             running.start(timeout=300)
             yield running
 

@@ -28,9 +28,9 @@ from test_sglang_rounds import spec
 from weightsync_agent.client.trainer import WeightSyncClient
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_agent.targets.engine_client import EngineClient, TransferEngineInfo
-from weightsync_agent.transport.base import TransferState
-from weightsync_agent.transport.mooncake import MooncakeTransport
+from weightsync_testing.agent_metrics import metric
 from weightsync_testing.engine_harness import SglangEngines
+from weightsync_testing.foreign_write import ForeignWriter
 from weightsync_testing.http_gate import GatedEngines, publish_with_fault
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import trained_state
@@ -118,38 +118,13 @@ def faulted(sglang_py: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPath
         harness.close_gates()
 
 
-class ForeignWriter:
-    """Writes garbage into one published SGLang parameter over Mooncake, over and over, from this process."""
-
-    def __init__(self, engine: EngineClient, name: str) -> None:
-        # Where to write is read with the group's credential (SGLang's admin key guards the route); Mooncake's
-        # data port itself takes no credential yet (docs/security.md).
-        info = engine.transfer_engine_info(0)
-        self.session = info.session_id
-        self.address, numel, size = (int(v) for v in info.weights_info[name])
-        self.garbage = torch.full((numel * size,), 0x5A, dtype=torch.uint8)
-        self.transport = MooncakeTransport("127.0.0.1", "tcp", force_tcp=True, timeout_seconds=10)
-        self.transport.register(self.garbage.data_ptr(), self.garbage.numel())
-        self.writes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            transfer = self.transport.submit_write(self.session, self.garbage.data_ptr(), self.address,
-                                                   self.garbage.numel())  # fmt: skip
-            while transfer.poll() is TransferState.PENDING and not self._stop.is_set():
-                time.sleep(0.0005)
-            self.writes += 1
-
-    def __enter__(self) -> ForeignWriter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.transport.close()
+def foreign_writer(engine: EngineClient, name: str) -> ForeignWriter:
+    """A :class:`ForeignWriter` over one published SGLang parameter. Where to write is read with the group's
+    credential (SGLang's admin key guards the route); Mooncake's data port itself takes no credential yet
+    (docs/security.md)."""
+    info = engine.transfer_engine_info(0)
+    address, numel, size = (int(v) for v in info.weights_info[name])
+    return ForeignWriter(info.session_id, address, numel * size)
 
 
 class Load:
@@ -181,19 +156,71 @@ class Load:
         self._thread.join(300)
 
 
+@pytest.mark.parametrize("group", [{"trainers": 2, "scrub": 1}], indirect=True)
+def test_a_foreign_write_between_rounds_is_found_by_a_scrub_and_repaired_without_a_new_version(
+    group: LoopbackGroup, tiny_llama: Path
+) -> None:
+    """Stock SGLang's weights take Mooncake writes at any time: one lands between rounds. Within a scrub period
+    SGLang's own ``/weights_checker`` shows it to the coordinator, which names the parameter and repairs the engine
+    from the replicas by a catch-up of the committed version (no new version); SGLang holds the trainer's bytes
+    again. Measured here too: what one scrub of this engine costs."""
+    clients = [group.client(rank) for rank in range(2)]
+    engine = group.engines[0].client(timeout=60)
+    coordinator = group.agents[0].url
+    try:
+        one = trained_state(tiny_llama, 1)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, one, 1))
+        assert_holds(engine, one, "1")
+        with foreign_writer(group.engines[0].client(timeout=10), TARGET) as writer:
+            assert writer.write(), "the foreign write failed"  # one write, between rounds
+
+        started = time.monotonic()
+        end = started + 30
+        while metric(coordinator, "weightsync_agent_rounds_total", kind="catch-up", result="Succeeded") < 1:
+            assert time.monotonic() < end, "no scrub repaired the engine in 30 s: " + group.agents[0].log_text()[-2000:]
+            time.sleep(0.1)
+        repaired = time.monotonic() - started
+        scrubs = metric(coordinator, "weightsync_agent_scrub_seconds_count")
+        spent = metric(coordinator, "weightsync_agent_scrub_seconds_sum")
+        checked = sum(t.numel() * t.element_size() for t in one.values())
+        print(
+            f"\nfound and repaired {repaired:.2f} s after the write (scrub period 1 s); a scrub of "
+            f"{checked / 1e6:.1f} MB took {spent / scrubs * 1e3:.0f} ms on average over {scrubs:.0f}"
+        )  # docs
+        # The write landed (a scrub saw it; the scrubs before it saw none), and the repair undid it.
+        assert metric(coordinator, "weightsync_agent_scrubs_total", result="drift") == 1
+        assert_holds(engine, one, "1")  # the same version, the trainer's bytes again
+        two = trained_state(tiny_llama, 2)
+        assert all(getattr(o, "ok", False) for o in publish_all(clients, two, 2))  # and rounds go on
+        assert_holds(engine, two, "2")
+    finally:
+        for client in clients:
+            client.close()
+
+
 def test_a_foreign_write_fails_verification_naming_the_parameter_and_the_next_round_repairs(
     group: LoopbackGroup, sglang_py: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    """Under a steady /generate load: no request errors or is lost across pauses, and every answer carries a
-    committed version, never the label of a partly written engine."""
+    """Under a steady /generate load, a foreign write lands between a round's writes and its verification: the round
+    fails naming the parameter, no request errors or is lost across pauses, and every answer carries a committed
+    version, never the label of a partly written engine; the next round repairs."""
     clients = [group.client(rank) for rank in range(2)]
+    harness = group.harness
+    assert isinstance(harness, GatedSglangEngines)
+    gate = harness.gates[0]
     engine = group.engines[0].client(timeout=60)
     try:
         with Load(group.engines[0].url) as load:
             first = publish_all(clients, trained_state(tiny_llama, 1), 1)
             assert all(getattr(o, "ok", False) for o in first), [getattr(o, "summary", o.__str__)() for o in first]
-            with ForeignWriter(group.engines[0].client(timeout=10), TARGET) as writer:
-                outcomes = publish_all(clients, trained_state(tiny_llama, 2), 2)
+            with foreign_writer(group.engines[0].client(timeout=10), TARGET) as writer:
+                # After the round's own writes, before SGLang is asked for its checksums: not a race the round
+                # may win on a busy machine (it did, on CI, with a writer looping in a thread).
+                gate.before("/weights_checker", writer.write)
+                try:
+                    outcomes = publish_all(clients, trained_state(tiny_llama, 2), 2)
+                finally:
+                    gate.before("/weights_checker", None)
                 assert writer.writes > 0
             held_after_failure = engine.weight_version()
             repaired = publish_all(clients, trained_state(tiny_llama, 3), 3)

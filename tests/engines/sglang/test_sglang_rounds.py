@@ -42,7 +42,7 @@ def model_dir(tiny_llama: Path) -> Path:
     return tiny_llama
 
 
-def spec(tp: int, engines: int = 1, trainers: int = 2, timeout: int = 60) -> WeightSyncGroupSpec:
+def spec(tp: int, engines: int = 1, trainers: int = 2, timeout: int = 60, scrub: int = 0) -> WeightSyncGroupSpec:
     return WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": trainers, "template": TEMPLATE},
@@ -53,7 +53,7 @@ def spec(tp: int, engines: int = 1, trainers: int = 2, timeout: int = 60) -> Wei
                 "adapter": "sglang",
                 "template": TEMPLATE,
             },
-            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": timeout},
+            "transfer": {"protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": timeout, "scrubSeconds": scrub},
         }
     )
 

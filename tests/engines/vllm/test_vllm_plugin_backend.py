@@ -33,6 +33,7 @@ ENGINE_DIR = engine_root_dir()  # weightsync_engine.vllm.guard, as the plugin sh
 BACKEND = "weightsync-probe"
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 301, 302]]
 NEW_TOKENS = 10
+SERVING_KEY = "rollout-clients-serving-key"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,11 @@ def probe_server(
         api_key=API_KEY,
         weight_transfer_backend=BACKEND,
         pythonpath=[PLUGIN_DIR, ENGINE_DIR],
-        extra_env={"WEIGHTSYNC_VLLM_PROBE_LOG": str(probe_log), "WEIGHTSYNC_GROUP_TOKEN": API_KEY},
+        extra_env={
+            "WEIGHTSYNC_VLLM_PROBE_LOG": str(probe_log),
+            "WEIGHTSYNC_GROUP_TOKEN": API_KEY,
+            "WEIGHTSYNC_SERVING_TOKEN": SERVING_KEY,
+        },
         extra_args=["--middleware", "weightsync_engine.vllm.guard.BearerGuard"],
         log_dir=tmp_path_factory.mktemp("vllm-plugin"),
     )
@@ -116,5 +121,20 @@ def test_a_stock_middleware_guards_the_rl_routes(probe_server: VllmProcess) -> N
         assert probe_server.request(method, path, body, api_key="not-the-token") == unauthorized, path
     assert probe_server.request("GET", "/health", auth=False)[0] == 200
     assert probe_server.request("GET", "/is_paused") == (200, {"is_paused": False})
+    # The serving-only key generates (vLLM's own key, the group token here, is checked after the guard) and opens
+    # no weight route: rollout clients need not hold the group's credential.
+    for method, path, body in [
+        ("POST", "/pause?mode=wait", None),
+        ("POST", "/weight_checker", {"action": "reset"}),
+        ("POST", "/update_weight_version", {"new_version": "forged"}),
+        ("POST", "/collective_rpc", {"method": "reset_weights"}),
+        ("GET", "/weight_info", None),
+    ]:
+        assert probe_server.request(method, path, body, api_key=SERVING_KEY) == unauthorized, path
+    status, models = probe_server.request("GET", "/v1/models", api_key=SERVING_KEY)
+    assert status == 200 and models["data"], models
+    status, completion = probe_server.request("POST", "/v1/completions", {"model": models["data"][0]["id"],
+                                              "prompt": [1, 5, 9], "max_tokens": 2}, api_key=SERVING_KEY)  # fmt: skip
+    assert status == 200 and completion["choices"], completion
     status, info = probe_server.request("GET", "/weight_info")
     assert status == 200 and info["weight_version"] != "forged"

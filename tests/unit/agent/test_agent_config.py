@@ -84,3 +84,9 @@ def test_plan_file_round_trip_and_tampering(tmp_path) -> None:  # type: ignore[n
     with pytest.raises(PlanError, match="not valid JSON"):
         load_plan(config, path, None)
     assert isinstance(Plan.from_json(PLAN.to_json()), Plan)
+
+
+def test_only_an_explicit_setting_lets_peers_advertise_loopback() -> None:
+    assert not AgentConfig.from_env(env()).loopback_peers  # as the operator builds every agent
+    assert not AgentConfig.from_env(env(**{names.ENV_LOOPBACK_PEERS: "true"})).loopback_peers
+    assert AgentConfig.from_env(env(**{names.ENV_LOOPBACK_PEERS: "1"})).loopback_peers  # the local cluster

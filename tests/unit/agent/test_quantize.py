@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync_agent.layout.quantize import FP8_MAX, dequantize, fp8_block
+from weightsync_agent.layout.quantize import FP8_MAX, dequantize, fp8_block, int8_channel
 
 
 def digest(*tensors: torch.Tensor) -> str:
@@ -46,6 +46,40 @@ def test_a_zero_block_is_zeros_and_a_finite_scale() -> None:
     assert torch.equal(dequantize(quantized, scale_inv), weight.float())
 
 
+def reference_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's definition in whole-tensor passes (the quantizer works a few block rows at a time)."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], block[0], grid[1], block[1])
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    scaled = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn), scale_inv
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 700),
+    cols=st.integers(1, 300),
+    block=st.sampled_from([(128, 128), (64, 32), (1, 16), (7, 5)]),
+    seed=st.integers(0, 2**16),
+    pass_bytes=st.sampled_from([1, 4096, 4 << 20]),
+)
+def test_the_quantizer_gives_the_formats_bytes_whatever_its_passes(
+    rows: int, cols: int, block: tuple[int, int], seed: int, pass_bytes: int
+) -> None:
+    import weightsync_agent.layout.quantize as quantize
+
+    weight = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 5).to(torch.bfloat16)
+    want = reference_fp8_block(weight, block)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(quantize, "CPU_PASS_BYTES", pass_bytes)
+        got = fp8_block(weight, block)
+    assert digest(*got) == digest(*want)
+
+
 def test_only_2d_weights() -> None:
     with pytest.raises(ValueError, match="2-D weight"):
         fp8_block(torch.zeros(2, 3, 4))
@@ -79,3 +113,35 @@ def test_the_same_bytes_on_cpu_and_gpu(rows: int, cols: int) -> None:
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     gpu = [t.cpu() for t in fp8_block(weight.cuda())]
     assert digest(*fp8_block(weight)) == digest(*gpu)
+
+
+# --- INT8 per output channel (compressed-tensors W8A8) -------------------------------------------------------------
+
+
+def test_int8_channel_is_the_w8a8_checkpoint_format() -> None:
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
+    quantized, scale = int8_channel(weight, torch.bfloat16)
+    assert (quantized.dtype, list(quantized.shape), scale.dtype, list(scale.shape)) == (
+        torch.int8, [48, 32], torch.bfloat16, [48, 1]
+    )  # fmt: skip
+    assert scale[3, 0] == (weight[3].abs().max() / 127).to(torch.bfloat16)  # the stored scale, in the model's dtype
+    assert quantized.abs().max() <= 127 and (quantized == -128).sum() == 0  # symmetric
+    assert digest(*int8_channel(weight, torch.bfloat16)) == digest(*int8_channel(weight.clone(), torch.bfloat16))
+
+
+def test_int8_channel_zero_rows_and_shapes() -> None:
+    weight = torch.zeros(4, 8)
+    weight[1] = torch.arange(8) - 4.0
+    quantized, scale = int8_channel(weight)
+    assert scale[0, 0] == 1 and not quantized[0].any()  # an all-zero row: a finite scale, zeros
+    with pytest.raises(ValueError, match="2-D"):
+        int8_channel(torch.zeros(2, 2, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_int8_dequantized_is_within_half_a_step(rows: int, cols: int, seed: int) -> None:
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    quantized, scale = int8_channel(weight)
+    error = (quantized.float() * scale - weight).abs()
+    assert bool((error <= scale * 0.5 + 1e-6).all())  # round to nearest with the scale it stores

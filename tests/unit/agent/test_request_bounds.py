@@ -105,3 +105,24 @@ def test_a_handler_bug_is_a_500_in_the_one_error_shape_without_the_traceback() -
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(server.url + "/nothing", timeout=5)
         assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["message"]
+
+
+def test_an_agent_listens_on_its_pod_ip_and_on_the_pods_loopback_for_its_own_trainer() -> None:
+    """The trainer container beside the agent finds it at 127.0.0.1 (``WeightSyncClient.from_env``), peers at the pod's
+    IP; found by running pods in network namespaces, where the agent answered on the pod IP only. 127.0.0.2 stands for
+    the pod's IP here (any 127/8 address is this machine's)."""
+
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="hi")
+
+    def app() -> web.Application:  # one per server: an application is bound to its server's loop
+        made = web.Application()
+        made.router.add_get("/", hello)
+        return made
+
+    with BackgroundServer(app(), "127.0.0.2", 0, also_loopback=True) as server:
+        for host in ("127.0.0.2", "127.0.0.1"):
+            with urllib.request.urlopen(f"http://{host}:{server.port}/", timeout=5) as answer:
+                assert answer.read() == b"hi", host
+    with BackgroundServer(app(), "127.0.0.2", 0) as server, pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=5)

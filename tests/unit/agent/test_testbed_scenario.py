@@ -201,3 +201,24 @@ def test_three_ways_ratios_follow_the_medians() -> None:
     slow = _ratios({**report, "ours": way(7.9, 3.0, 5.0, None)})
     assert slow["ours_over_bound"] is None and slow["targets"]["ours_over_bound_met"] is None
     assert not slow["targets"]["ours_over_miles_met"] and not slow["targets"]["streaming_over_slower_half_met"]
+
+
+def test_three_ways_judges_each_pause_policys_pause() -> None:
+    """pause: minimal against Miles-style's pause and the write's link bound; staged targets against 0.2 s."""
+    from weightsync_tools.testbed.three_ways import _ratios
+
+    def way(median: float, pause: float, bound: float = 4.5) -> dict[str, float]:
+        return {"median": median, "stage_s": 4.3, "round_s": 4.7, "bound_s": bound, "pause_s": pause}
+
+    report = {"broadcast": way(27.5, 27.4), "miles": way(9.0, 4.7), "ours": way(5.1, 4.9),
+              "ours_minimal": way(9.1, 4.8), "ours_staged": way(5.2, 0.05)}  # fmt: skip
+    out = _ratios(report)
+    assert out["overlap_pause_over_miles_pause"] == 4.9 / 4.7 and out["minimal_over_miles"] == 9.1 / 9.0
+    assert out["minimal_pause_over_miles_pause"] == 4.8 / 4.7 and out["minimal_pause_over_bound"] == 4.8 / 4.5
+    assert out["staged_pause_s"] == 0.05
+    assert out["targets"]["minimal_pause_over_miles_met"] and out["targets"]["minimal_pause_over_bound_met"]
+    assert out["targets"]["staged_pause_met"]
+    worse = _ratios({**report, "ours_minimal": way(9.1, 5.2), "ours_staged": way(5.2, 0.3)})
+    assert not worse["targets"]["minimal_pause_over_miles_met"] and not worse["targets"]["minimal_pause_over_bound_met"]
+    assert not worse["targets"]["staged_pause_met"]
+    assert "minimal_pause_over_miles_pause" not in _ratios({k: report[k] for k in ("broadcast", "miles", "ours")})

@@ -50,9 +50,12 @@ def test_render_yaml_builds_every_object() -> None:
     objects = list(yaml.safe_load_all(result.stdout))
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == [
-        "ConfigMap", "NetworkPolicy", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Secret", "Service",
-        "ServiceAccount",
+        "ConfigMap", "NetworkPolicy", "NetworkPolicy", "Pod", "Pod", "Pod", "Pod", "Role", "RoleBinding", "Secret",
+        "Service", "ServiceAccount",
     ]  # fmt: skip
+    # The fence, and the mesh of its two trainer pods (their rendezvous and collectives; docs/workload-identity.md).
+    policies = {o["metadata"]["name"] for o in objects if o["kind"] == "NetworkPolicy"}
+    assert policies == {"demo-ingress", "demo-trainer-mesh"}
     # The group's credential is shown without a token: the operator makes one when it creates the Secret.
     (secret,) = [o for o in objects if o["kind"] == "Secret"]
     assert secret["metadata"]["name"] == "demo-credentials" and "data" not in secret

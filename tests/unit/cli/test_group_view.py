@@ -26,6 +26,7 @@ def sync(version: int, result: str = "Succeeded", **extra: Any) -> dict[str, Any
         "gbps": 0.0533,
         "phases": {"prepare": 0.01, "begin": 0.02, "write": 0.5, "verify": 0.1, "commit": 0.05},
         "pausedSeconds": 0.05,
+        "pausePolicy": "minimal",
         "slowestSource": {**SLOW, "peer": "source 1"},
         "slowestTarget": SLOW,
         **extra,
@@ -51,7 +52,7 @@ GROUP = {
             }
         ],
         "lastSync": sync(2),
-        "recentSyncs": [sync(1, "Aborted", reason="engine 0 commit: HTTP 502"), sync(2)],
+        "recentSyncs": [sync(1, "Aborted", reason="engine 0 commit: HTTP 502", pausePolicy="overlap"), sync(2)],
     },
 }
 
@@ -73,7 +74,7 @@ def test_status_shows_the_group_and_its_last_round_with_phases_pause_and_slowest
     assert "AllReady" in shown and "every pod is ready" in shown
     assert "engine ranks synced: 1 by the trace (cut from the trainer's tensors), 2 through an engine replica" in shown
     assert "v2 Succeeded at 2030-01-01T12:00:02Z in 0.750 s, 5.0 MB" in shown
-    assert "engines paused 0.050 s" in shown
+    assert "engines paused 0.050 s (pause: minimal)" in shown
     assert "phases: prepare 0.010 s · begin 0.020 s · write 0.500 s · verify 0.100 s · commit 0.050 s" in shown
     assert "slowest source: source 1: 2.5 MB in 0.500 s (0.04 Gb/s)" in shown
     assert "slowest target: engine 1 rank 0: 2.5 MB in 0.500 s" in shown
@@ -92,6 +93,7 @@ def test_rounds_lists_newest_first_with_each_rounds_phases_and_reason() -> None:
     assert [line.split("|")[0] for line in lines] == ["2", "1"]
     assert "Aborted" in lines[1] and "engine 0 commit: HTTP 502" in lines[1]
     assert "0.500 s" in lines[0] and "engine 1 rank 0" in lines[0]
+    assert "|0.050 s|minimal|" in lines[0] and "|0.050 s|overlap|" in lines[1]  # each round's pause and its policy
     assert text(rounds_view([])).strip() == "no rounds yet"
 
 

@@ -79,3 +79,45 @@ def test_every_readme_command_and_ci_set_up_the_same_way() -> None:
     assert setup.index("./hack/system-packages.sh") < setup.index("-m venv") < setup.index("build-binaries.sh")
     ci = (ROOT / ".ci" / "run").read_text()
     assert "exec ./hack/test.sh" in ci and "apt-get" not in ci
+
+
+def test_setup_builds_the_real_node_after_the_control_plane_and_ci_requires_it() -> None:
+    """The node binaries are built in the control plane's background job, after it (the kubelet reuses its Go build
+    cache); runc's build packages are in the default list; CI fails rather than skips the real-node tier."""
+    setup = (ROOT / "hack" / "setup.sh").read_text()
+    commands = [line.strip() for line in setup.splitlines() if not line.lstrip().startswith("#")]
+    control_plane = next(i for i, c in enumerate(commands) if "localcluster/build-binaries.sh" in c)
+    node = next(i for i, c in enumerate(commands) if "localcluster/build-node-binaries.sh" in c)
+    assert control_plane < node
+    packages = SCRIPT.read_text()
+    assert "PACKAGES+=(gcc pkg-config libseccomp-dev iproute2)" in packages
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "export WEIGHTSYNC_REQUIRE_REAL_NODE=1" in ci
+
+
+def test_the_real_node_packages_are_left_out_when_nothing_builds_it() -> None:
+    """Not root (the node runs only as root), WEIGHTSYNC_REAL_NODE=0 or WEIGHTSYNC_E2E=0: gcc, pkg-config and
+    libseccomp-dev are not asked for; WEIGHTSYNC_REAL_NODE=1 asks for them without root too."""
+    fake = "PATH=/usr/bin:/bin; dpkg-query() { return 1; }; apt-cache() { return 1; }"
+    script = SCRIPT.read_text().replace("set -euo pipefail", f"set -euo pipefail; {fake}", 1)
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        pytest.skip("root without runuser: cannot run the check as another user")
+    cases: list[tuple[dict[str, str], bool]] = [
+        ({}, False),
+        ({"WEIGHTSYNC_REAL_NODE": "1"}, True),
+        ({"WEIGHTSYNC_REAL_NODE": "0"}, False),
+        ({"WEIGHTSYNC_REAL_NODE": "1", "WEIGHTSYNC_E2E": "0"}, False),
+    ]
+    for env, asked in cases:
+        prefix = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
+        assignments = [f"{k}={v}" for k, v in {"PATH": "/nonexistent", **env}.items()]
+        result = subprocess.run(
+            [*prefix, "/usr/bin/env", "-i", *assignments, "/bin/bash", "-s"],
+            input=script,
+            capture_output=True,
+            text=True,
+            cwd="/",
+            timeout=60,
+            check=False,
+        )
+        assert ("libseccomp-dev" in result.stderr) is asked, (env, result.stderr)

@@ -62,6 +62,24 @@ def test_real_picks_are_distinct_and_bindable() -> None:
         sock.bind(("127.0.0.1", picked[-1]))
 
 
+def test_real_picks_stay_out_of_the_ephemeral_range_where_outgoing_connections_take_ports() -> None:
+    window = ports.pick_window(ports._ephemeral_range())
+    if window is None:
+        pytest.skip("no ephemeral range below which to pick on this host")
+    picked = [ports.free_port() for _ in range(50)]
+    assert all(window[0] <= port < window[1] for port in picked), (window, picked)
+
+
+@pytest.mark.parametrize(
+    ("ephemeral", "window"),
+    [((32768, 60999), (20000, 32768)), ((15000, 60999), (10000, 15000)), ((10500, 60999), None), (None, None)],
+)
+def test_the_window_sits_just_below_the_ephemeral_range(
+    ephemeral: tuple[int, int] | None, window: tuple[int, int] | None
+) -> None:
+    assert ports.pick_window(ephemeral) == window
+
+
 def test_a_port_another_process_recorded_in_the_ledger_is_skipped(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

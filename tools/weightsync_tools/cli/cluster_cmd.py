@@ -23,6 +23,13 @@ DirOption = Annotated[Path, typer.Option("--dir", help="Where the cluster keeps 
 def up(
     directory: DirOption = DEFAULT_DIR,
     nodes: Annotated[int, typer.Option(min=1, max=64, help="Fake (kwok) nodes, each with 8 GPUs and RDMA.")] = 4,
+    real_node: Annotated[
+        bool,
+        typer.Option(
+            "--real-node",
+            help="Also start a real node (kubelet, containerd, runc, CNI bridge; root only; docs/local-cluster.md).",
+        ),
+    ] = False,
 ) -> None:
     """Build (first time) or reuse the binaries and start the cluster; prints the kubeconfig path."""
     from weightsync_tools.localcluster import binaries
@@ -30,12 +37,19 @@ def up(
 
     console.print("[bold]control plane binaries[/] (built from Go modules on first use; cached afterwards)")
     found = binaries.ensure()
+    node = None
+    if real_node:
+        from weightsync_tools.localcluster.realnode import build_node_binaries
+
+        console.print("[bold]real node binaries[/] (kubelet, containerd, runc, CNI; built on first use)")
+        node = build_node_binaries()
     try:
-        state = LocalCluster(directory, found).up(nodes=nodes)
+        state = LocalCluster(directory, found).up(nodes=nodes, real_node=node)
     except ClusterError as exc:
         console.print(f"[red]cluster did not start:[/] {exc}")
         raise typer.Exit(1) from exc
-    console.print(f"[green]cluster up[/] in {state.startup_seconds} s at {state.server} with {nodes} nodes")
+    extra = " and real-node-0" if state.real_node else ""
+    console.print(f"[green]cluster up[/] in {state.startup_seconds} s at {state.server} with {nodes} kwok nodes{extra}")
     console.print(f"export KUBECONFIG={state.kubeconfig}")
     typer.echo(str(state.kubeconfig))
 

@@ -72,7 +72,9 @@ def round_lines(sync: Mapping[str, Any]) -> list[Text]:
     lines = [head]
     if sync.get("pausedSeconds") is not None:
         paused = seconds(sync["pausedSeconds"])
-        lines.append(Text(f"  engines paused {paused}" + (", still paused" if sync.get("enginesPaused") else "")))
+        policy = f" (pause: {sync['pausePolicy']})" if sync.get("pausePolicy") else ""
+        still = ", still paused" if sync.get("enginesPaused") else ""
+        lines.append(Text(f"  engines paused {paused}{policy}{still}"))
     lines.append(Text(f"  phases: {phases_line(sync.get('phases'))}"))
     lines.append(Text(f"  slowest source: {peer_line(sync.get('slowestSource'))}"))
     lines.append(Text(f"  slowest target: {peer_line(sync.get('slowestTarget'))}"))
@@ -122,7 +124,7 @@ def rounds_view(syncs: Sequence[Mapping[str, Any]]) -> RenderableType:
     """The group's recent rounds, newest first, one row each."""
     if not syncs:
         return Text("no rounds yet")
-    table = Table("version", "result", "started", "seconds", "bytes", "Gb/s", "paused", *PHASE_ORDER[3:6],
+    table = Table("version", "result", "started", "seconds", "bytes", "Gb/s", "paused", "pause", *PHASE_ORDER[3:6],
                   "slowest target", "reason")  # fmt: skip
     for sync in reversed(syncs):
         phases = sync.get("phases") or {}
@@ -135,6 +137,7 @@ def rounds_view(syncs: Sequence[Mapping[str, Any]]) -> RenderableType:
             size(sync.get("bytes")),
             str(sync.get("gbps", "-")),
             seconds(sync.get("pausedSeconds")),
+            str(sync.get("pausePolicy") or "-"),
             *(seconds(phases.get(p)) for p in PHASE_ORDER[3:6]),
             peer_line(sync.get("slowestTarget")),
             str(sync.get("reason") or ""),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -190,13 +192,34 @@ def render(
         sys.stdout.write(yaml.safe_dump_all(state.objects(), sort_keys=False, width=120))
 
 
-DEMO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tcp-group.yaml"
+DEMO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tcp-group.yaml"  # --local's default
 DEMO_DIR = Path(os.environ.get("WEIGHTSYNC_DEMO_DIR", Path.home() / ".cache" / "weightsync" / "demo-cluster"))
+
+
+class DemoEngine(StrEnum):
+    """``weightsync demo --engine``: what serves on the engine pods (``localcluster.demo_engines``)."""
+
+    reference = "reference"
+    sglang = "sglang"
+    vllm = "vllm"
 
 
 @app.command()
 def demo(
-    example: Annotated[Path, typer.Option("-f", "--filename", help="The group to run.")] = DEMO_EXAMPLE,
+    example: Annotated[
+        Path | None,
+        typer.Option(
+            "-f", "--filename", help="The group to run (default: examples/tcp-group.yaml).", show_default=False
+        ),
+    ] = None,
+    engine: Annotated[
+        DemoEngine,
+        typer.Option(
+            help="The engine on the engine pods: the built-in reference engine, or stock SGLang 0.5.23 or vLLM 0.32.0 "
+            "on CPU (their pinned venv is built the first time: ~2.5 min and 6.2 GB each, cached; the example "
+            "group examples/<engine>-group.yaml runs shrunk to one CPU machine, without the scale step)."
+        ),
+    ] = DemoEngine.reference,
     scale_to: Annotated[int, typer.Option(min=1, max=8, help="Engines to scale to once the group is Ready.")] = 3,
     directory: Annotated[Path, typer.Option("--dir", help="Where the demo cluster keeps its state.")] = DEMO_DIR,
     keep: Annotated[bool, typer.Option(help="Leave the cluster, operator and agents running.")] = False,
@@ -214,21 +237,35 @@ def demo(
     A failure prints one line: the step, its cause and a log file with the details."""
     from weightsync_tools.cli.demo_steps import run_reporting, step
 
+    stock = engine is not DemoEngine.reference
+    if stock and (local or example is not None):
+        raise typer.BadParameter(
+            f"--engine {engine.value} runs examples/{engine.value}-group.yaml on the local cluster: "
+            "-f and --local are for the reference engine"
+        )
     if local:
         if staging not in (None, "live", "staged"):
             raise typer.BadParameter("--staging must be live or staged")
+        group_file = (example or DEMO_EXAMPLE).resolve()
 
         def local_demo() -> int:
             with step("load the local demo"):
                 from weightsync_tools.cli.demo_local import run_local_demo
-            return run_local_demo(example.resolve(), steps=steps, join=join, console=Console(), staging=staging)
+            return run_local_demo(group_file, steps=steps, join=join, console=Console(), staging=staging)
 
         raise typer.Exit(run_reporting("weightsync demo --local", local_demo))
 
     def cluster_demo() -> int:
         with step("load the demo"):
             from weightsync_tools.localcluster.demo import run_demo
-        return run_demo(directory, example=example.resolve(), scale_to=scale_to, keep=keep, console=Console())
+        return run_demo(
+            directory,
+            example=example.resolve() if example else None,
+            scale_to=scale_to,
+            keep=keep,
+            console=Console(),
+            engine=engine.value,
+        )
 
     raise typer.Exit(run_reporting("weightsync demo", cluster_demo))
 
@@ -279,6 +316,22 @@ def bench(
         str | None, typer.Option(help="Link rate per node and direction, tc units (default: A 1gbit, B 500mbit).")
     ] = None,
     rounds: Annotated[int | None, typer.Option(help="Rounds per mode (default 5, --quick 3).")] = None,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=50,
+            help="Runs of the scenario, each on a fresh testbed: every ratio's median and spread (min-max) over them; "
+            "a run the CPU bound lowers the rate and starts the runs again (docs/testbed.md).",
+        ),
+    ] = 3,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            help="A previous run's --json output: say whether every median is within 10 % of its median there "
+            "(the same command twice should agree).",
+        ),
+    ] = None,
     mib: Annotated[int | None, typer.Option(help="Model size in MiB (default: the scenario's, 512).")] = None,
     plot: Annotated[
         Path | None, typer.Option(help="PNG of time vs engines (default weightsync-bench-<scenario>.png).")
@@ -340,10 +393,17 @@ def bench(
         else:
             render(report_scale, Console())
         return
+    from weightsync_tools.testbed import runner
     from weightsync_tools.testbed.netns import NetnsUnavailableError
-    from weightsync_tools.testbed.runner import Options, run, table
+    from weightsync_tools.testbed.repeat import agreement, agreement_lines, run_repeated, summary_table
+    from weightsync_tools.testbed.runner import Options
     from weightsync_tools.testbed.scenario import parse_points
 
+    try:
+        previous = None if against is None else json.loads(against.read_text())["summary"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        err.print(f"[red]error:[/] --against {escape(str(against))}: not a `weightsync bench --json` output ({exc})")
+        raise typer.Exit(1) from exc
     try:
         points = parse_points(sweep if sweep is not None else ("1,2,4,8" if quick else "1-8")) if sweep != "" else []
         options = Options(
@@ -366,21 +426,33 @@ def bench(
         if options.scenario == "B":
             from weightsync_tools.testbed import three_ways
 
-            report = three_ways.run(options, say)
-            show = three_ways.table
+            run_scenario, show, metrics = three_ways.run, three_ways.table, three_ways.METRICS
         else:
-            report = run(options, say)
-            show = table
+            run_scenario, show, metrics = runner.run, runner.table, runner.METRICS
+        calls = 0
+
+        def run_once(opts: Options) -> dict[str, Any]:
+            nonlocal calls
+            calls += 1  # scenario A's sweep and plot: with the first run only
+            report = run_scenario(opts if calls == 1 else dataclasses.replace(opts, sweep=[], plot=None), say)
+            if not json_output:
+                typer.echo(show(report))
+            return report
+
+        reports, summary = run_repeated(run_once, options, repeat, metrics, say)
     except NetnsUnavailableError as exc:
         err.print(f"[yellow]skipped:[/] {escape(str(exc))}")
         raise typer.Exit(2) from exc
     except ValueError as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(1) from exc
+    agreed = None if previous is None else agreement(summary["metrics"], previous.get("metrics") or {})
     if json_output:
-        typer.echo(json.dumps(report, indent=1))
+        typer.echo(json.dumps({"runs": reports, "summary": summary, "against": agreed}, indent=1))
     else:
-        typer.echo(show(report))
+        typer.echo(summary_table(summary, metrics))
+        if agreed is not None:
+            typer.echo("\n".join(agreement_lines(agreed, metrics, str(against))))
 
 
 @app.command()

@@ -19,12 +19,16 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from weightsync.ports import free_port
 from weightsync_tools.localcluster import pki as pki_mod
 from weightsync_tools.localcluster.binaries import Binaries
+
+if TYPE_CHECKING:
+    from weightsync_tools.localcluster.realnode import NodeBinaries
 
 #: Extended resources every fake node advertises, so RDMA/GPU groups schedule.
 DEFAULT_NODE_RESOURCES = {
@@ -105,6 +109,8 @@ class ClusterState:
     processes: list[Process] = field(default_factory=list)
     started_at: float = 0.0
     startup_seconds: float = 0.0
+    #: The real node's binaries (build-node-binaries.sh's cache) when ``up(real_node=...)`` started one.
+    real_node: str = ""
 
     @property
     def server(self) -> str:
@@ -122,6 +128,19 @@ class ClusterState:
         data = json.loads((directory / "state.json").read_text())
         data["processes"] = [Process(**p) for p in data["processes"]]
         return cls(**data)
+
+
+def terminate(process: Process, grace: float = 10.0) -> None:
+    """SIGTERM ``process`` (after a SIGCONT: a frozen one cannot act on it), SIGKILL after ``grace`` seconds."""
+    if not _alive(process):
+        return
+    os.kill(process.pid, signal.SIGCONT)
+    os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _alive(process) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(process):
+        os.kill(process.pid, signal.SIGKILL)
 
 
 def _alive(process: Process) -> bool:
@@ -168,10 +187,12 @@ class LocalCluster:
         timeout: float = 120,
         audit: bool = False,
         controller_manager_args: Sequence[str] = (),
+        real_node: NodeBinaries | None = None,
     ) -> ClusterState:
         """Start the cluster. ``audit``: the API server writes an audit log (:data:`AUDIT_POLICY`, at
         :data:`AUDIT_LOG`; the scale benchmark counts requests per user in it). ``controller_manager_args``: extra
-        flags for kube-controller-manager (e.g. its API rate, which bounds garbage collection)."""
+        flags for kube-controller-manager (e.g. its API rate, which bounds garbage collection). ``real_node``: also
+        start a real node (containerd and a kubelet, ``realnode.py``) with these binaries (off by default)."""
         if (self.directory / "state.json").exists() and self.running():
             raise ClusterError(f"a cluster is already running in {self.directory}; `weightsync cluster down` first")
         started = time.monotonic()
@@ -183,7 +204,7 @@ class LocalCluster:
         state.kubeconfig.write_text(pki_mod.kubeconfig(pki, state.server))
         try:
             self._start_etcd(state)
-            self._start_apiserver(state, pki, timeout, audit=audit)
+            self._start_apiserver(state, pki, timeout, audit=audit, kubelet_client=real_node is not None)
             self._start(
                 state,
                 "kube-controller-manager",
@@ -240,6 +261,11 @@ class LocalCluster:
                 lambda: self._kubectl(state, "get", "serviceaccount", "default", check=False).returncode == 0,
                 timeout,
             )
+            if real_node is not None:
+                from weightsync_tools.localcluster.realnode import RealNode
+
+                state.real_node = str(real_node.directory)
+                RealNode(self, real_node).start(state, timeout)
         except BaseException:
             self.down(state)
             raise
@@ -248,7 +274,9 @@ class LocalCluster:
         return state
 
     def down(self, state: ClusterState | None = None) -> list[str]:
-        """Stop every recorded process, newest first: SIGTERM, then SIGKILL after 10 s."""
+        """Stop every recorded process, newest first: SIGTERM, then SIGKILL after 10 s; etcd last, once the others
+        are gone (the API server deletes its lease on the way out: with etcd stopped beside it, that waited 10 s for
+        etcd and was killed)."""
         self._supervising.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=30)
@@ -257,17 +285,25 @@ class LocalCluster:
                 return []
             state = ClusterState.load(self.directory)
         stopped = []
-        for process in reversed(state.processes):
-            if not _alive(process):
-                continue
-            os.kill(process.pid, signal.SIGTERM)
-            stopped.append(process.name)
-        deadline = time.monotonic() + 10
-        for process in reversed(state.processes):
-            while _alive(process) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if _alive(process):
-                os.kill(process.pid, signal.SIGKILL)
+        if state.real_node and any(p.name in ("kubelet", "containerd") for p in state.processes):
+            from weightsync_tools.localcluster.realnode import NodeBinaries, RealNode
+
+            # Its pods first (the kubelet tears their sandboxes down), then what containerd and the kubelet leave.
+            RealNode(self, NodeBinaries(Path(state.real_node))).stop(state)
+            stopped += ["kubelet", "containerd"]
+        newest_first = list(reversed(state.processes))
+        for wave in ([p for p in newest_first if p.name != "etcd"], [p for p in newest_first if p.name == "etcd"]):
+            for process in wave:
+                if not _alive(process):
+                    continue
+                os.kill(process.pid, signal.SIGTERM)
+                stopped.append(process.name)
+            deadline = time.monotonic() + 10
+            for process in wave:
+                while _alive(process) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if _alive(process):
+                    os.kill(process.pid, signal.SIGKILL)
         state.processes = []
         state.save()
         return stopped
@@ -304,14 +340,7 @@ class LocalCluster:
         process = self.component(state, name)
         with self._starting:
             self._stopped_on_purpose.add(name)
-        if _alive(process):
-            os.kill(process.pid, signal.SIGCONT)
-            os.kill(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while _alive(process) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(process):
-            os.kill(process.pid, signal.SIGKILL)
+        terminate(process)
 
     def start_component(self, state: ClusterState, name: str, timeout: float = 60) -> None:
         """Start a stopped component again with the arguments it first had (same ports, same data)."""
@@ -413,12 +442,32 @@ class LocalCluster:
 
         _wait("etcd", healthy, 30, self.logs / "etcd.log")
 
-    def _start_apiserver(self, state: ClusterState, pki: pki_mod.Pki, timeout: float, *, audit: bool = False) -> None:
-        audit_args: list[str] = []
+    def _start_apiserver(
+        self,
+        state: ClusterState,
+        pki: pki_mod.Pki,
+        timeout: float,
+        *,
+        audit: bool = False,
+        kubelet_client: bool = False,
+    ) -> None:
+        extra_args: list[str] = []
+        if kubelet_client:
+            # A real kubelet (realnode.py) serves logs, exec and port-forward on its node's InternalIP; the API server
+            # reaches it there (its default picks the Hostname address, which nothing resolves) with its own client
+            # certificate, as kubeadm's apiserver-kubelet-client.
+            cert, key = pki_mod.client_certificate(
+                pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters"
+            )
+            extra_args += [
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--kubelet-client-certificate={cert}",
+                f"--kubelet-client-key={key}",
+            ]
         if audit:
             policy = self.directory / "audit-policy.yaml"
             policy.write_text(yaml.safe_dump(AUDIT_POLICY))
-            audit_args = [
+            extra_args += [
                 f"--audit-policy-file={policy}",
                 f"--audit-log-path={self.directory / AUDIT_LOG}",
                 "--audit-log-format=json",
@@ -445,7 +494,7 @@ class LocalCluster:
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
                 f"--cert-dir={self.directory / 'certs'}",
-                *audit_args,
+                *extra_args,
             ],
         )
         self._wait_apiserver(state, timeout)

@@ -154,16 +154,37 @@ def generate(directory: Path) -> Pki:
     return pki
 
 
+def client_certificate(pki: Pki, name: str, common_name: str, organization: str | None = None) -> tuple[Path, Path]:
+    """A client certificate signed by the cluster's CA (e.g. a kubelet's: ``system:node:<node>`` in
+    ``system:nodes``), written as ``<name>.crt`` and ``<name>.key`` next to the others; returns their paths."""
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TypeError(f"{pki.ca_key} is not an ECDSA key")
+    ca_name = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes()).subject
+    key = _key()
+    cert, key_path = pki.directory / f"{name}.crt", pki.directory / f"{name}.key"
+    _write_key(key_path, key)
+    cert.write_bytes(_pem(_issue(_name(common_name, organization), key, ca_name, ca_key)))
+    return cert, key_path
+
+
 def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
-def kubeconfig(pki: Pki, server: str, *, token: str | None = None, user: str = "admin") -> str:
-    """A kubeconfig for ``server``: the admin's client cert, or a bearer token (a ServiceAccount's)."""
+def kubeconfig(
+    pki: Pki,
+    server: str,
+    *,
+    token: str | None = None,
+    user: str = "admin",
+    client: tuple[Path, Path] | None = None,
+) -> str:
+    """A kubeconfig for ``server``: the admin's client cert, another ``client`` (cert, key), or a bearer token
+    (a ServiceAccount's)."""
+    cert, key = client or (pki.admin_cert, pki.admin_key)
     credentials: dict[str, str] = (
-        {"token": token}
-        if token
-        else {"client-certificate-data": _b64(pki.admin_cert), "client-key-data": _b64(pki.admin_key)}
+        {"token": token} if token else {"client-certificate-data": _b64(cert), "client-key-data": _b64(key)}
     )
     config = {
         "apiVersion": "v1",

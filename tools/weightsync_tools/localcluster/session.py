@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the agent side pulls in torch: only load it when agents act
     from weightsync.api.v1alpha1 import WeightSyncGroupSpec
     from weightsync_agent.client import WeightSyncClient
     from weightsync_testing.engine_harness import EngineHarness
+    from weightsync_testing.pod_sandbox import PodSandboxes
     from weightsync_testing.reference_engine.launch import EngineProcess
 
 REPO = Path(__file__).resolve().parents[3]
@@ -210,8 +211,10 @@ def secret_reader(admin: Kube) -> SecretReader:
     return read
 
 
-def agent_env(pod: dict[str, Any], secrets: SecretReader | None = None) -> dict[str, str]:
-    """The environment of a pod's agent sidecar, resolved as a kubelet would, with a free local port."""
+def agent_env(pod: dict[str, Any], secrets: SecretReader | None = None, pod_ip: str | None = None) -> dict[str, str]:
+    """The environment of a pod's agent sidecar, resolved as a kubelet would: on loopback (``pod_ip`` None) with a
+    free local port; in the pod's own network namespace (``weightsync_testing.pod_sandbox``) at ``pod_ip`` with the
+    spec's port."""
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == AGENT_CONTAINER)
     env: dict[str, str] = {}
     for item in sidecar.get("env", []):
@@ -230,8 +233,9 @@ def agent_env(pod: dict[str, Any], secrets: SecretReader | None = None) -> dict[
         elif field == "metadata.namespace":
             env[item["name"]] = pod["metadata"]["namespace"]
         elif field == "status.podIP":
-            env[item["name"]] = "127.0.0.1"
-    env[names.ENV_AGENT_PORT] = str(free_port())
+            env[item["name"]] = pod_ip or "127.0.0.1"
+    if pod_ip is None:
+        env[names.ENV_AGENT_PORT] = str(free_port())
     return env
 
 
@@ -286,8 +290,16 @@ class Agents:
         staged: bool = False,
         engines: tuple[EngineHarness, WeightSyncGroupSpec] | None = None,
         secrets: SecretReader | None = None,
+        network: PodSandboxes | None = None,
+        engine_agent_env: Mapping[str, str] | None = None,
     ) -> None:
         self.credentials = credentials
+        #: Pods as network namespaces: each agent runs in its pod's, at the pod's IP, and engines are the pods' own
+        #: containers (``weightsync_testing.container_spec``), not started here.
+        self.network = network
+        #: What the engine pods' agent image has in its environment where no harness starts the engine (the engine's
+        #: interpreter, ``WEIGHTSYNC_ENGINE_PYTHON``, for tracing with its own code).
+        self.engine_agent_env = dict(engine_agent_env or {})
         self.secrets = secrets
         self.logs = logs
         self.staged = staged
@@ -312,7 +324,8 @@ class Agents:
     def start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         self.stop(name)
-        env = agent_env(pod, self.secrets)
+        pod_ip = pod["status"]["podIP"] if self.network is not None else None
+        env = agent_env(pod, self.secrets, pod_ip)
         mounted = env.get(names.ENV_CREDENTIALS_DIR)
         if mounted:
             # The Secret volume, as the kubelet mounts it: a folder of this pod's, kept fresh by sync_credentials.
@@ -325,7 +338,9 @@ class Agents:
         token = engine_token(pod, self.secrets)
         if token is not None:
             self.engine_tokens[name] = token
-        if env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
+        if env.get(names.ENV_ROLE) == "engine":
+            env = {**self.engine_agent_env, **env}
+        if self.network is None and env.get(names.ENV_ROLE) == "engine" and env.get(names.ENV_POD_INDEX) == "0":
             index = int(env[names.ENV_ENGINE_INDEX])
             if self.harness is not None:
                 harness, spec = self.harness
@@ -342,10 +357,13 @@ class Agents:
                 env[names.ENV_ENGINE_URL] = engine.url
         self.envs[name] = env
         kubeconfig_path = self.credentials(pod)
+        # Agents on loopback are bound to pods whose podIP is kwok's; in the pods' namespaces they are at it.
+        peers = {names.ENV_LOOPBACK_PEERS: "1"} if self.network is None else {}
+        wrap = self.network.wrap(name) if self.network is not None else []
         with open(self.logs / f"{name}.log", "ab") as out:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "weightsync_tools.cli.main", "agent"],
-                env={**os.environ, **env, "KUBECONFIG": str(kubeconfig_path), "WEIGHTSYNC_TICK_SECONDS": "1"},
+                [*wrap, sys.executable, "-m", "weightsync_tools.cli.main", "agent"],
+                env={**os.environ, **env, "KUBECONFIG": str(kubeconfig_path), "WEIGHTSYNC_TICK_SECONDS": "1", **peers},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -389,6 +407,24 @@ def group_pods(admin: Kube, namespace: str, group: str) -> dict[str, dict[str, A
     """The group's pods that are not being deleted, by name."""
     items = admin.json("-n", namespace, "get", "pods", "-l", f"{names.LABEL_GROUP}={group}")["items"]
     return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+
+
+def group_picture(admin: Kube, namespace: str, group: str, events: int = 15) -> str:
+    """What a test that waited in vain for a group's pods needs to know, in a few lines: each pod's phase, node and
+    IP, the group's status, and the namespace's latest events (a failure names the step, this names the cause)."""
+    lines: list[str] = []
+    try:
+        for name, pod in sorted(group_pods(admin, namespace, group).items()):
+            status = pod.get("status") or {}
+            lines.append(f"pod {name}: {status.get('phase')} on {pod['spec'].get('nodeName') or '(unscheduled)'}"
+                         f" ip={status.get('podIP')}")  # fmt: skip
+        group_status = admin.json("-n", namespace, "get", "wsg", group).get("status") or {}
+        lines.append(f"group status: {json.dumps(group_status)[:1500]}")
+        listed = admin.json("-n", namespace, "get", "events", "--sort-by=.lastTimestamp")["items"][-events:]
+        lines += [f"event {e.get('reason')} {e['involvedObject'].get('name')}: {e.get('message')}" for e in listed]
+    except (CommandError, subprocess.TimeoutExpired) as error:
+        lines.append(f"(the API server did not answer: {error})")
+    return "\n".join(lines)
 
 
 def install_chart(admin: Kube, *, release: str = "weightsync", namespace: str = "weightsync-system") -> None:

@@ -54,18 +54,43 @@ folded in; a live round's HTTP around the writes), then ``nccl_efficiency`` to s
 (gloo's share, also used for the emulated gather's plain TCP). Measured: ``d2h_gbs``, the staging
 ``memcpy`` into ``/dev/shm`` per rank with 8 ranks on 2 cores; ``verify_gbs``, xxh3 on one core here."""
 
+#: The staged commit's copy, staging area over live weights (``rank_memory.promote``): torch ``copy_`` of one TP-2
+#: rank of the 512 MiB model (272 MiB) on one core here, 10.0 GB/s (measured, not fitted). Each engine process
+#: copies its ranks one after the other; the engines share the machine's cores.
+PROMOTE_GBS = 10.0
+TESTBED_CORES = 2
+
 #: The two reference-model sizes the bench uses: ``model_shape(512)`` and ``model_shape(152)`` (the sweep);
 #: 32 MiB of each is the embedding and LM head (vocab 4096 x hidden 1024 x 4 bytes, twice).
 REPLICATED_BYTES = 32 * MiB
 
 
-Way = Literal["broadcast_s", "p2p_s", "miles_style_staging_s", "miles_style_s", "ours_s"]
+Way = Literal[
+    "broadcast_s",
+    "p2p_s",
+    "miles_style_staging_s",
+    "miles_style_s",
+    "ours_s",
+    "miles_pause_s",
+    "minimal_pause_s",
+    "overlap_pause_s",
+    "staged_pause_s",
+]
 WAYS: tuple[Way, ...] = get_args(Way)
 """What the testbed times: broadcast's round (the sender's), a p2p round over staged replicas (scenario A),
-the Miles-style way's staging and its stage-to-commit, and ours' stage-to-commit (scenario B)."""
+the Miles-style way's staging and its stage-to-commit, and ours' stage-to-commit (scenario B); and how long each
+way of scenario B keeps the engines paused (``transfer.pause``: Miles-style's round, ours ``minimal`` and
+``overlap``, and a staged-target round's commit)."""
 
 
 BENCH_WAYS: dict[str, Way] = {"broadcast": "broadcast_s", "p2p": "p2p_s", "miles": "miles_style_s", "ours": "ours_s"}
+#: The bench's ways whose ``pause_s`` a pause prediction models.
+BENCH_PAUSES: dict[str, Way] = {
+    "miles": "miles_pause_s",
+    "ours_minimal": "minimal_pause_s",
+    "ours": "overlap_pause_s",
+    "ours_staged": "staged_pause_s",
+}
 
 
 def replicated_from_shard(model_bytes: float, shard_bytes: float, tp: int) -> float:
@@ -88,6 +113,10 @@ class Measured:
     miles_style_staging_s: float | None = None
     miles_style_s: float | None = None
     ours_s: float | None = None
+    miles_pause_s: float | None = None
+    minimal_pause_s: float | None = None
+    overlap_pause_s: float | None = None
+    staged_pause_s: float | None = None
     source: str = "docs/testbed.md"
 
     def seconds(self, way: Way) -> float | None:
@@ -109,12 +138,24 @@ class Prediction:
     """Staging, then the round."""
     ours_s: float
     """Gather, copy and write as one pipeline (balanced plan, streaming)."""
+    miles_pause_s: float
+    """Miles-style pauses the engines for its round alone (the staging went before, while they served)."""
+    minimal_pause_s: float
+    """``pause: minimal``: the same, for ours: stage while the engines serve, pause for the writes."""
+    overlap_pause_s: float
+    """``pause: overlap``: from the first streamed write (once one bucket is gathered and copied) to the commit."""
+    staged_pause_s: float
+    """A staged-target round: only its commit, which copies each rank's staging area over its live weights."""
     ours_bottleneck: str
     phases: dict[str, dict[str, float]]
 
     def seconds(self, way: Way) -> float:
         value: float = getattr(self, way)
         return value
+
+    def pauses_by_bench_way(self) -> dict[str, float]:
+        """The pause predictions, keyed by the bench's way whose ``pause_s`` each models."""
+        return {bench: round(self.seconds(way), 4) for bench, way in BENCH_PAUSES.items()}
 
     def by_bench_way(self) -> dict[str, float]:
         """Keyed as the bench's reports name their ways: scenario A's ``p2p`` and ``broadcast``, scenario B's
@@ -216,12 +257,22 @@ def predict(
     # stage_then_write's phases: staging (gather, replica load), then the round (control, round: ...).
     staging = miles["gather"] + miles["replica load"]
     round_s = sum(v for k, v in miles.items() if k not in ("gather", "replica load"))
+    _trainers, engines, tp = layout
+    first_bucket = p2p_bucket_bytes or bucket_bytes
+    # One bucket gathered from the shard group over the node's link, then copied into the replica.
+    first_write = first_bucket * (gather_shards - 1) / gather_shards * 8 / rate_bits + first_bucket / (hw.d2h_gbs * 1e9)
+    shard = (model_bytes - replicated_bytes) / tp + replicated_bytes
+    promote = engines * tp * shard / (PROMOTE_GBS * 1e9 * min(TESTBED_CORES, engines))
     return Prediction(
         broadcast_s=bcast.seconds,
         p2p_s=round_s,
         miles_style_staging_s=staging,
         miles_style_s=sim.p2p.seconds,
         ours_s=sim.ours.seconds,
+        miles_pause_s=round_s,
+        minimal_pause_s=round_s,
+        overlap_pause_s=sim.ours.seconds - first_write,
+        staged_pause_s=hw.control_s + promote,
         ours_bottleneck=sim.ours.bottleneck,
         phases={"broadcast": dict(bcast.phases), "miles_style": miles, "ours": dict(sim.ours.phases)},
     )
@@ -256,10 +307,18 @@ _A = BenchRun(
     fitted=True,
 )
 _B = BenchRun("B", trainers=8, engines=4, tp=2, model_bytes=512 * MiB, rate_bits=500 * 10**6, gather_shards=2)
-#: Scenario B with the trainer's gather (shard groups of 2, asked two tensors ahead) and 16 MiB p2p buckets, one
-#: run of 3 rounds per way (docs/testbed.md); another run gave broadcast 28.54, Miles-style 9.43 (staging 4.49)
-#: and ours 5.44 s.
-_B_MEASURED = Measured(broadcast_s=28.537, miles_style_s=9.438, miles_style_staging_s=4.494, ours_s=5.418)
+#: Scenario B with the trainer's gather (shard groups of 2) and 8 MiB p2p buckets: the medians of 3 runs of 5 rounds
+#: per way (``weightsync bench --scenario B``, docs/testbed.md), each way's time and how long it paused the engines.
+_B_MEASURED = Measured(
+    broadcast_s=27.485,
+    miles_style_s=9.111,
+    miles_style_staging_s=4.333,
+    ours_s=5.106,
+    miles_pause_s=4.714,
+    minimal_pause_s=4.698,
+    overlap_pause_s=4.932,
+    staged_pause_s=0.1456,
+)
 TESTBED_RUNS: dict[str, BenchRun] = {
     "A": _A,
     # Scenario B as measured before the gather was emulated (streaming wired in, a quiet machine).
@@ -272,7 +331,7 @@ TESTBED_RUNS: dict[str, BenchRun] = {
         ),
     ),
     # Scenario B with the trainer's gather (shard groups of 2), as the bench runs it now.
-    "B": replace(_B, p2p_bucket_bytes=16 * MiB, measured=_B_MEASURED),
+    "B": replace(_B, p2p_bucket_bytes=8 * MiB, measured=_B_MEASURED),
 }
 
 #: The engine sweep of docs/testbed.md (152 MiB model, 4 trainer nodes, N engines x TP2, 1 Gbit/s, one round

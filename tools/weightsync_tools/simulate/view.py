@@ -60,6 +60,10 @@ _WAY_LABELS = {
     "miles_style_staging_s": "Miles-style: staging (gather, copy)",
     "miles_style_s": "Miles-style: staging, then the round",
     "ours_s": "ours: gather, copy and write pipelined",
+    "miles_pause_s": "paused: Miles-style (its round)",
+    "minimal_pause_s": "paused: ours, minimal (the writes)",
+    "overlap_pause_s": "paused: ours, overlap (1st write on)",
+    "staged_pause_s": "paused: staged targets (commit)",
 }
 
 

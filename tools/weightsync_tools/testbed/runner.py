@@ -43,7 +43,8 @@ from weightsync.api import names
 from weightsync.api.token import new_token
 from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import Plan, plan_for
-from weightsync_tools.testbed import netns
+from weightsync_tools.testbed import cpu, netns
+from weightsync_tools.testbed.repeat import Metric
 from weightsync_tools.testbed.scenario import (
     Layout,
     Link,
@@ -74,6 +75,13 @@ GATHER_AHEAD = 2
 SCENARIOS: dict[str, tuple[Layout, int]] = {"A": (Layout(trainers=4, engines=2, tp=2), 512)}
 TARGET_SPEEDUP = 3.5  # p2p at least this much faster than broadcast
 TARGET_OVER_BOUND = 1.3  # p2p at most this much slower than the link bound
+#: What ``--repeat`` summarizes for scenario A (top-level keys of a run's report).
+METRICS: tuple[Metric, ...] = (
+    Metric("speedup", "broadcast / p2p", (">=", TARGET_SPEEDUP)),
+    Metric("p2p_over_bound", "p2p / link bound", ("<=", TARGET_OVER_BOUND)),
+    Metric("p2p_s", "p2p round, s (median of its rounds)"),
+    Metric("broadcast_s", "broadcast round, s (median of its rounds)"),
+)
 
 
 @dataclass
@@ -166,7 +174,15 @@ def build_testbed(layout: Layout, rate_bits: int | None, mtu: int = netns.DEFAUL
 
 
 def group_plan(
-    layout: Layout, engines: int, mode: str, bucket_mib: int, timeout: int, planner: str = "balanced"
+    layout: Layout,
+    engines: int,
+    mode: str,
+    bucket_mib: int,
+    timeout: int,
+    planner: str = "balanced",
+    *,
+    pause: str = "minimal",
+    staging: str = "live",
 ) -> Plan:
     spec = WeightSyncGroupSpec.model_validate(
         {
@@ -182,6 +198,8 @@ def group_plan(
                 "mode": mode,
                 "protocol": "tcp",
                 "planner": planner,
+                "pause": pause,
+                "targetStaging": staging,
                 "bucketSizeMiB": bucket_mib,
                 "timeoutSeconds": timeout,
             },
@@ -218,7 +236,7 @@ class LineReader:
 class Group:
     """Engines, agents and the broadcast sender of one model, on ``net``."""
 
-    def __init__(self, net: Net, layout: Layout, model: dict[str, int], options: Options, workdir: Path, say: Say):
+    def __init__(self, net: Net, layout: Layout, model: dict[str, Any], options: Options, workdir: Path, say: Say):
         self.net, self.layout, self.model, self.options, self.say = net, layout, model, options, say
         self.workdir = workdir
         self.engines: dict[int, Any] = {}
@@ -242,6 +260,9 @@ class Group:
         self.token = new_token()
         #: The p2p plan's planner (``transfer.planner``): scenario B runs the agents with both.
         self.planner = "balanced"
+        #: The p2p plan's ``transfer.pause`` and ``targetStaging``: scenario B runs ours with each policy and staged.
+        self.pause = "minimal"
+        self.staging = "live"
 
     # --- engines ---------------------------------------------------------------------------------
 
@@ -271,7 +292,8 @@ class Group:
 
     def _p2p_plan(self, engines: int) -> Plan:
         opts = self.options
-        return group_plan(self.layout, engines, "p2p", opts.p2p_bucket, opts.timeout_seconds, self.planner)
+        return group_plan(self.layout, engines, "p2p", opts.p2p_bucket, opts.timeout_seconds, self.planner,
+                          pause=self.pause, staging=self.staging)  # fmt: skip
 
     def _write_files(self, engines: int, p2p_plan: Plan) -> Path:
         opts = self.options
@@ -515,7 +537,8 @@ class Group:
         ended, after = time.monotonic(), self.net.counters()
         result = outcomes[0].round
         done = Round("p2p", version, result.result, result.duration_seconds, result.bytes, result.reason,
-                     _delta(before, after), dict(getattr(result, "phases", {}) or {}))  # fmt: skip
+                     _delta(before, after), dict(getattr(result, "phases", {}) or {}),
+                     getattr(result, "pause_policy", None))  # fmt: skip
         return TimedRound(done, stage_s=staged - started, total_s=ended - started, pause_s=self.pause_seconds())
 
     def pause_seconds(self) -> float:
@@ -542,8 +565,9 @@ class Group:
         """Targets whose memory does not hold exactly ``full_state(seed)`` cut for them; [] if all do."""
         from weightsync_agent.modes.broadcast.checksums import layout_checksums
         from weightsync_agent.targets.engine_client import EngineClient
+        from weightsync_testing.reference_engine.model import quantized_full
 
-        full = self.full(seed)
+        full = quantized_full(self.full(seed), _model_config(self.model))  # what an FP8 target's checkpoint holds
         bucket = plan.transfer.bucket_bytes
         wrong = []
         for engine, rank in plan.layout.all_targets():
@@ -588,6 +612,8 @@ class Round:
     links: dict[Link, int] | None
     #: The coordinator's seconds per phase (p2p ways; empty for broadcast, whose sender reports none).
     phases: dict[str, float] = field(default_factory=dict)
+    #: When the coordinator paused the engines (its record's ``pausePolicy``; None for broadcast's sender).
+    pause_policy: str | None = None
 
     def check(self) -> None:
         if self.result != "Succeeded":
@@ -644,19 +670,22 @@ def bounds(layout: Layout, group: Group, plan: Plan, rate_bits: int | None) -> d
     return out
 
 
-def _model_bytes(model: Mapping[str, int]) -> int:
+def _model_bytes(model: Mapping[str, Any]) -> int:
+    """The trainer's full tensors, in bytes (in the model's dtype)."""
+    from weightsync_agent.layout.manifest import ITEMSIZE
     from weightsync_testing.reference_engine.model import full_shapes
 
+    config = _model_config(model)
     total = 0
-    for shape in full_shapes(_model_config(model)).values():
+    for shape in full_shapes(config).values():
         count = 1
         for dim in shape:
             count *= dim
-        total += count * 4
+        total += count * ITEMSIZE[config.dtype]
     return total
 
 
-def _model_config(model: Mapping[str, int]) -> Any:
+def _model_config(model: Mapping[str, Any]) -> Any:
     from weightsync_testing.reference_engine.model import ModelConfig
 
     fields: dict[str, Any] = dict(model)
@@ -715,6 +744,7 @@ def run(options: Options, say: Say) -> dict[str, Any]:
         rounds: dict[str, list[Round]] = {"p2p": [], "broadcast": []}
         version = 0
         wrong: list[str] = []
+        window = cpu.Window()
         for rep in range(options.rounds):
             version += 1
             b = group.broadcast_round(version)
@@ -727,6 +757,10 @@ def run(options: Options, say: Say) -> dict[str, Any]:
             p.check()
             rounds["p2p"].append(p)
             say(f"  round {rep + 1}/{options.rounds}: broadcast {b.seconds:.2f} s, p2p {p.seconds:.2f} s")
+        windows = {"rounds": window.close(report["machine"]["cpus"], caps=options.caps)}
+        report["cpu"] = {name: w.as_json() for name, w in windows.items()}
+        report["bottleneck"] = cpu.worst(windows)
+        say(f"  bottleneck: {windows['rounds'].describe()}")
         if options.check:
             wrong += [f"{w} after p2p" for w in group.check_targets(group.p2p_plan, P2P_SEED)]
         report["model_bytes"] = analytic["model_bytes"]
@@ -925,6 +959,7 @@ def table(report: Mapping[str, Any]) -> str:
     lines.append(text)
     if report.get("bit_exact") is not None:
         lines.append(f"# bit-exact on every target after broadcast and p2p: {report['bit_exact']}")
+    lines += cpu.table_lines(report.get("cpu") or {})
     if report.get("sweep"):
         lines.append("# sweep (time vs engines): engines  p2p s  broadcast s  p2p bound s  broadcast bound s")
         for point in report["sweep"]:

@@ -8,7 +8,10 @@
   stages everything, then publishes: staging and writing follow each other;
 * **ours**: p2p with the balanced planner, each rank streaming its staging into the round (a bucket is
   written as soon as it is staged), when the client offers streaming; otherwise stage-then-publish, and the
-  report says so.
+  report says so. Three rows (``transfer.pause``, ``weightsync.api.pause``): ``overlap`` into live engines
+  (paused from the first write, through the staging: the shortest stage-to-commit), ``minimal`` into live engines
+  (they serve while the trainer stages and pause for the write alone), and ``minimal`` into staged engines (the
+  reference engine's staging area: written while they serve, paused only to apply).
 
 Staging includes the trainer's gather (``gather.py``): with shard groups of ``gather_shards`` nodes (2 by
 default) a rank receives half of every tensor over its own node's inbound link before it stages it, as an
@@ -17,8 +20,11 @@ FSDP/HSDP rank all-gathers its parameters; broadcast's sender is credited with f
 A p2p way's time is the trainer's: from the first staged byte to the last rank's commit. Broadcast's is the
 sender's round (it sends from the full tensors it holds; a real trainer's rank 0 sends from the GPU and
 stages nothing). The engines' pause window (the longest time an engine did not serve) is read from the
-reference engines after every round. Broadcast rounds alternate with Miles-style rounds (one agent set per
-plan); ours runs after them with the balanced plan's agents.
+reference engines after every live round; a staged round's is its commit (the reference engine applies the
+staging area under the lock every forward takes: what the coordinator records as the round's ``pausedSeconds``).
+Broadcast rounds alternate with Miles-style rounds (one agent set per plan); each row of ours runs after them with
+the balanced plan's agents for its policy and staging. Each of these windows records the CPU time of every process
+of the run against its wall time (``cpu.py``): the report says whether the CPU or the links bound the run.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync_tools.testbed import cpu
+from weightsync_tools.testbed.repeat import Metric
 from weightsync_tools.testbed.runner import (
     BROADCAST_SEED,
     P2P_SEED,
@@ -64,13 +72,39 @@ OURS_OVER_MILES_MAX = 0.85
 BROADCAST_OVER_OURS_MIN = 5.0
 OURS_OVER_BOUND_MAX = 1.15
 STREAMING_OVER_SLOWER_HALF_MAX = 1.15
+#: ``pause: minimal``: the engines' pause against Miles-style's (whose engines also pause for the write alone) and
+#: against the link bound of the write alone.
+MINIMAL_PAUSE_OVER_MILES_MAX = 1.05
+MINIMAL_PAUSE_OVER_BOUND_MAX = 1.10
+#: Staged targets: the most a round may keep an engine from serving (its apply).
+STAGED_PAUSE_MAX_S = 0.2
 
-WAYS = ("broadcast", "miles", "ours")
+#: ``ours`` is the overlap row (the stage-to-commit targets, and what the simulator predicts); the other two rows of
+#: ours differ in ``transfer.pause`` and ``targetStaging``.
+OURS = {"ours": ("overlap", "live"), "ours_minimal": ("minimal", "live"), "ours_staged": ("minimal", "staged")}
+WAYS = ("broadcast", "miles", *OURS)
 LABELS = {
     "broadcast": "broadcast (rank 0, gloo)",
     "miles": "Miles-style (miles plan, stage, write)",
     "ours": "ours (balanced plan)",
+    "ours_minimal": "ours (balanced plan, pause: minimal)",
+    "ours_staged": "ours (balanced plan, staged targets)",
 }
+#: What ``--repeat`` summarizes for scenario B (top-level keys of a run's report), with the issue's targets.
+METRICS: tuple[Metric, ...] = (
+    Metric("ours_over_miles", "ours (overlap) / Miles-style, stage-to-commit", ("<=", OURS_OVER_MILES_MAX)),
+    Metric("broadcast_over_ours", "broadcast / ours (overlap)", (">=", BROADCAST_OVER_OURS_MIN)),
+    Metric("ours_over_bound", "ours (overlap) / link bound", ("<=", OURS_OVER_BOUND_MAX)),
+    Metric("streaming_over_slower_half", "ours (overlap) / max(staging, writing) alone",
+           ("<=", STREAMING_OVER_SLOWER_HALF_MAX)),
+    Metric("overlap_pause_over_miles_pause", "pause: ours (overlap) / Miles-style"),
+    Metric("minimal_pause_over_miles_pause", "pause: ours (minimal) / Miles-style",
+           ("<=", MINIMAL_PAUSE_OVER_MILES_MAX)),
+    Metric("minimal_pause_over_bound", "pause: ours (minimal) / link bound of the write",
+           ("<=", MINIMAL_PAUSE_OVER_BOUND_MAX)),
+    Metric("minimal_over_miles", "ours (minimal) / Miles-style, stage-to-commit"),
+    Metric("staged_pause_s", "pause: ours (staged targets), s", ("<=", STAGED_PAUSE_MAX_S)),
+)  # fmt: skip
 
 
 def _streams(group: Group) -> bool:
@@ -114,6 +148,9 @@ def run(options: Options, say: Say) -> dict[str, Any]:
         rounds: dict[str, list[TimedRound]] = {way: [] for way in WAYS}
         wrong: list[str] = []
         version = 0
+        cpus = report["machine"]["cpus"]
+        window = cpu.Window()
+        windows: dict[str, cpu.Usage] = {}
         for rep in range(options.rounds):
             version += 1
             b = group.broadcast_round(version)
@@ -127,32 +164,46 @@ def run(options: Options, say: Say) -> dict[str, Any]:
             rounds["miles"].append(m)
             say(f"  round {rep + 1}/{options.rounds}: broadcast {b.seconds:.2f} s, Miles-style {m.total_s:.2f} s "
                 f"(staging {m.stage_s:.2f} s, round {m.round.seconds:.2f} s)")  # fmt: skip
+        windows["broadcast+miles"] = window.close(cpus, caps=options.caps)
         if options.check:
             wrong += [f"{w} after Miles-style" for w in group.check_targets(group.p2p_plan, P2P_SEED)]
         group.stop_broadcaster()
         group.planner = "balanced"
-        group.start_agents(layout.engines)
-        analytic["ours"] = bounds(layout, group, group.p2p_plan, rate_bits)
-        streaming = _streams(group)
+        streaming = True
+        for way, (pause, staging) in OURS.items():
+            _stage_engines(group, staged=staging == "staged")
+            group.pause, group.staging = pause, staging
+            group.start_agents(layout.engines)
+            analytic[way] = bounds(layout, group, group.p2p_plan, rate_bits)
+            streaming = streaming and _streams(group)
+            window = cpu.Window()
+            for rep in range(options.rounds):
+                version += 1
+                o = group.streamed_p2p_round(version) if streaming else group.staged_p2p_round(version)
+                o.round.check()
+                if staging == "staged":
+                    # The engines did not pause: a staged round keeps them from serving in its commit (the apply).
+                    o = dataclasses.replace(o, pause_s=o.round.phases.get("commit", 0.0))
+                rounds[way].append(o)
+                phases = " ".join(f"{p} {s:.2f}" for p, s in o.round.phases.items())
+                say(f"  round {rep + 1}/{options.rounds}: {LABELS[way]} {o.total_s:.2f} s (staging {o.stage_s:.2f} s;"
+                    f" engines paused {o.pause_s:.2f} s; coordinator's phases: {phases})")  # fmt: skip
+            windows[way] = window.close(cpus, caps=options.caps)
+            if options.check:
+                wrong += [f"{w} after {LABELS[way]}" for w in group.check_targets(group.p2p_plan, P2P_SEED)]
+        _stage_engines(group, staged=False)
         report["ours_streams"] = streaming
-        for rep in range(options.rounds):
-            version += 1
-            o = group.streamed_p2p_round(version) if streaming else group.staged_p2p_round(version)
-            o.round.check()
-            rounds["ours"].append(o)
-            phases = " ".join(f"{p} {s:.2f}" for p, s in o.round.phases.items())
-            say(f"  round {rep + 1}/{options.rounds}: ours {o.total_s:.2f} s (staging {o.stage_s:.2f} s; "
-                f"coordinator's phases: {phases})")  # fmt: skip
-        if options.check:
-            wrong += [f"{w} after ours" for w in group.check_targets(group.p2p_plan, P2P_SEED)]
+        report["cpu"] = {name: w.as_json() for name, w in windows.items()}
+        report["bottleneck"] = cpu.worst(windows)
+        for name, w in windows.items():
+            say(f"  {name}: {w.describe()}")
         report["model_bytes"] = analytic["ours"]["model_bytes"]
         report["bit_exact"] = not wrong if options.check else None
         if wrong:
             report["not_bit_exact"] = wrong
         bound_of = {
             "broadcast": analytic["ours"]["broadcast"]["bound_s"],
-            "miles": analytic["miles"]["p2p"]["bound_s"],
-            "ours": analytic["ours"]["p2p"]["bound_s"],
+            **{way: analytic[way]["p2p"]["bound_s"] for way in ("miles", *OURS)},
         }
         for way in WAYS:
             report[way] = _way(rounds[way], bound_of[way])
@@ -164,10 +215,20 @@ def run(options: Options, say: Say) -> dict[str, Any]:
     return report
 
 
+def _stage_engines(group: Group, *, staged: bool) -> None:
+    """Switch every reference engine between live and staged mode (its ``/weightsync/stage``), between rounds."""
+    from weightsync_agent.targets.engine_client import EngineClient
+
+    for url in group.engine_urls.values():
+        EngineClient(url, timeout=30, api_key=group.token).stage(staged)
+
+
 def _way(rounds: list[TimedRound], bound_s: float | None) -> dict[str, Any]:
     total = Stats.of(r.total_s for r in rounds)
     return {
         **total.as_json(),
+        # The policy the coordinator recorded (None: broadcast's sender records none).
+        "pause_policy": rounds[-1].round.pause_policy,
         "round_s": Stats.of(r.round.seconds for r in rounds).median,
         "stage_s": Stats.of(r.stage_s for r in rounds).median,
         "pause_s": Stats.of(r.pause_s for r in rounds).median,
@@ -195,7 +256,7 @@ def _modelled(
 
     shard = max(analytic["target_bytes"].values())
     model_bytes = report["model_bytes"]
-    prediction = predict(
+    predicted = predict(
         layout=(layout.trainers, layout.engines, layout.tp),
         model_bytes=model_bytes,
         replicated_bytes=replicated_from_shard(model_bytes, shard, layout.tp),
@@ -203,11 +264,18 @@ def _modelled(
         bucket_bytes=options.bucket_mib * MiB,
         p2p_bucket_bytes=options.p2p_bucket * MiB,
         gather_shards=options.shards,
-    ).by_bench_way()
-    return {
+    )
+    prediction, pauses = predicted.by_bench_way(), predicted.pauses_by_bench_way()
+    modelled: dict[str, Any] = {
         way: {"modelled_s": round(prediction[way], 3), "error": round(prediction[way] / report[way]["median"] - 1, 3)}
         for way in WAYS
+        if way in prediction  # the simulator models broadcast, Miles-style and ours (overlap)
     }
+    for way, seconds in pauses.items():  # how long each way paused the engines (transfer.pause)
+        measured = (report.get(way) or {}).get("pause_s")
+        if measured:
+            modelled[f"{way}_pause"] = {"modelled_s": round(seconds, 3), "error": round(seconds / measured - 1, 3)}
+    return modelled
 
 
 def _trainer_in(links: Mapping[tuple[str, str], int] | None) -> int | None:
@@ -225,6 +293,7 @@ def _ratios(report: Mapping[str, Any]) -> dict[str, Any]:
         "ours_over_bound": None if ours["bound_s"] is None else ours["median"] / ours["bound_s"],
         # Staging alone and writing alone, as the Miles-style rounds measured them one after the other.
         "streaming_over_slower_half": ours["median"] / max(miles["stage_s"], miles["round_s"]),
+        "overlap_pause_over_miles_pause": _over(ours.get("pause_s"), miles.get("pause_s")),
     }
     over = out["ours_over_bound"]
     out["targets"] = {
@@ -233,7 +302,27 @@ def _ratios(report: Mapping[str, Any]) -> dict[str, Any]:
         "ours_over_bound_met": None if over is None else over <= OURS_OVER_BOUND_MAX,
         "streaming_over_slower_half_met": out["streaming_over_slower_half"] <= STREAMING_OVER_SLOWER_HALF_MAX,
     }
+    minimal, staged = report.get("ours_minimal"), report.get("ours_staged")
+    if minimal is not None:  # pause: minimal, live engines: the pause of the write alone
+        out["minimal_over_miles"] = minimal["median"] / miles["median"]
+        out["minimal_pause_over_miles_pause"] = _over(minimal["pause_s"], miles.get("pause_s"))
+        out["minimal_pause_over_bound"] = _over(minimal["pause_s"], minimal["bound_s"])
+        out["targets"]["minimal_pause_over_miles_met"] = _at_most(out["minimal_pause_over_miles_pause"],
+                                                                  MINIMAL_PAUSE_OVER_MILES_MAX)  # fmt: skip
+        out["targets"]["minimal_pause_over_bound_met"] = _at_most(out["minimal_pause_over_bound"],
+                                                                  MINIMAL_PAUSE_OVER_BOUND_MAX)  # fmt: skip
+    if staged is not None:
+        out["staged_pause_s"] = staged["pause_s"]
+        out["targets"]["staged_pause_met"] = staged["pause_s"] <= STAGED_PAUSE_MAX_S
     return out
+
+
+def _over(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def _at_most(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
 
 
 def _staging_line(shards: int) -> str:
@@ -251,26 +340,36 @@ def _met(flag: bool | None) -> str:
 
 def table(report: Mapping[str, Any]) -> str:
     lay = report["layout"]
-    label = dict(LABELS)
-    label["ours"] = "ours (balanced, streaming)" if report.get("ours_streams") else "ours (balanced, stage, write)"
+    how = "streaming" if report.get("ours_streams") else "stage, write"
+    label = {
+        **LABELS,
+        "ours": f"ours (balanced, {how})",
+        "ours_minimal": f"ours (balanced, {how})",
+        "ours_staged": f"ours (balanced, {how}, staged)",
+    }
     lines = [
         f"# scenario B: {lay['trainers']} trainer nodes -> {lay['engines']} engines x TP{lay['tp']} (one node per"
         f" engine rank); {report['model_bytes'] / MiB:.0f} MiB model (float32); bucket {report['bucket_mib']} MiB"
         f" (p2p ways {report.get('p2p_bucket_mib', report['bucket_mib'])} MiB);"
-        " live rounds",
+        " live rounds (the staged row: the engines' staging area)",
         f"# network: {report['network']}" + (f", {report['rate']} per link and direction" if report["rate"] else "")
         + (f", MTU {report['mtu']}" if report.get("mtu") else "")
         + f"; {report['machine']['cpus']} CPUs ({report['machine']['cpu']}), load {report['machine']['load']}",
-        "# time: stage-to-commit (p2p ways) or the sender's round (broadcast); pause: longest engine pause",
+        "# time: stage-to-commit (p2p ways) or the sender's round (broadcast); pause: longest engine pause (staged:"
+        " the commit); policy: the pause policy the coordinator recorded",
         _staging_line(report.get("gather_shards") or 1),
-        f"{'way':<40}{'rounds':>7}{'median s':>10}{'staging s':>10}{'round s':>9}{'pause s':>9}{'bound s':>9}",
+        f"{'way':<40}{'policy':>8}{'rounds':>7}{'median s':>10}{'staging s':>10}{'round s':>9}{'pause s':>9}"
+        f"{'bound s':>9}",
     ]  # fmt: skip
     for way in WAYS:
-        row = report[way]
+        row = report.get(way)
+        if row is None:
+            continue
         bound = "-" if row["bound_s"] is None else f"{row['bound_s']:.3f}"
+        policy = row.get("pause_policy") or "-"
         lines.append(
-            f"{label[way]:<40}{row['n']:>7}{row['median']:>10.3f}{row['stage_s']:>10.3f}{row['round_s']:>9.3f}"
-            f"{row['pause_s']:>9.3f}{bound:>9}"
+            f"{label[way]:<40}{policy:>8}{row['n']:>7}{row['median']:>10.3f}{row['stage_s']:>10.3f}"
+            f"{row['round_s']:>9.3f}{row['pause_s']:>9.3f}{bound:>9}"
         )
     t = report["targets"]
     lines.append(
@@ -285,6 +384,18 @@ def table(report: Mapping[str, Any]) -> str:
         f"{report['streaming_over_slower_half']:.2f} (<= {STREAMING_OVER_SLOWER_HALF_MAX}: "
         f"{_met(t['streaming_over_slower_half_met'])})"
     )
+    if report.get("minimal_pause_over_miles_pause") is not None:
+        lines.append(
+            f"# pause: minimal / Miles-style = {report['minimal_pause_over_miles_pause']:.2f} (<= "
+            f"{MINIMAL_PAUSE_OVER_MILES_MAX}: {_met(t.get('minimal_pause_over_miles_met'))}); minimal / link bound = "
+            + ("-" if report.get("minimal_pause_over_bound") is None else f"{report['minimal_pause_over_bound']:.2f}")
+            + f" (<= {MINIMAL_PAUSE_OVER_BOUND_MAX}: {_met(t.get('minimal_pause_over_bound_met'))}); overlap / "
+            f"Miles-style = {report['overlap_pause_over_miles_pause'] or 0:.2f}"
+        )
+    if report.get("staged_pause_s") is not None:
+        lines.append(f"# pause: staged targets {report['staged_pause_s']:.3f} s per round (<= {STAGED_PAUSE_MAX_S} s: "
+                     f"{_met(t.get('staged_pause_met'))})")  # fmt: skip
+    lines += cpu.table_lines(report.get("cpu") or {})
     if report.get("bit_exact") is not None:
         lines.append(f"# bit-exact on every target after every way: {report['bit_exact']}")
     model = report.get("model")

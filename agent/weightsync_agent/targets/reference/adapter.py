@@ -79,6 +79,10 @@ class ReferenceAdapter:
     def begin(self, version: int, timeout: float, *, round_id: str) -> None:
         self.client.begin(version, timeout=timeout, verify=self.settings.verify, round_id=round_id)
 
+    def reopen(self, version: int, timeout: float, *, round_id: str) -> None:
+        # A begin of the open round (same version and id) opens every rank's window again (ClosesAtVerify).
+        self.begin(version, timeout, round_id=round_id)
+
     def verify(
         self, rank: int, version: int, checksums: Sequence[str], timeout: float, *, round_id: str
     ) -> TargetVerdict:
@@ -89,6 +93,11 @@ class ReferenceAdapter:
 
     def apply(self, version: int, timeout: float, *, round_id: str) -> None:
         self.client.apply(version, timeout=timeout, round_id=round_id)
+
+    def scrub(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+        # The engine checks its own memory; on a drift it stops serving and takes a repair of the version.
+        answer = self.client.scrub(rank, version, self.settings.bucket_bytes, checksums, timeout=timeout)
+        return TargetVerdict(ok=answer.ok, mismatched=answer.mismatched, error=answer.error)
 
     def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
         logits = self.client.forward(input_ids, timeout=timeout)

@@ -9,6 +9,8 @@ SGLang publishes its live weights for one-sided writes when started with
 | begin | ``POST /begin_weight_update`` (a session left open by a failed round is closed first) |
 | write | one-sided Mooncake writes into the published live weights |
 | verify | ``POST /weights_checker {"action": "checksum"}``: every written parameter of the rank, matched by TP rank |
+| rebind | a model whose manifests list ``rederived`` buffers (Gemma-2's ``gemma_weight``): ``POST
+/update_weights_from_tensor`` with weightsync's custom weight loader and no tensors, so that SGLang re-derives them |
 | commit | ``POST /end_weight_update``, then ``POST /update_weight_version`` — only after a verified round |
 | resume | ``POST /continue_generation`` |
 | abort | ``POST /end_weight_update`` to close the session; the version is never relabelled, the engine stays paused |
@@ -26,9 +28,11 @@ addresses (:mod:`.manifest`); everyone else fetches them from that pod's agent.
 
 from __future__ import annotations
 
+import base64
+import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
@@ -49,11 +53,21 @@ from weightsync_agent.targets.engine_agent_calls import fetch_manifest
 from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_agent.targets.engine_trace import run_replica_layout, run_trace
 from weightsync_agent.targets.pass_checksums import PassChecksums
-from weightsync_agent.targets.sglang.manifest import TraceRefusedError, assemble, checksum_scheme
+from weightsync_agent.targets.sglang.manifest import (
+    REBIND_LOADER,
+    TraceRefusedError,
+    assemble,
+    checksum_scheme,
+    rebinds,
+)
 
 FLUSH_RETRY_SECONDS = 0.2
 INIT_GROUP_ROUTE = "/init_weights_update_group"
 UPDATE_ROUTE = "/update_weights_from_distributed"
+REBIND_ROUTE = "/update_weights_from_tensor"
+#: One TP rank's empty tensor list as SGLang's MultiprocessingSerializer writes it (a ForkingPickler pickle of ``[]``,
+#: base64): SGLang's ``SafeUnpickler`` reads it back as ``[]``, so the custom weight loader gets no tensors.
+EMPTY_TENSORS = base64.b64encode(pickle.dumps([], protocol=4)).decode("ascii")
 NOT_PUBLISHING = (
     "SGLang does not publish its weights for one-sided writes: start it with "
     "--remote-instance-weight-loader-start-seed-via-transfer-engine and a per-instance "
@@ -72,6 +86,9 @@ class RoundMismatchError(HttpCallError):
 #: process only: a call from a coordinator process that died is not stopped (docs/engines/sglang.md).
 _OPEN_ROUNDS: dict[str, str] = {}
 _OPEN_ROUNDS_LOCK = threading.Lock()
+#: Engine URL -> the version a scrub found drifted on it: the next round may write that version again (a repair;
+#: versions otherwise only move forward). Process-wide for the same reason as :data:`_OPEN_ROUNDS`.
+_REPAIRS: dict[str, int] = {}
 
 
 class SglangAdapter:
@@ -164,11 +181,7 @@ class SglangAdapter:
 
     def begin(self, version: int, timeout: float, *, round_id: str) -> None:
         self._open(round_id)
-        held = self.client.weight_version(timeout=timeout)
-        if held is not None and held.isdigit() and version <= int(held):
-            raise HttpCallError(
-                "/begin_weight_update", 409, f"version {version} is not newer than the version SGLang holds ({held})"
-            )
+        self._check_newer(version, timeout, "/begin_weight_update")
         self._sums.forget()
         try:
             self._post("/begin_weight_update", {}, timeout)
@@ -191,23 +204,14 @@ class SglangAdapter:
         held = self._sums.for_rank(version, rank, lambda: self._engine_checksums(timeout)).get(rank)
         if held is None:
             return TargetVerdict(ok=False, error=f"/weights_checker answered no checksums for TP rank {rank}")
-        # A block-FP8 weight's scale has no checksum of its own (SGLang compares it through its weight).
-        mismatched = [
-            i
-            for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
-            if held.get(t.name) != want and not (want == COMPARED_WITH_WEIGHT and t.name not in held)
-        ]
-        if mismatched:
-            names = [manifest.tensors[i].name for i in mismatched[:5]]
-            return TargetVerdict(ok=False, mismatched=mismatched, error=f"parameters {names} differ")
-        return TargetVerdict(ok=True)
+        return _verdict(manifest, checksums, held)
 
     def apply(self, version: int, timeout: float, *, round_id: str) -> None:
         """End the weight-update session (SGLang's post-processing runs there) and keep the label: the semantic gate
         scores the canary between this and :meth:`commit`."""
         self._check_round("/end_weight_update", round_id)
         self._check_newer(version, timeout)
-        self._post("/end_weight_update", {}, timeout)
+        self._end_session(timeout)
         self._applied = round_id
 
     def score(self, input_ids: Sequence[int], timeout: float, *, round_id: str) -> list[float | None]:
@@ -220,15 +224,39 @@ class SglangAdapter:
         # The version moves only here, after every rank verified; end first, so post-processing has run (in this
         # round's apply, when the semantic gate ran).
         if self._applied != round_id:
-            self._post("/end_weight_update", {}, timeout)
+            self._end_session(timeout)
         self.client.update_weight_version(str(version), abort_all_requests=False, timeout=timeout)
+        with _OPEN_ROUNDS_LOCK:
+            if _REPAIRS.get(self.client.base_url, version + 1) <= version:
+                del _REPAIRS[self.client.base_url]  # repaired, or overtaken: this version was verified and committed
 
-    def _check_newer(self, version: int, timeout: float) -> None:
+    def scrub(self, rank: int, version: int, checksums: Sequence[str], timeout: float) -> TargetVerdict:
+        """SGLang's own ``/weights_checker`` of the weights it serves now (not the round's cached pass) against the
+        committed version's verified checksums. SGLang cannot be told to stop serving them: the coordinator repairs
+        the engine at once, and this allows that round to write ``version`` again."""
+        manifest = self._manifests.get(rank) or self.manifest(rank)
+        if len(checksums) != len(manifest.tensors):
+            return TargetVerdict(ok=False, error=f"{len(checksums)} checksums for {len(manifest.tensors)} parameters")
         held = self.client.weight_version(timeout=timeout)
+        if held != str(version):
+            return TargetVerdict(ok=True)  # another version: a catch-up's business, not a drift of this one
+        served = self._engine_checksums(timeout).get(rank)
+        if served is None:
+            return TargetVerdict(ok=False, error=f"/weights_checker answered no checksums for TP rank {rank}")
+        verdict = _verdict(manifest, checksums, served)
+        if not verdict.ok:
+            with _OPEN_ROUNDS_LOCK:
+                _REPAIRS[self.client.base_url] = version
+        return verdict
+
+    def _check_newer(self, version: int, timeout: float, route: str = "/update_weight_version") -> None:
+        held = self.client.weight_version(timeout=timeout)
+        with _OPEN_ROUNDS_LOCK:
+            repair = _REPAIRS.get(self.client.base_url) == version
+        if repair and held == str(version):
+            return  # a scrub found this version drifted here: the round writes and verifies it again
         if held is not None and held.isdigit() and version <= int(held):
-            raise HttpCallError(
-                "/update_weight_version", 409, f"version {version} is not newer than the version SGLang holds ({held})"
-            )
+            raise HttpCallError(route, 409, f"version {version} is not newer than the version SGLang holds ({held})")
 
     def resume(self, timeout: float, *, round_id: str) -> None:
         self._check_round("/continue_generation", round_id)
@@ -300,11 +328,34 @@ class SglangAdapter:
 
     # --- Pieces ------------------------------------------------------------------------------------
 
+    def _end_session(self, timeout: float) -> None:
+        """End a verified round's session: first, for a model whose buffers SGLang derives from the written
+        parameters (its manifests' ``rederived``), SGLang's own rebind through weightsync's custom weight loader
+        (``weightsync_engine/sglang/aliases.py``), then ``/end_weight_update``. A failed rebind fails the round before
+        the end: the round's failure path closes the session, never relabels, and the engine stays paused, so stale
+        buffers are never served."""
+        # A broadcast round ran SGLang's own load_weights on every tensor, which re-derived the buffers itself.
+        if self.settings.mode == "p2p" and self._rederives():
+            # flush_cache off: pause flushed, nothing ran since, and a flush finding the retracted requests queued
+            # fails the call; no weight_version: the version moves in commit only.
+            body = {
+                "serialized_named_tensors": [EMPTY_TENSORS] * self.settings.ranks,
+                "load_format": REBIND_LOADER,
+                "flush_cache": False,
+                "abort_all_requests": False,
+            }
+            self._post(REBIND_ROUTE, body, timeout)
+        self._post("/end_weight_update", {}, timeout)
+
     def _post(self, route: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         _, answer = self.client.request("POST", route, body=body, timeout=timeout)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise HttpCallError(route, 400, str(answer.get("message")), answer)
         return answer if isinstance(answer, dict) else {}
+
+    def _rederives(self) -> bool:
+        """Whether this engine's manifests list buffers SGLang re-derives after the writes (one list per model)."""
+        return any((self._manifests.get(r) or self.manifest(r)).rederived for r in range(self.settings.ranks))
 
     def _engine_checksums(self, timeout: float) -> dict[int, dict[str, str]]:
         """Every rank's ``{name: hash}`` (the route gathers all TP ranks; asked once per verify pass)."""
@@ -329,7 +380,7 @@ class SglangAdapter:
         device = str(info.get("device") or "cuda")
         try:
             return assemble(self.settings.engine, rank, trace, info_pair.session_id, info_pair.weights_info,
-                            device=device)  # fmt: skip
+                            device=device, rebind=rebinds(info))  # fmt: skip
         except TraceRefusedError as refused:
             # The loader fuses, transforms or derives weights here: the engine replica holds what it produces.
             layout = self._replica_layout(rank, info)
@@ -371,3 +422,17 @@ class SglangAdapter:
     def _run_trace(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
         return run_trace("sglang", model=str(server_info["model_path"]), tp=int(server_info.get("tp_size") or 1),
                          rank=rank, dtype=str(server_info.get("dtype") or "auto"), who=self.name)  # fmt: skip
+
+
+def _verdict(manifest: Manifest, checksums: Sequence[str], held: Mapping[str, str]) -> TargetVerdict:
+    """``manifest``'s tensors' hashes in ``held`` (SGLang's checker) against ``checksums``, naming the first that
+    differ; a block-FP8 weight's scale has no checksum of its own (SGLang compares it through its weight)."""
+    mismatched = [
+        i
+        for i, (t, want) in enumerate(zip(manifest.tensors, checksums, strict=True))
+        if held.get(t.name) != want and not (want == COMPARED_WITH_WEIGHT and t.name not in held)
+    ]
+    if not mismatched:
+        return TargetVerdict(ok=True)
+    names = [manifest.tensors[i].name for i in mismatched[:5]]
+    return TargetVerdict(ok=False, mismatched=mismatched, error=f"parameters {names} differ")
