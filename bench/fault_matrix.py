@@ -1,19 +1,28 @@
 """The fault matrix (issue 26): every fault at every round phase it can hit, through real processes, with the invariants
-checked per cell (a benchmark, not a test: 247 s for the first 34 cells on the 2-core machine; docs/faults.md).
+checked per cell (a benchmark, not a test: about 8 minutes for its 70 cells on the 2-core machine; docs/faults.md).
 
-One local group (``LoopbackGroup``: ``weightsync agent`` processes, reference engine processes, Mooncake TCP on
-loopback; 2 trainer ranks -> 2 engines x TP2, live rounds, ``timeoutSeconds`` from ``--timeout``) serves every cell;
-engine 1 is reached through a :class:`~weightsync_testing.http_gate.Gate`, which places the fault exactly at a phase:
-before the engine's route of that phase is forwarded (pause ``/pause_generation``, begin ``/weightsync/begin``, verify
-``/weightsync/verify``, commit ``/weightsync/commit``, resume ``/continue_generation``), or, for write, once the engine
-answered its begin (open to writes) and before the coordinator hears it. Faults:
+One local group (``LoopbackGroup``: ``weightsync agent`` processes, one per trainer pod and one per engine pod,
+reference engine processes, Mooncake TCP on loopback; 2 trainer ranks -> 2 engines x TP2, live rounds,
+``timeoutSeconds`` from ``--timeout``) serves every cell; engine 1 is reached through a
+:class:`~weightsync_testing.http_gate.Gate`, which places the fault exactly at a phase: before the engine's route of
+that phase is forwarded (pause ``/pause_generation``, begin ``/weightsync/begin``, verify ``/weightsync/verify``, commit
+``/weightsync/commit``, resume ``/continue_generation``), or, for write, once the engine answered its begin (open to
+writes) and before the coordinator hears it. Faults:
 
 - ``engine-kill``: engine 1's process SIGKILLed; restarted on its port after the round (initial weights, new addresses);
 - ``engine-hang``: engine 1 SIGSTOPped; SIGCONT once the round gave up;
+- ``engine-agent-kill``: engine 1's pod agent SIGKILLed; restarted after the round (as a kubelet restarts a sidecar);
+- ``engine-agent-hang``: engine 1's pod agent SIGSTOPped; SIGCONT after the round (neither is on a round's path with
+  the reference engine: the coordinator calls engines directly; the agent reports, and serves manifests to SGLang);
 - ``source-kill``: trainer pod 1's agent (a source) SIGKILLed; restarted after the round;
 - ``source-hang``: trainer pod 1's agent SIGSTOPped; SIGCONT once the round gave up;
+- ``coordinator-kill``: trainer pod 0's agent (the coordinator) SIGKILLed; restarted after the round (it learns the
+  committed version from the engines, and what its predecessor left open on them);
 - ``coordinator-hang``: trainer pod 0's agent (the coordinator) SIGSTOPped for ``COORDINATOR_STOP`` seconds, within
   the round's budget (a coordinator stopped longer cannot end its round in time: it is the clock);
+- ``link-down``: engine 1's data link (its Mooncake ports on loopback, both ways) passes nothing from the phase on,
+  through the round's end (``tc``, ``weightsync_testing.link_fault``; root only);
+- ``link-slow``: that link slowed to 1 % of a 1 Gbit/s link (``--link-rate``, default 10mbit) likewise;
 - ``http-error``: engine 1's route of the phase answers 500;
 - ``http-slow``: engine 1's route of the phase answers after ``--slow`` seconds;
 - ``foreign-write``: a Mooncake peer outside the group writes garbage over a weight of engine 1 rank 0.
@@ -53,6 +62,7 @@ from weightsync_testing.engine_harness import ReferenceEngines
 from weightsync_testing.fault_matrix import PHASES, CellRun, EngineView, Snapshot, failed, judge, table, to_json
 from weightsync_testing.foreign_write import ForeignWriter
 from weightsync_testing.http_gate import Gate, GatedEngines
+from weightsync_testing.link_fault import LinkFault, listening_ports
 from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.reference_engine.expected import rank_checksums
 from weightsync_testing.reference_engine.model import full_state
@@ -83,9 +93,15 @@ PLACES: Mapping[str, tuple[str, str]] = {
 FAULTS: Mapping[str, tuple[str, ...]] = {
     "engine-kill": PHASES,
     "engine-hang": PHASES,
+    "engine-agent-kill": PHASES,
+    "engine-agent-hang": PHASES,
     "source-kill": PHASES,
     "source-hang": PHASES,
+    "coordinator-kill": PHASES,
     "coordinator-hang": PHASES,
+    # A link fault matters while sources write: struck later, it meets no transfer of the round.
+    "link-down": ("pause", "begin", "write"),
+    "link-slow": ("pause", "begin", "write"),
     "http-error": tuple(p for p in PHASES if p != "write"),
     "http-slow": tuple(p for p in PHASES if p != "write"),
     "foreign-write": PHASES,
@@ -147,8 +163,8 @@ class Once:
 
 
 class Matrix:
-    def __init__(self, group: LoopbackGroup, harness: GatedReferenceEngines, *, slow: float) -> None:
-        self.group, self.harness, self.slow = group, harness, slow
+    def __init__(self, group: LoopbackGroup, harness: GatedReferenceEngines, *, slow: float, link_rate: str) -> None:
+        self.group, self.harness, self.slow, self.link_rate = group, harness, slow, link_rate
         self.clients: list[WeightSyncClient] = [group.client(rank) for rank in range(2)]
         self.labels: list[str] = ["default"]  # every version published so far, for what an engine holds
         self.budget = float(group.spec.transfer.timeout_seconds)
@@ -173,11 +189,16 @@ class Matrix:
         when, route = PLACES[phase]
         arm = self.gate.before if when == "before" else self.gate.after
         writer: ForeignWriter | None = None
+        link: LinkFault | None = None
         hook: Once | None = None
         if fault == "engine-kill":
             hook = Once(lambda: os.kill(self.engine_pid(), signal.SIGKILL))
         elif fault == "engine-hang":
             hook = Once(lambda: os.kill(self.engine_pid(), signal.SIGSTOP))
+        elif fault == "engine-agent-kill":
+            hook = Once(lambda: os.kill(self.group.engine_agents[ENGINE].process.pid, signal.SIGKILL))
+        elif fault == "engine-agent-hang":
+            hook = Once(lambda: os.kill(self.group.engine_agents[ENGINE].process.pid, signal.SIGSTOP))
         elif fault == "source-kill":
             hook = Once(lambda: os.kill(self.group.agents[SOURCE].process.pid, signal.SIGKILL))
         elif fault == "source-hang":
@@ -190,6 +211,8 @@ class Matrix:
                 threading.Timer(self.budget + 3.0, os.kill, (source, signal.SIGCONT)).start()
 
             hook = Once(stop_past_the_round)
+        elif fault == "coordinator-kill":
+            hook = Once(lambda: os.kill(self.group.agents[0].process.pid, signal.SIGKILL))
         elif fault == "coordinator-hang":
             coordinator = self.group.agents[0].process.pid
 
@@ -198,6 +221,11 @@ class Matrix:
                 threading.Timer(COORDINATOR_STOP, os.kill, (coordinator, signal.SIGCONT)).start()
 
             hook = Once(stop_for_a_while)
+        elif fault in ("link-down", "link-slow"):
+            ports = self.group.plan.transfer.mooncake_ports
+            found = listening_ports(self.engine_pid(), range(ports.start, ports.end + 1))
+            link = LinkFault(found, rate=None if fault == "link-down" else self.link_rate)
+            hook = Once(link.install)
         elif fault == "http-error":
             self.gate.refuse(route, 500, f"injected by the fault matrix: {route} failed")
         elif fault == "http-slow":
@@ -217,6 +245,8 @@ class Matrix:
             self.gate.refuse(route, None)
             if writer is not None:
                 writer.close()
+            if link is not None:
+                link.remove()
             if hook is not None and hook.fired:
                 self.repair(fault)
             elif hook is not None:
@@ -225,18 +255,23 @@ class Matrix:
     def repair(self, fault: str) -> None:
         if fault == "engine-hang":
             os.kill(self.engine_pid(), signal.SIGCONT)
+        elif fault == "engine-agent-hang":
+            os.kill(self.group.engine_agents[ENGINE].process.pid, signal.SIGCONT)
+        elif fault == "engine-agent-kill":
+            self.group.restart_engine_agent(ENGINE)
         elif fault == "source-hang":
             os.kill(self.group.agents[SOURCE].process.pid, signal.SIGCONT)
         elif fault == "coordinator-hang":
             os.kill(self.group.agents[0].process.pid, signal.SIGCONT)  # its timer's, once more (idempotent)
         elif fault == "engine-kill":
             self.group.restart_engine(ENGINE)
-        elif fault == "source-kill":
-            self.group.agents[SOURCE].stop(kill=True)
-            self.group.start_agent(SOURCE)
+        elif fault in ("source-kill", "coordinator-kill"):
+            pod = SOURCE if fault == "source-kill" else 0
+            self.group.agents[pod].stop(kill=True)
+            self.group.start_agent(pod)
             self.group.wait_built(60)
-            self.clients[SOURCE].close()
-            self.clients[SOURCE] = self.group.client(SOURCE)
+            self.clients[pod].close()
+            self.clients[pod] = self.group.client(pod)  # a fresh trainer process: the old one's agent is gone
 
     # --- Rounds and observations ---------------------------------------------------------------------
 
@@ -328,6 +363,8 @@ def _peer(fault: str) -> str:
     """Whom a failed round's reason must name: the faulted peer."""
     if fault.startswith("source-"):
         return f"source {SOURCE}"
+    if fault == "coordinator-kill":  # the round died with it: its trainer can name only the agent that is gone
+        return "weightsync agent"
     return "source 0" if fault.startswith("coordinator-") else f"engine {ENGINE}"
 
 
@@ -337,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     parser.add_argument("--timeout", type=int, default=10, help="the group's transfer.timeoutSeconds")
     parser.add_argument("--slow", type=float, default=20.0, help="seconds an http-slow route is held")
+    parser.add_argument("--link-rate", default="10mbit", help="a link-slow link's rate (tc's units)")
     parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of the table")
     parser.add_argument("--json-out", type=Path, help="also write the cells as JSON to this file")
     parser.add_argument("--workdir", type=Path, help="keep the group's files (agents' logs) here")
@@ -353,9 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.workdir is not None:
             args.workdir.mkdir(parents=True, exist_ok=True)
-        with LoopbackGroup(spec(args.timeout), group=GROUP, engines=harness, workdir=args.workdir) as group:
+        with LoopbackGroup(spec(args.timeout), group=GROUP, engines=harness, workdir=args.workdir,
+                           engine_agents=True) as group:  # fmt: skip
             group.start()
-            matrix = Matrix(group, harness, slow=args.slow)
+            matrix = Matrix(group, harness, slow=args.slow, link_rate=args.link_rate)
             try:
                 outcome = matrix.publish(1)  # every engine holds a committed version before the first fault
                 if outcome.result != "Succeeded":

@@ -41,6 +41,10 @@ PHASE_WORDS: Final[Mapping[str, tuple[str, ...]]] = {
 
 CHECKS: Final = ("budget", "holds", "truthful", "recovered", "names")
 
+#: Faults whose round dies with the process that knew its phase (the coordinator runs the round): the trainer's error
+#: names the agent that is gone, and what the round left behind is for the restarted coordinator's report to say.
+PHASE_DIES_WITH: Final = frozenset({"coordinator-kill"})
+
 
 @dataclass(frozen=True)
 class EngineView:
@@ -128,7 +132,7 @@ def untrue_reports(run: CellRun) -> list[str]:
             found.append(f"the round says version {version} committed, engines {missing} do not hold it")
         if after.committed != run.version:
             found.append(f"the round committed {version}, the coordinator says {after.committed}")
-    elif after.committed == run.version:
+    elif after.committed == run.version and run.result != "error":  # "error": the trainer could not hear the result
         found.append(f"the round failed, the coordinator says {version} is committed")
     # The round's own enginesPaused is history (true when it ended: a killed engine is restarted since); what must
     # stay true is the status the operator folds from it and from the engines' reports.
@@ -174,7 +178,7 @@ def unnamed(run: CellRun) -> str | None:
     missing = []
     if run.peer not in reason:
         missing.append(f"the peer ({run.peer})")
-    if not named_phases(reason):
+    if not named_phases(reason) and run.fault not in PHASE_DIES_WITH:
         missing.append("a phase")
     return f"the reason does not name {' nor '.join(missing)}" if missing else None
 

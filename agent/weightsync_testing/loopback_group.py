@@ -70,10 +70,12 @@ class LoopbackGroup:
         workdir: Path | None = None,
         engines: EngineHarness | None = None,
         mounted_credentials: bool = False,
+        engine_agents: bool = False,
     ) -> None:
         """``mounted_credentials``: agents read the group's credential from files (``token``, ``previous``), one
         folder per agent, as from the Secret volume a kubelet refreshes (:meth:`write_credentials`); else from
-        ``WEIGHTSYNC_GROUP_TOKEN``."""
+        ``WEIGHTSYNC_GROUP_TOKEN``. ``engine_agents``: every engine gets its pod's agent, as on a cluster (by
+        default only engines whose adapter takes its manifests from that agent, SGLang's, get one)."""
         if spec.trainer.ranks_per_pod != 1:
             raise ValueError("local groups run one trainer rank per agent (trainer.ranksPerPod: 1)")
         if spec.inference.ranks_per_pod != spec.inference.ranks_per_engine:
@@ -93,6 +95,7 @@ class LoopbackGroup:
         #: The group's credential, as the operator's Secret would hold it: agents and engines require it.
         self.token = new_token()
         self.mounted_credentials = mounted_credentials
+        self.with_engine_agents = engine_agents
         self.previous_token: str | None = None
 
     # --- Files the agents read ---------------------------------------------------------------------
@@ -167,7 +170,7 @@ class LoopbackGroup:
         self.engines[engine] = started
         self.directory.engines[engine] = started.url
         adapter = adapter_class(self.spec.inference.adapter)
-        if adapter is not None and adapter.manifests_from_engine_agent:
+        if self.with_engine_agents or (adapter is not None and adapter.manifests_from_engine_agent):
             port = free_port()
             self.directory.engine_agents[engine] = f"http://127.0.0.1:{port}"
             self._publish_files()
@@ -292,6 +295,15 @@ class LoopbackGroup:
         self.plan = replan(self.plan, self.spec)
         self._publish_files()
         return self.plan
+
+    def restart_engine_agent(self, engine: int) -> AgentProcess:
+        """Stop engine ``engine``'s agent (SIGKILL) and start it again, as a kubelet restarts a pod's sidecar."""
+        self.engine_agents[engine].stop(kill=True)
+        port = int(self.directory.engine_agents[engine].rsplit(":", 1)[1])
+        started = self.engines[engine]
+        agent = self._spawn(f"engine-{engine}", self.engine_agent_env(engine, port, started))
+        self.engine_agents[engine] = agent
+        return agent
 
     def restart_engine(self, engine: int, *, seed: int = 0, token: str | None = None) -> StartedEngine:
         """Crash engine ``engine`` (SIGKILL) and start a fresh one on the same port, as a pod's engine container

@@ -35,11 +35,12 @@ version must not lock the group out of every later one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping
 
 from weightsync.api import names
@@ -56,6 +57,7 @@ from weightsync_agent.modes.base import SyncMode
 from weightsync_agent.modes.registry import mode_for
 from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundDriver, RoundError, RoundResult, new_round_id
+from weightsync_agent.rounds.left_rounds import close_left_rounds
 from weightsync_agent.rounds.remote import AgentClient, AgentError, HttpSourceControl
 from weightsync_agent.rounds.versions import credible_floor, version_refusal
 from weightsync_agent.source.agent import SourceAgent
@@ -82,6 +84,10 @@ RETRY_GRACE_SECONDS = 5.0
 #: Engines asked for their version per catch-up tick although nothing says they are behind (in turn, so each is
 #: asked every ``engines / SWEEP_PER_TICK`` ticks): catches an engine restarted with no agent to report it.
 SWEEP_PER_TICK = 1
+
+#: Round ids this coordinator remembers having run (every round, refusals and catch-ups too): a rank asks about one
+#: within a round's budget of its start, so the last few hundred are plenty.
+RAN_ROUNDS_KEPT = 256
 
 #: The timeout of each resume :meth:`Coordinator.settle` sends between rounds (a tick's work must stay short).
 SETTLE_CALL_SECONDS = 2.0
@@ -174,6 +180,11 @@ class Coordinator:
         #: The last round that touched engines, if it meant to leave some of them serving whose resume did not answer
         #: in time, with the plan it ran under: :meth:`settle` resumes them between rounds.
         self._unresumed: tuple[RoundResult, str] | None = None
+        #: The ids of the rounds this coordinator ran (the last :data:`RAN_ROUNDS_KEPT`): a rank that asks about a round
+        #: of another id took part in a round of a predecessor (:meth:`ended_elsewhere`).
+        self._ran: deque[str] = deque(maxlen=RAN_ROUNDS_KEPT)
+        #: Rounds a predecessor left on the engines, closed at this coordinator's start (round id -> the report).
+        self._left: dict[str, RoundResult] = {}
 
     # --- Rounds ----------------------------------------------------------------------------------
 
@@ -212,7 +223,7 @@ class Coordinator:
             return self._finish(self._refused(version, refused_version), "regular")
         mode = self._mode_for(plan)
         self._agents = {}
-        round_id = new_round_id()
+        round_id = self._mint()
         try:
             engines = self.engines(plan, range(plan.layout.engines))
             scope = RoundScope.of(plan.hash, round_id=round_id)
@@ -254,7 +265,7 @@ class Coordinator:
             drifted = {e: self._drifted[e] for e in lagging if e in self._drifted}
             log.info("engines %s do not hold committed version %d: catching them up", lagging, version)
             self._agents = {}
-            round_id = new_round_id()
+            round_id = self._mint()
             try:
                 engines = self.engines(plan, lagging)
                 scope = RoundScope.of(plan.hash, lagging, catch_up=True, round_id=round_id)
@@ -532,7 +543,23 @@ class Coordinator:
         )
         if self.committed is not None:
             metrics.WEIGHT_VERSION.labels(self.group).set(self.committed)
+        self._close_left_rounds(plan)
         return None
+
+    def _close_left_rounds(self, plan: Plan) -> None:
+        """End what a predecessor left open or paused on the engines (:mod:`.left_rounds`), and report it."""
+        engines: dict[int, object] = {}
+        for engine in range(plan.layout.engines):
+            with contextlib.suppress(DirectoryError, AdapterUnavailableError):  # answered just now: not expected
+                engines[engine] = self._adapter(plan, engine)
+        closed = close_left_rounds(engines, self._ran, min(self.call_timeout, 5.0))
+        report = closed.report(self.committed)
+        if report is None or report.round_id is None:
+            return
+        self._left[report.round_id] = report
+        self._doubt(closed.left)  # what they hold now is asked again: a catch-up brings up those that serve behind
+        # A round that only paused them has no version of its own: its report must not stand as another's answer.
+        self._finish(report, "regular", answers=any(left.version is not None for left in closed.left.values()))
 
     def _recalled(self) -> int | None:
         if self.recall is None:
@@ -579,20 +606,41 @@ class Coordinator:
             return True
         return False
 
-    def _refused(self, version: int, reason: str) -> RoundResult:
-        return RoundResult(
-            version=version,
-            result="Failed",
-            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            duration_seconds=0.0,
-            bytes=0,
-            gbps=0.0,
-            attempts=0,
-            reason=f"round not started: {reason}",
-            round_id=new_round_id(),  # a rank waiting on the version tells this answer from a retry's
-        )
+    def _mint(self) -> str:
+        round_id = new_round_id()
+        self._ran.append(round_id)
+        return round_id
 
-    def _finish(self, result: RoundResult, kind: str) -> RoundResult:
+    def ended_elsewhere(self, version: int, round_id: str) -> RoundResult | None:
+        """The answer for a trainer rank that took part in round ``round_id`` of ``version`` and asks for its result,
+        when this coordinator did not run that round: its predecessor did and is gone (trainer rank 0's agent
+        restarted during it), so nothing will ever finish it. None: a round of this coordinator's (the rank waits for
+        it as usual), or this coordinator has not learnt the committed version from the engines yet (ask again)."""
+        if round_id in self._ran or not self.recovered:
+            return None
+        left = self._left.get(round_id)
+        # The engines are the authority on what committed: a coordinator killed after every commit but before its
+        # report leaves them holding the version, and this coordinator learnt it from them.
+        committed = self.committed == version
+        if left is not None and left.reason and not committed:
+            reason = left.reason
+        else:
+            reason = (
+                f"round {round_id} of version {version} ended with its coordinator (trainer rank 0's agent stopped "
+                "during it and was restarted): "
+                + (f"every engine holds version {version} committed (learnt from the engines at this start)"
+                   if committed else "it did not commit")
+            )  # fmt: skip
+        return RoundResult.not_run(version, reason, round_id, committed=committed,
+                                   engines_paused=left is not None and left.engines_paused)  # fmt: skip
+
+    def _refused(self, version: int, reason: str) -> RoundResult:
+        # A fresh id: a rank waiting on the version tells this answer from a retry's.
+        return RoundResult.not_run(version, f"round not started: {reason}", self._mint())
+
+    def _finish(self, result: RoundResult, kind: str, *, answers: bool = True) -> RoundResult:
+        """Count, log and report ``result``; a regular round's is also the answer ranks that wait on its version get
+        (``answers``: unless it is not that version's round at all)."""
         metrics.ROUNDS.labels(self.group, kind, result.result).inc()
         metrics.ROUND_SECONDS.labels(self.group, kind).observe(result.duration_seconds)
         for phase, seconds in result.phases.items():
@@ -627,7 +675,7 @@ class Coordinator:
         elif result.started:  # a round that reached the engines again settles them itself
             self._unresumed = None
         with self._cond:
-            if kind == "regular":
+            if kind == "regular" and answers:
                 self.finished[result.version] = result
                 self._finished_at[result.version] = time.time()
                 self.finished.move_to_end(result.version)

@@ -110,6 +110,32 @@ class RoundResult:
     #: coordinator resumes them again between rounds and says so once they serve. Not reported on the wire.
     unresumed: tuple[int, ...] = ()
 
+    @classmethod
+    def not_run(
+        cls,
+        version: int,
+        reason: str,
+        round_id: str,
+        *,
+        committed: bool = False,
+        engines_paused: bool = False,
+    ) -> RoundResult:
+        """A failed round that no driver here ran: refused before it started, or one that ended elsewhere (with a
+        coordinator that is gone), as this process can tell it."""
+        return cls(
+            version=version,
+            result="Failed",
+            started_at=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            duration_seconds=0.0,
+            bytes=0,
+            gbps=0.0,
+            attempts=0,
+            reason=reason,
+            engines_paused=engines_paused,
+            round_id=round_id,
+            committed=committed,
+        )
+
     @property
     def slowest_source(self) -> tuple[int, Throughput] | None:
         return max(self.sources.items(), key=lambda item: item[1].seconds, default=None)

@@ -82,9 +82,14 @@ class AgentClient:
         except WireError as exc:
             raise AgentError(f"agent {self.base_url}: {exc}") from exc
 
-    def round(self, version: int, wait: float, *, seen: str | None = None) -> RoundResult | None:
-        """The latest result of round ``version`` unless it is round ``seen`` (one heard already), else None."""
+    def round(
+        self, version: int, wait: float, *, seen: str | None = None, round_id: str | None = None
+    ) -> RoundResult | None:
+        """The latest result of round ``version`` unless it is round ``seen`` (one heard already), else None;
+        ``round_id``: the round the caller took part in (answered at once if that coordinator did not run it)."""
         query = {"wait": f"{wait:.3f}", **({} if seen is None else {"seen": seen})}
+        if round_id is not None:
+            query["round"] = round_id
         route = f"/v1/rounds/{version}?{urllib.parse.urlencode(query)}"
         data = self._call("GET", route, timeout=wait + SLACK_SECONDS)
         if data is None or (isinstance(data, dict) and data.get("pending")):

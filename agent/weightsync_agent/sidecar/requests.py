@@ -64,13 +64,17 @@ QueryRank = Annotated[int, Field(ge=0, le=MAX_RANK)]
 
 
 class RoundQuery(RequestModel):
-    """``GET /v1/rounds/{version}?wait=S&seen=ID``: the round's result, waiting up to ``wait`` seconds (at most
-    :data:`MAX_POLL_SECONDS`: a longer wait is cut to it and answered ``pending``, and the caller asks again);
-    ``seen``: the id of a round of ``version`` the caller already heard about, to wait for a later one."""
+    """``GET /v1/rounds/{version}?wait=S&seen=ID&round=ID``: the round's result, waiting up to ``wait`` seconds (at
+    most :data:`MAX_POLL_SECONDS`: a longer wait is cut to it and answered ``pending``, and the caller asks again);
+    ``seen``: the id of a round of ``version`` the caller already heard about, to wait for a later one; ``round``: the
+    round the caller's source took part in, answered at once when the coordinator did not run it (its predecessor
+    did, and nothing will finish it: ``Coordinator.ended_elsewhere``)."""
 
     version: QueryVersion
     wait: RequestSeconds = 0.0
     seen: str | None = Field(default=None, min_length=1, max_length=MAX_ROUND_ID, pattern=r"^[\w.-]+$")
+    round_id: str | None = Field(default=None, alias="round", min_length=1, max_length=MAX_ROUND_ID,
+                                 pattern=r"^[\w.-]+$")  # fmt: skip
 
     @property
     def poll_seconds(self) -> float:

@@ -146,6 +146,10 @@ def _round_routes(runtime: AgentRuntime, waiters: Waiters) -> list[web.RouteDef]
         if coordinator is None:
             raise LookupError("this agent is not the coordinator (trainer rank 0's agent is)")
 
+        if asked.round_id is not None:
+            ended = coordinator.ended_elsewhere(asked.version, asked.round_id)
+            if ended is not None:
+                return web.json_response(round_result_to_json(ended))
         asked_at = time.time()
 
         def poll() -> RoundResult | None:

@@ -49,6 +49,10 @@ from weightsync_agent.transport.base import Transport, TransportError
 
 #: How many (rank, version) round ids a trainer pod's agent remembers (a rank retries only its latest versions).
 HEARD_ROUNDS = 64
+#: How long past ``timeoutSeconds`` (from the prepare call) a trainer rank waits on a coordinator that does not answer:
+#: a round may end a little past its budget (its last calls each get a floor of time), but not by more than this
+#: (the fault matrix holds every round to the budget + 5 s).
+COORDINATOR_GRACE_SECONDS = 3.0
 
 log = logging.getLogger("weightsync.agent")
 
@@ -289,6 +293,7 @@ class AgentRuntime:
         if canary is not None and rank != 0:
             raise ValueError(f"a canary goes with trainer rank 0's publish (the coordinator's), not rank {rank}'s")
         sources = self.sources_or_fail()
+        since = time.monotonic()
         sources.mark_ready(rank, version)
         committed = False
         try:
@@ -297,7 +302,7 @@ class AgentRuntime:
             else:
                 with self._heard_lock:
                     seen = self._heard.get((rank, version))
-                result = self._wait_for_round(version, timeout, seen=seen)
+                result = self._wait_for_round(version, timeout, seen=seen, taking_part=(rank, since))
                 with self._heard_lock:
                     self._heard[(rank, version)] = result.round_id
                     self._heard.move_to_end((rank, version))
@@ -309,7 +314,13 @@ class AgentRuntime:
             if not committed:  # the trainer's call ends here: what it staged is offered again only by its next publish
                 sources.withdraw(rank, version)
 
-    def _wait_for_round(self, version: int, timeout: float, *, seen: str | None) -> RoundResult:
+    def _wait_for_round(
+        self, version: int, timeout: float, *, seen: str | None, taking_part: tuple[int, float]
+    ) -> RoundResult:
+        """The coordinator's result of round ``version`` for a rank that published it (``taking_part``: the rank and
+        when it published). Once a round asked the rank's source to prepare, the wait is bounded by that round's
+        budget as well: a coordinator that stops answering past it (killed, or its pod gone) ran a round nobody will
+        finish, and one that answers but did not run it (restarted since) says so at once."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -318,17 +329,39 @@ class AgentRuntime:
             if self.coordinator is not None:
                 result = self.coordinator.wait(version, left, seen=seen)
             else:
+                taken = self.sources_or_fail().taken_part(taking_part[0], version, taking_part[1])
+                poll = min(left, 30.0)
+                if taken is not None:  # ask again by the round's end, when a coordinator that does not answer is gone
+                    poll = min(poll, max(1.0, taken[1] + self._round_budget() - time.monotonic()))
+                url = None
                 try:
-                    coordinator = AgentClient(
-                        self.directory.trainer_url(0), timeout=self.call_timeout, token=self.token
-                    )
-                    result = coordinator.round(version, min(left, 30.0), seen=seen)
+                    url = self.directory.trainer_url(0)
+                    coordinator = AgentClient(url, timeout=self.call_timeout, token=self.token)
+                    result = coordinator.round(version, poll, seen=seen, round_id=None if taken is None else taken[0])
                 except (AgentError, DirectoryError) as exc:
+                    if taken is not None and time.monotonic() >= taken[1] + self._round_budget():
+                        return self._coordinator_gone(version, taken[0], url, exc)
                     log.warning("waiting for round %d: %s", version, exc)
                     time.sleep(min(1.0, max(left, 0.0)))
                     continue
             if result is not None:
                 return result
+
+    def _round_budget(self) -> float:
+        """How long after a round asked a source to prepare its coordinator must have ended it: the plan's
+        ``timeoutSeconds``, plus :data:`COORDINATOR_GRACE_SECONDS` for the calls a round may make past it."""
+        return self.plan.transfer.timeout_seconds + COORDINATOR_GRACE_SECONDS
+
+    def _coordinator_gone(self, version: int, round_id: str, url: str | None, error: Exception) -> RoundResult:
+        where = f" at {url}" if url else ""
+        reason = (
+            f"trainer rank 0's agent (the coordinator{where}) stopped answering during round {round_id} of version "
+            f"{version} and has not answered by the end of the round's budget "
+            f"({self.plan.transfer.timeout_seconds:g} s): {error}. Whether the engines committed it is not known "
+            "here: the coordinator that starts next learns it from the engines"
+        )
+        log.warning("round %d: %s", version, reason)
+        return RoundResult.not_run(version, reason, round_id)
 
     def state(self) -> dict[str, object]:
         return {

@@ -147,6 +147,33 @@ class ClosesAtVerify(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LeftRound:
+    """A round an engine still holds that no running coordinator knows: its coordinator stopped during it (trainer rank
+    0's agent killed or restarted). ``version``: the round it holds open (None: it only holds the engine paused)."""
+
+    round_id: str
+    version: int | None
+    paused: bool
+
+
+@runtime_checkable
+class LeftRoundProbe(Protocol):
+    """An engine that says which round holds it (the reference engine: its status names the open round and the round
+    that paused it), so a coordinator that starts can close what its predecessor left open instead of leaving the
+    engine paused for nobody while the group's status calls it serving."""
+
+    def left_round(self, timeout: float) -> LeftRound | None:
+        """The round that holds this engine open or paused, if any."""
+        ...
+
+    def close_left(self, left: LeftRound, timeout: float) -> bool:
+        """End ``left`` without committing, not knowing what was written in it: the engine serves again only if its
+        live memory still holds, bucket for bucket, what it verified last (it re-verifies after closing the window);
+        else it stays paused until a round lands. True when it serves again."""
+        ...
+
+
 @runtime_checkable
 class HealthProbe(Protocol):
     """An engine that answers a health check (every adapter): the driver asks it to name a hung engine."""

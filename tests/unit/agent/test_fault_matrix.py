@@ -109,6 +109,18 @@ def test_a_failure_must_name_the_peer_and_the_phase() -> None:
                                  version=4))["names"] == "ok"  # fmt: skip
 
 
+def test_a_killed_coordinators_round_need_name_only_the_agent_that_is_gone() -> None:
+    """Its phase died with it: the trainer can say only that its agent could not run the round."""
+    killed = healthy_failure(fault="coordinator-kill", peer="weightsync agent", result="error",
+                             reason="the weightsync agent could not run the round: connection reset")  # fmt: skip
+    assert judge(killed)["names"] == "ok"
+    assert (
+        judge(replace(killed, reason="connection reset"))["names"]
+        == "the reason does not name the peer (weightsync agent)"
+    )
+    assert judge(replace(killed, fault="engine-kill"))["names"] == "the reason does not name a phase"
+
+
 def test_the_table_and_json_carry_every_cell_and_failed_lists_each_broken_check() -> None:
     good = replace(healthy_failure(), verdicts=judge(healthy_failure()))
     slow = healthy_failure(phase="commit", seconds=40.0, reason="source 0 write did not finish before the deadline")

@@ -20,6 +20,7 @@ from weightsync_agent.targets.adapter import (
     AdapterSettings,
     BroadcastReception,
     FullTensor,
+    LeftRound,
     Readiness,
     TargetVerdict,
 )
@@ -108,6 +109,34 @@ class ReferenceAdapter:
 
     def abort(self, version: int, timeout: float, *, round_id: str, written: bool = True) -> None:
         self.client.abort(version, timeout=timeout, round_id=round_id, written=written)
+
+    # --- A round whose coordinator is gone (LeftRoundProbe) ------------------------------------------
+
+    def left_round(self, timeout: float) -> LeftRound | None:
+        status = self.client.status(timeout=timeout)
+        held = status.get("round")
+        open_round = held if isinstance(held, dict) and isinstance(held.get("round_id"), str) else None
+        paused_by = status.get("paused_by") if status.get("paused") else None
+        if open_round is None and not isinstance(paused_by, str):
+            return None  # idle, or paused by hand (no round id): nothing a coordinator left
+        round_id = open_round["round_id"] if open_round is not None else paused_by
+        version = str(open_round.get("version")) if open_round is not None else ""
+        return LeftRound(str(round_id), int(version) if version.isdigit() else None, paused=isinstance(paused_by, str))
+
+    def close_left(self, left: LeftRound, timeout: float) -> bool:
+        if left.version is not None:
+            # "Nothing written" makes the engine re-verify its live memory against what it last verified (after its
+            # window closed); whatever the round did write, the engine then refuses to serve it.
+            self.client.abort(left.version, timeout=timeout, round_id=left.round_id, written=False)
+        if not left.paused:
+            return True
+        try:
+            self.client.continue_generation(timeout=timeout, round_id=left.round_id)
+        except HttpCallError as exc:
+            if exc.status == 409:  # its live weights were written: paused until a round lands
+                return False
+            raise
+        return True
 
     # --- Broadcast reception -----------------------------------------------------------------------
 
