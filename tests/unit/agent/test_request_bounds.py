@@ -61,6 +61,9 @@ def test_a_long_poll_over_the_poll_cap_is_cut_to_it_and_queries_parse_from_text(
     assert (asked.version, asked.poll_seconds, asked.seen) == (12, 60.0, "9f3a")
     with pytest.raises(BadRequestError, match="seen"):
         parse_body(RoundQuery, {"version": "12", "seen": "a&b=c"})
+    assert parse_body(RoundQuery, {"version": "12", "round": "r-1"}).round_id == "r-1"
+    with pytest.raises(BadRequestError, match="round"):
+        parse_body(RoundQuery, {"version": "12", "round": "x" * 1000})
     assert parse_body(RankQuery, {"rank": "3"}).rank == 3
 
 
