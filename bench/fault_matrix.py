@@ -154,12 +154,16 @@ class Once:
 
     def __init__(self, action: Callable[[], None]) -> None:
         self.action, self.fired, self.lock = action, False, threading.Lock()
+        self.done = threading.Event()  # the action returned (or raised)
 
     def __call__(self) -> None:
         with self.lock:
             if not self.fired:
                 self.fired = True
-                self.action()
+                try:
+                    self.action()
+                finally:
+                    self.done.set()
 
 
 class Matrix:

@@ -180,6 +180,7 @@ class GatedEngines:
     def start(self, engine: int, spec: Any, seed: int, **options: Any) -> StartedEngine:
         started: StartedEngine = super().start(engine, spec, seed, **options)  # type: ignore[misc]
         gate = self.gates.setdefault(engine, Gate(started.url))
+        gate.upstream = started.url  # a new engine of the same index (a recreated pod) may listen elsewhere
         return dataclasses.replace(started, url=gate.url)
 
     def close_gates(self) -> None:

@@ -24,6 +24,9 @@ from weightsync_agent.transport.base import Transport
 
 log = logging.getLogger("weightsync.agent")
 
+#: How long an agent told to stop (SIGTERM, SIGINT) takes at most to stop serving and exit.
+STOP_SECONDS = 3.0
+
 
 def make_directory(config: AgentConfig, plan: Plan) -> Directory:
     """A local directory file when given (runs without a cluster), else the pods' annotations."""
@@ -102,8 +105,20 @@ def run(plan_file: Path | None = None) -> int:
     try:
         runtime.start()
         stop.wait()
+        log.info("stopping: what is in flight is dropped")
     finally:
-        server.stop()
-        runtime.stop()
-        source.close()
-    return 0
+
+        def shut_down() -> None:
+            server.stop()
+            runtime.stop()
+            source.close()
+
+        stopping = threading.Thread(target=shut_down, name="shutdown", daemon=True)
+        stopping.start()
+        stopping.join(STOP_SECONDS)
+    # Whatever still waits must not hold the pod past SIGTERM: a trainer's publish waits for its round (up to its
+    # budget), a peer's long poll up to a minute, a tick may be mid-catch-up; the kubelet would wait out the pod's grace
+    # period and kill it anyway (a trainer pod deleted mid-round took 10 s to stop: docs/faults.md). Those callers see
+    # the connection close, as when a pod goes.
+    logging.shutdown()
+    os._exit(0)
