@@ -191,6 +191,9 @@ class ClusterMatrix:
                 self.local.thaw(self.cluster, "kube-apiserver")
             for thread in background:
                 thread.join(120)
+            if "kube-apiserver" in self.local.dead(self.cluster):  # a restart failed half-way: the next cell needs it
+                notes.append("the API server had to be started again")
+                self.local.start_component(self.cluster, "kube-apiserver")
             for name, uid in removed.items():
                 self.recreated(name, uid)
             if not hook.fired:

@@ -141,6 +141,10 @@ def terminate(process: Process, grace: float = 10.0) -> None:
         time.sleep(0.1)
     if _alive(process):
         os.kill(process.pid, signal.SIGKILL)
+        # Gone before this returns: a restart right after (start_component) must not find it still exiting.
+        deadline = time.monotonic() + 5.0
+        while _alive(process) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _alive(process: Process) -> bool:
