@@ -40,12 +40,25 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from fault_matrix import BUCKET_MIB, PLACES, RECOVERY_ROUNDS, TP, Once, Outcome, expected, state
+from fault_matrix import (
+    BUCKET_MIB,
+    PLACES,
+    RECOVERY_ROUNDS,
+    TP,
+    Once,
+    Outcome,
+    cell_arguments,
+    chosen_cells,
+    expected,
+    finish,
+    progress,
+    state,
+)
 
 from weightsync.api import names
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_testing.engine_harness import ReferenceEngines, StartedEngine
-from weightsync_testing.fault_matrix import PHASES, CellRun, EngineView, Snapshot, failed, judge, table, to_json
+from weightsync_testing.fault_matrix import PHASES, CellRun, EngineView, Snapshot, judge
 from weightsync_testing.http_gate import Gate, GatedEngines
 from weightsync_testing.trainer_ranks import publish_all
 from weightsync_tools.localcluster import binaries as binaries_mod
@@ -267,18 +280,10 @@ class ClusterMatrix:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
-    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
-    parser.add_argument("--timeout", type=int, default=10, help="the group's transfer.timeoutSeconds")
-    parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of the table")
-    parser.add_argument("--json-out", type=Path, help="also write the cells as JSON to this file")
+    cell_arguments(parser, FAULTS)
     parser.add_argument("--workdir", type=Path, help="the cluster's and agents' files (default: a temporary folder)")
     args = parser.parse_args(argv)
-    faults, phases = args.faults.split(","), args.phases.split(",")
-    unknown = [f for f in faults if f not in FAULTS] + [p for p in phases if p not in PHASES]
-    if unknown:
-        parser.error(f"unknown faults or phases: {unknown}")
-    cells = [(f, p) for f in faults for p in FAULTS[f] if p in phases]
+    cells = chosen_cells(parser, args, FAULTS)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ws-cluster-matrix-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -319,12 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         if first.result != "Succeeded":
             raise RuntimeError(f"the first round did not land: {first.reason}")
         for index, (fault, phase) in enumerate(cells, 1):
-            run = matrix.cell(fault, phase)
-            runs.append(run)
-            broken = [c for c, v in run.verdicts.items() if v != "ok"]
-            print(f"[{index}/{len(cells)} {time.monotonic() - started:5.0f} s] {fault}@{phase}: {run.result} "
-                  f"in {run.seconds:.1f} s, {'ok' if not broken else 'FAILED ' + ','.join(broken)}"
-                  f"{' (' + run.note + ')' if run.note else ''}", file=sys.stderr, flush=True)  # fmt: skip
+            runs.append(matrix.cell(fault, phase))
+            progress(index, len(cells), started, runs[-1])
     finally:
         if agents is not None:
             agents.stop_all()
@@ -332,14 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         if operator is not None:
             operator.stop()
         local.down()
-    print(to_json(runs) if args.json else table(runs))
-    if args.json_out is not None:
-        args.json_out.write_text(to_json(runs))
-    problems = failed(runs)
-    for line in problems:
-        print(line, file=sys.stderr)
-    print(f"{len(runs)} cells, {len(problems)} broken invariants, {time.monotonic() - started:.0f} s", file=sys.stderr)
-    return 1 if problems else 0
+    return finish(runs, args, started)
 
 
 if __name__ == "__main__":

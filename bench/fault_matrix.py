@@ -372,22 +372,54 @@ def _peer(fault: str) -> str:
     return "source 0" if fault.startswith("coordinator-") else f"engine {ENGINE}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+def cell_arguments(parser: argparse.ArgumentParser, faults: Mapping[str, tuple[str, ...]]) -> None:
+    """The options every fault matrix takes: which cells, the group's budget, the output."""
+    parser.add_argument("--faults", default=",".join(faults), help=f"comma-separated, of {', '.join(faults)}")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     parser.add_argument("--timeout", type=int, default=10, help="the group's transfer.timeoutSeconds")
-    parser.add_argument("--slow", type=float, default=20.0, help="seconds an http-slow route is held")
-    parser.add_argument("--link-rate", default="10mbit", help="a link-slow link's rate (tc's units)")
     parser.add_argument("--json", action="store_true", help="print the cells as JSON instead of the table")
     parser.add_argument("--json-out", type=Path, help="also write the cells as JSON to this file")
-    parser.add_argument("--workdir", type=Path, help="keep the group's files (agents' logs) here")
-    args = parser.parse_args(argv)
-    faults, phases = args.faults.split(","), args.phases.split(",")
-    unknown = [f for f in faults if f not in FAULTS] + [p for p in phases if p not in PHASES]
+
+
+def chosen_cells(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, faults: Mapping[str, tuple[str, ...]]
+) -> list[tuple[str, str]]:
+    """The (fault, phase) cells ``args`` asks for, in matrix order; an unknown name is a usage error."""
+    names, phases = args.faults.split(","), args.phases.split(",")
+    unknown = [f for f in names if f not in faults] + [p for p in phases if p not in PHASES]
     if unknown:
         parser.error(f"unknown faults or phases: {unknown}")
-    cells = [(f, p) for f in faults for p in FAULTS[f] if p in phases]
+    return [(f, p) for f in names for p in faults[f] if p in phases]
+
+
+def progress(index: int, total: int, started: float, run: CellRun) -> None:
+    """One line per cell on stderr."""
+    broken = [c for c, v in run.verdicts.items() if v != "ok"]
+    print(f"[{index}/{total} {time.monotonic() - started:5.0f} s] {run.fault}@{run.phase}: {run.result} "
+          f"in {run.seconds:.1f} s, {'ok' if not broken else 'FAILED ' + ','.join(broken)}"
+          f"{' (' + run.note + ')' if run.note else ''}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def finish(runs: list[CellRun], args: argparse.Namespace, started: float) -> int:
+    """The table (or JSON) on stdout, every broken invariant on stderr; the exit status."""
+    print(to_json(runs) if args.json else table(runs))
+    if args.json_out is not None:
+        args.json_out.write_text(to_json(runs))
+    problems = failed(runs)
+    for line in problems:
+        print(line, file=sys.stderr)
+    print(f"{len(runs)} cells, {len(problems)} broken invariants, {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    cell_arguments(parser, FAULTS)
+    parser.add_argument("--slow", type=float, default=20.0, help="seconds an http-slow route is held")
+    parser.add_argument("--link-rate", default="10mbit", help="a link-slow link's rate (tc's units)")
+    parser.add_argument("--workdir", type=Path, help="keep the group's files (agents' logs) here")
+    args = parser.parse_args(argv)
+    cells = chosen_cells(parser, args, FAULTS)
 
     harness = GatedReferenceEngines()
     runs: list[CellRun] = []
@@ -404,24 +436,13 @@ def main(argv: list[str] | None = None) -> int:
                 if outcome.result != "Succeeded":
                     raise RuntimeError(f"the first round did not land: {outcome.reason}")
                 for index, (fault, phase) in enumerate(cells, 1):
-                    run = matrix.cell(fault, phase)
-                    runs.append(run)
-                    broken = [c for c, v in run.verdicts.items() if v != "ok"]
-                    print(f"[{index}/{len(cells)} {time.monotonic() - started:5.0f} s] {fault}@{phase}: {run.result} "
-                          f"in {run.seconds:.1f} s, {'ok' if not broken else 'FAILED ' + ','.join(broken)}",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    runs.append(matrix.cell(fault, phase))
+                    progress(index, len(cells), started, runs[-1])
             finally:
                 matrix.close()
     finally:
         harness.close_gates()
-    print(to_json(runs) if args.json else table(runs))
-    if args.json_out is not None:
-        args.json_out.write_text(to_json(runs))
-    problems = failed(runs)
-    for line in problems:
-        print(line, file=sys.stderr)
-    print(f"{len(runs)} cells, {len(problems)} broken invariants, {time.monotonic() - started:.0f} s", file=sys.stderr)
-    return 1 if problems else 0
+    return finish(runs, args, started)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from sync_helpers import engines_hold, group_spec, training_step
 from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.client.trainer import RoundOutcome
 from weightsync_agent.rounds.remote import AgentClient
+from weightsync_agent.sidecar.main import STOP_SECONDS
 from weightsync_testing.engine_harness import ReferenceEngines
 from weightsync_testing.http_gate import Gate, GatedEngines
 from weightsync_testing.loopback_group import LoopbackGroup
@@ -170,3 +171,30 @@ def test_a_coordinator_that_starts_with_no_round_on_the_engines_touches_nothing_
     finally:
         for client in clients:
             client.close()
+
+
+def test_an_agent_told_to_stop_exits_at_once_though_its_trainers_publish_waits(group: LoopbackGroup) -> None:
+    """SIGTERM (its pod deleted) while its trainer's publish waits for a round: the agent does not wait with it (it
+    took 10 s, the harness's grace, before ``STOP_SECONDS``; a cluster's would have taken the pod's grace period)."""
+    clients = [group.client(rank) for rank in range(2)]
+    try:
+        committed = coordinator_state(group)["committed"] or 0
+        assert isinstance(committed, int)
+        clients[1].stage_many(training_step(full_state(seed=9), 1))
+        waiting = threading.Thread(target=lambda: clients[1].publish(committed + 1, check=False, timeout=60))
+        waiting.start()  # rank 0 never publishes: the agent holds the request
+        time.sleep(1.0)
+        assert waiting.is_alive()
+        agent = group.agents[1].process
+        began = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(30)
+        stopped = time.monotonic() - began
+        assert stopped < STOP_SECONDS + 1.5, f"the agent took {stopped:.1f} s to stop"
+        waiting.join(30)
+        assert not waiting.is_alive()  # its publish saw the connection close
+    finally:
+        for client in clients:
+            client.close()
+        group.start_agent(1)
+        group.wait_built(60)
