@@ -76,9 +76,9 @@ class SourceAgent:
         self.ready_version: dict[int, int] = {}
         #: The round each rank last prepared (the coordinator's round id): a publish naming another is refused.
         self.prepared_round: dict[int, str] = {}
-        #: Per rank, the version and the time (``time.monotonic``) of the last regular round it was asked to prepare:
-        #: a rank waiting for that round's result knows it started, and when its budget ends.
-        self.prepared_at: dict[int, tuple[int, float]] = {}
+        #: Per rank, the last regular round it was asked to prepare: (round id, version, ``time.monotonic``). A rank
+        #: waiting for that round's result knows it started, and when its budget ends.
+        self.prepared_regular: dict[int, tuple[str, int, float]] = {}
         #: Every target manifest fetched for the plan (broadcast mode: all targets, on rank 0's pod).
         self.manifests: dict[Target, Manifest] = {}
         #: A round found an engine publishing other addresses than a manifest here (it restarted): the
@@ -190,10 +190,10 @@ class SourceAgent:
     def taken_part(self, rank: int, version: int, since: float) -> tuple[str, float] | None:
         """The round of ``version`` that asked ``rank`` to prepare at or after ``since`` (``time.monotonic``), and when:
         (round id, time), or None."""
-        round_id, at = self.prepared_round.get(rank), self.prepared_at.get(rank)
-        if round_id is None or at is None or at[0] != version or at[1] < since:
+        found = self.prepared_regular.get(rank)
+        if found is None or found[1] != version or found[2] < since:
             return None
-        return round_id, at[1]
+        return found[0], found[2]
 
     def withdraw(self, rank: int, version: int) -> None:
         """Trainer rank ``rank``'s publish of ``version`` ended without the version committing: it no longer offers
@@ -222,7 +222,7 @@ class SourceAgent:
             if scope.round_id is not None:
                 self.prepared_round[rank] = scope.round_id
                 if not scope.catch_up:
-                    self.prepared_at[rank] = (version, time.monotonic())
+                    self.prepared_regular[rank] = (scope.round_id, version, time.monotonic())
             if scope.catch_up:
                 with self._locks[rank]:
                     self._check_holds(rank, source, version)
