@@ -327,7 +327,9 @@ def restart_and_check_no_stale_write(
     group.restart_engine(0)
     engine = group.engines[0].client(timeout=30)
     after = engine.transfer_engine_info(0)
-    assert engine.weight_version() == "default"
+    first = engine.weight_version()
+    # Fresh, or already caught up: the coordinator's catch-up may land between the server answering and this look.
+    assert first == "default" or (until is not None and first == until), first
     assert after.weights_info != before.weights_info, "the fresh engine should hold its weights elsewhere"
     seen: set[str | None] = set()
     deadline = time.monotonic() + (seconds or 120)
