@@ -113,13 +113,19 @@ def test_a_coordinator_killed_mid_round_leaves_no_rank_waiting_and_no_engine_pau
         answer = outcomes[1]
         assert isinstance(answer, RoundOutcome) and not answer.ok, answer
         reason = answer.round.reason or ""
-        assert "ended with its coordinator" in reason and "engines [0, 1] were written in it" in reason, reason
-        assert waited < TIMEOUT + 5, f"rank 1 heard after {waited:.1f} s"
+        # The new coordinator's answer; on a machine so loaded that the restart outlasts the round's budget, rank 1
+        # gave up on the silent coordinator first (both bound its wait; the status below is the new coordinator's).
+        answered = "ended with its coordinator" in reason and "engines [0, 1] were written in it" in reason
+        assert answered or "stopped answering during round" in reason, reason
+        assert waited < TIMEOUT + 8, f"rank 1 heard after {waited:.1f} s"
+        deadline = time.monotonic() + 30  # the new coordinator closes the round at its first tick
+        while (last := coordinator_state(group)["lastRound"]) is None:
+            assert time.monotonic() < deadline, "the new coordinator reported nothing of the round it found"
+            time.sleep(0.2)
+        assert isinstance(last, dict) and last["enginesPaused"] and last["result"] == "Failed", last
         for engine in (0, 1):  # written and not verified: they must not serve what they hold
             status = engine_status(group, engine)
             assert status["paused"] and status["weight_version"] == "1" and status["round"] is None, status
-        last = coordinator_state(group)["lastRound"]
-        assert isinstance(last, dict) and last["enginesPaused"] and last["result"] == "Failed", last
 
         full3 = training_step(full2, 3)
         assert all(getattr(o, "ok", False) for o in publish_all(clients, full3, 3))
@@ -138,7 +144,9 @@ def test_a_coordinator_killed_mid_round_leaves_no_rank_waiting_and_no_engine_pau
         answer = outcomes[1]
         assert isinstance(answer, RoundOutcome) and not answer.ok, answer
         assert "stopped answering during round" in (answer.round.reason or ""), answer.round.reason
-        assert TIMEOUT <= waited < TIMEOUT + 5, f"rank 1 heard after {waited:.1f} s"
+        # Its wait ends at the budget + 3 s from its prepare, then at its next ask (a second apart); slack for a loaded
+        # machine (the fault matrix holds it to the budget + 5 s on a quiet one: 13.1 s at a 10 s budget).
+        assert TIMEOUT <= waited < TIMEOUT + 8, f"rank 1 heard after {waited:.1f} s"
         restart_coordinator(group, clients)
         deadline = time.monotonic() + 30
         while any(engine_status(group, e)["paused"] for e in (0, 1)):
