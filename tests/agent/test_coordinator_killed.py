@@ -198,7 +198,7 @@ def test_an_agent_told_to_stop_exits_at_once_though_its_trainers_publish_waits(g
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)
         stopped = time.monotonic() - began
-        assert stopped < STOP_SECONDS + 1.5, f"the agent took {stopped:.1f} s to stop"
+        assert stopped < STOP_SECONDS + 3, f"the agent took {stopped:.1f} s to stop"
         waiting.join(30)
         assert not waiting.is_alive()  # its publish saw the connection close
     finally:
