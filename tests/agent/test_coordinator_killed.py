@@ -23,6 +23,7 @@ from weightsync_agent.client import WeightSyncClient
 from weightsync_agent.client.trainer import RoundOutcome
 from weightsync_agent.rounds.remote import AgentClient
 from weightsync_agent.sidecar.main import STOP_SECONDS
+from weightsync_agent.source.writer import PublishError
 from weightsync_testing.engine_harness import ReferenceEngines
 from weightsync_testing.http_gate import Gate, GatedEngines
 from weightsync_testing.loopback_group import LoopbackGroup
@@ -189,7 +190,15 @@ def test_an_agent_told_to_stop_exits_at_once_though_its_trainers_publish_waits(g
         committed = coordinator_state(group)["committed"] or 0
         assert isinstance(committed, int)
         clients[1].stage_many(training_step(full_state(seed=9), 1))
-        waiting = threading.Thread(target=lambda: clients[1].publish(committed + 1, check=False, timeout=60))
+        heard: list[object] = []
+
+        def publish() -> None:
+            try:
+                heard.append(clients[1].publish(committed + 1, check=False, timeout=60))
+            except PublishError as exc:  # its agent went away under it
+                heard.append(exc)
+
+        waiting = threading.Thread(target=publish)
         waiting.start()  # rank 0 never publishes: the agent holds the request
         time.sleep(1.0)
         assert waiting.is_alive()
@@ -200,7 +209,8 @@ def test_an_agent_told_to_stop_exits_at_once_though_its_trainers_publish_waits(g
         stopped = time.monotonic() - began
         assert stopped < STOP_SECONDS + 3, f"the agent took {stopped:.1f} s to stop"
         waiting.join(30)
-        assert not waiting.is_alive()  # its publish saw the connection close
+        assert not waiting.is_alive() and heard, "the trainer's publish still waits"
+        assert not getattr(heard[0], "ok", False), heard  # it saw the connection close: nothing was published
     finally:
         for client in clients:
             client.close()
