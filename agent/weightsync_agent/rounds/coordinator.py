@@ -35,7 +35,6 @@ version must not lock the group out of every later one.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -506,9 +505,11 @@ class Coordinator:
         if self.recovered or plan is None:
             return None
         held: dict[int, str | None] = {}
+        adapters: dict[int, EngineAdapter] = {}
         for engine in range(plan.layout.engines):
             try:
-                held[engine] = self._adapter(plan, engine).held_version(timeout=min(self.call_timeout, 5.0))
+                adapters[engine] = self._adapter(plan, engine)
+                held[engine] = adapters[engine].held_version(timeout=min(self.call_timeout, 5.0))
             except (DirectoryError, HttpCallError, AdapterUnavailableError) as exc:
                 return (
                     f"this coordinator has not learnt the committed version yet (it asks every engine what it holds "
@@ -543,15 +544,11 @@ class Coordinator:
         )
         if self.committed is not None:
             metrics.WEIGHT_VERSION.labels(self.group).set(self.committed)
-        self._close_left_rounds(plan)
+        self._close_left_rounds(adapters)
         return None
 
-    def _close_left_rounds(self, plan: Plan) -> None:
-        """End what a predecessor left open or paused on the engines (:mod:`.left_rounds`), and report it."""
-        engines: dict[int, object] = {}
-        for engine in range(plan.layout.engines):
-            with contextlib.suppress(DirectoryError, AdapterUnavailableError):  # answered just now: not expected
-                engines[engine] = self._adapter(plan, engine)
+    def _close_left_rounds(self, engines: Mapping[int, EngineAdapter]) -> None:
+        """End what a predecessor left open or paused on ``engines`` (adapters: :mod:`.left_rounds`), and report it."""
         closed = close_left_rounds(engines, self._ran, min(self.call_timeout, 5.0))
         report = closed.report(self.committed)
         if report is None or report.round_id is None:
