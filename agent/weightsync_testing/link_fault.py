@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Iterable
-from types import TracebackType
 
 #: ``ss -Hltnp``'s process column: users:(("python",pid=123,fd=7),...).
 _PID = re.compile(r"pid=(\d+)")
@@ -35,7 +34,8 @@ def listening_ports(pid: int, within: range) -> list[int]:
 
 
 class LinkFault:
-    """``with LinkFault(ports, rate="10mbit"):`` the link to ``ports`` is slowed to that rate; ``rate=None``: down."""
+    """The link to ``ports`` slowed to ``rate`` (tc's units), or down (``rate=None``), from :meth:`install` to
+    :meth:`remove`."""
 
     def __init__(self, ports: Iterable[int], *, rate: str | None = None, device: str = "lo") -> None:
         self.ports = sorted(set(ports))
@@ -65,16 +65,3 @@ class LinkFault:
         if self.installed:
             self._tc("qdisc", "del", "dev", self.device, "root", check=False)
             self.installed = False
-
-    def __enter__(self) -> LinkFault:
-        try:
-            self.install()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        self.remove()

@@ -171,10 +171,16 @@ class LoopbackGroup:
         self.directory.engines[engine] = started.url
         adapter = adapter_class(self.spec.inference.adapter)
         if self.with_engine_agents or (adapter is not None and adapter.manifests_from_engine_agent):
-            port = free_port()
-            self.directory.engine_agents[engine] = f"http://127.0.0.1:{port}"
+            self.directory.engine_agents[engine] = f"http://127.0.0.1:{free_port()}"
             self._publish_files()
-            self.engine_agents[engine] = self._spawn(f"engine-{engine}", self.engine_agent_env(engine, port, started))
+            self._spawn_engine_agent(engine)
+
+    def _spawn_engine_agent(self, engine: int) -> AgentProcess:
+        """Engine ``engine``'s pod agent, at the port the directory gives it."""
+        port = int(self.directory.engine_agents[engine].rsplit(":", 1)[1])
+        agent = self._spawn(f"engine-{engine}", self.engine_agent_env(engine, port, self.engines[engine]))
+        self.engine_agents[engine] = agent
+        return agent
 
     def engine_agent_env(self, engine: int, port: int, started: StartedEngine) -> dict[str, str]:
         ranks = range(self.spec.inference.ranks_per_engine)
@@ -299,11 +305,7 @@ class LoopbackGroup:
     def restart_engine_agent(self, engine: int) -> AgentProcess:
         """Stop engine ``engine``'s agent (SIGKILL) and start it again, as a kubelet restarts a pod's sidecar."""
         self.engine_agents[engine].stop(kill=True)
-        port = int(self.directory.engine_agents[engine].rsplit(":", 1)[1])
-        started = self.engines[engine]
-        agent = self._spawn(f"engine-{engine}", self.engine_agent_env(engine, port, started))
-        self.engine_agents[engine] = agent
-        return agent
+        return self._spawn_engine_agent(engine)
 
     def restart_engine(self, engine: int, *, seed: int = 0, token: str | None = None) -> StartedEngine:
         """Crash engine ``engine`` (SIGKILL) and start a fresh one on the same port, as a pod's engine container
