@@ -49,8 +49,8 @@ from fault_matrix import (
     Outcome,
     cell_arguments,
     chosen_cells,
-    expected,
     finish,
+    held_label,
     progress,
     state,
 )
@@ -226,11 +226,7 @@ class ClusterMatrix:
         finally:
             for client in clients:
                 client.close()
-        found = getattr(outcome, "round", None)
-        if found is None:
-            return Outcome("error", str(outcome), time.monotonic() - started)
-        return Outcome(found.result, found.reason, found.duration_seconds, found.committed, found.engines_paused,
-                       found.attempts, found.as_status())  # fmt: skip
+        return Outcome.heard(outcome, started)
 
     def view(self, engine: int) -> EngineView:
         started = self.harness.started.get(engine)
@@ -241,8 +237,7 @@ class ClusterMatrix:
             sums = [tuple(client.checksums(rank, BUCKET_MIB << 20)) for rank in range(TP)]
         except Exception:  # a stopped engine: it answers nothing
             return EngineView(engine, answers=False)
-        held = next((label for label in reversed(self.labels)
-                     if all(sums[r] == expected(label, engine, r) for r in range(TP))), None)  # fmt: skip
+        held = held_label(self.labels, engine, sums)
         return EngineView(engine, True, str(status["weight_version"]), bool(status["paused"]), held)
 
     def committed(self) -> int | None:

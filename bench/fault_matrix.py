@@ -120,6 +120,23 @@ class Outcome:
     attempts: int = 0
     status: dict[str, Any] | None = None
 
+    @classmethod
+    def heard(cls, outcome: object, started: float) -> Outcome:
+        """What rank 0's publish returned (a round's outcome, or what it raised), ``started`` at ``time.monotonic``."""
+        found = getattr(outcome, "round", None)
+        if found is None:  # the publish itself failed (rank 0's agent gone, or no answer in time)
+            return cls("error", str(outcome), time.monotonic() - started)
+        return cls(found.result, found.reason, found.duration_seconds, found.committed, found.engines_paused,
+                   found.attempts, found.as_status())  # fmt: skip
+
+
+def held_label(labels: list[str], engine: int, sums: list[tuple[str, ...]]) -> str | None:
+    """The newest of ``labels`` whose bytes every rank of ``engine`` holds (``sums``: its checksums per rank)."""
+    for label in reversed(labels):
+        if all(sums[rank] == expected(label, engine, rank) for rank in range(TP)):
+            return label
+    return None
+
 
 class GatedReferenceEngines(GatedEngines, ReferenceEngines):
     """Reference engines, each behind a :class:`Gate` of its own (the same gate across restarts)."""
@@ -287,18 +304,7 @@ class Matrix:
         started = time.monotonic()
         wait = 3 * self.budget + 3 * self.slow + 60  # longer than any round that breaks its budget
         outcome = publish_all(self.clients, state(label, 0), version, timeout=wait + 30, publish_timeout=wait)[0]
-        found = getattr(outcome, "round", None)
-        if found is None:  # the publish itself failed (rank 0's agent gone, or no answer in ``wait``)
-            return Outcome("error", str(outcome), time.monotonic() - started)
-        return Outcome(found.result, found.reason, found.duration_seconds, found.committed, found.engines_paused,
-                       found.attempts, found.as_status())  # fmt: skip
-
-    def holds(self, engine: int, views: list[tuple[str, ...]]) -> str | None:
-        """The version whose bytes every rank of ``engine`` holds (``views``: its checksums per rank)."""
-        for label in reversed(self.labels):
-            if all(views[rank] == expected(label, engine, rank) for rank in range(TP)):
-                return label
-        return None
+        return Outcome.heard(outcome, started)
 
     def view(self, engine: int) -> EngineView:
         client = self.group.engines[engine].client(timeout=10)
@@ -307,7 +313,8 @@ class Matrix:
             sums = [tuple(client.checksums(rank, BUCKET_MIB << 20)) for rank in range(TP)]
         except Exception:  # a dead engine: it answers nothing
             return EngineView(engine, answers=False)
-        return EngineView(engine, True, str(status["weight_version"]), bool(status["paused"]), self.holds(engine, sums))
+        held = held_label(self.labels, engine, sums)
+        return EngineView(engine, True, str(status["weight_version"]), bool(status["paused"]), held)
 
     def committed(self) -> int | None:
         value = AgentClient(self.group.agents[0].url, timeout=10, token=self.group.token).state()["committed"]
