@@ -57,16 +57,18 @@ def group() -> Iterator[LoopbackGroup]:
         yield running
 
 
-def stream_all(
+def start_streams(
     clients: Sequence[WeightSyncClient],
     full: dict[str, torch.Tensor],
     version: int,
     *,
     crash: int | None = None,
     late: int | None = None,
-) -> list[object]:
-    """Each rank streams ``version`` at once (a collective); rank ``crash`` raises half-way; rank ``late`` opens its
-    stream only after :data:`LATE_SECONDS` (rank 0's round has asked it by then). Outcomes in rank order."""
+    before_last: Callable[[int], None] | None = None,
+) -> tuple[list[object], Callable[[], None]]:
+    """Each rank streams ``version`` in a thread of its own: rank ``crash`` raises half-way; rank ``late`` opens its
+    stream only after :data:`LATE_SECONDS` (rank 0's round has asked it by then); ``before_last(rank)`` runs before a
+    rank stages its last tensor. Returns the outcomes (in rank order, each filled as its rank ends) and the join."""
     outcomes: list[object] = [None] * len(clients)
 
     def rank(index: int) -> None:
@@ -79,6 +81,8 @@ def stream_all(
                 for count, name in enumerate(order):
                     if index == crash and count == len(order) // 2:
                         raise TrainerCrashError(f"rank {index} lost its all-gather")
+                    if before_last is not None and count == len(order) - 1:
+                        before_last(index)
                     stream.stage(name, full[name])
             outcomes[index] = stream.outcome
         except Exception as exc:  # recorded: the test asserts on it
@@ -87,8 +91,25 @@ def stream_all(
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(120)
+
+    def join() -> None:
+        for thread in threads:
+            thread.join(120)
+
+    return outcomes, join
+
+
+def stream_all(
+    clients: Sequence[WeightSyncClient],
+    full: dict[str, torch.Tensor],
+    version: int,
+    *,
+    crash: int | None = None,
+    late: int | None = None,
+) -> list[object]:
+    """Each rank streams ``version`` at once (a collective; :func:`start_streams`), until every rank ended."""
+    outcomes, join = start_streams(clients, full, version, crash=crash, late=late)
+    join()
     return outcomes
 
 
@@ -153,30 +174,12 @@ def stream_holding_the_last_tensor(
 ) -> tuple[list[threading.Event], list[object], threading.Thread]:
     """Each rank streams ``version`` in its own thread and stops before its last tensor until ``release``."""
     held = [threading.Event() for _ in clients]
-    outcomes: list[object] = [None] * len(clients)
 
-    def rank(index: int) -> None:
-        client = clients[index]
-        *first, last = client.staging_order()
-        try:
-            with client.stream(version, check=False) as stream:
-                for name in first:
-                    stream.stage(name, full[name])
-                held[index].set()
-                release.wait(60)
-                stream.stage(last, full[last])
-            outcomes[index] = stream.outcome
-        except Exception as exc:  # recorded: the test asserts on it
-            outcomes[index] = exc
+    def hold(index: int) -> None:
+        held[index].set()
+        release.wait(60)
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(clients))]
-    for thread in threads:
-        thread.start()
-
-    def join() -> None:
-        for thread in threads:
-            thread.join(120)
-
+    outcomes, join = start_streams(clients, full, version, before_last=hold)
     return held, outcomes, threading.Thread(target=join)
 
 
