@@ -288,9 +288,7 @@ class Matrix:
             self.group.restart_engine(ENGINE)
         elif fault in ("source-kill", "coordinator-kill"):
             pod = SOURCE if fault == "source-kill" else 0
-            self.group.agents[pod].stop(kill=True)
-            self.group.start_agent(pod)
-            self.group.wait_built(60)
+            self.group.restart_agent(pod)
             self.clients[pod].close()
             self.clients[pod] = self.group.client(pod)  # a fresh trainer process: the old one's agent is gone
 

@@ -221,6 +221,14 @@ class LoopbackGroup:
         self.agents[pod] = agent
         return agent
 
+    def restart_agent(self, pod: int, timeout: float = 60.0) -> AgentProcess:
+        """Trainer pod ``pod``'s agent SIGKILLed (if it still runs) and started again, as a kubelet restarts a sidecar
+        (same replica files); returns once every agent built its sources."""
+        self.agents[pod].stop(kill=True)
+        agent = self.start_agent(pod)
+        self.wait_built(timeout)
+        return agent
+
     def _spawn(self, name: str, env: dict[str, str], pod: int = 0) -> AgentProcess:
         log = (self.workdir / f"{name}.log").open("ab")
         process = subprocess.Popen(

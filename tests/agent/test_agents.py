@@ -103,8 +103,7 @@ def test_a_source_agent_killed_while_the_round_waits_fails_it_untouched_and_a_re
             assert engine.client().weight_version() == before[index]  # nobody claims v2
             assert engine.client().status().get("round") is None  # never paused or begun: it kept serving
         # The agent comes back (same pod, same replica files); every rank publishes v2 again.
-        group.start_agent(1)
-        group.wait_built(60)
+        group.restart_agent(1)
         clients[1].close()
         clients[1] = group.client(1)
         outcomes = publish_all(clients, full2, 2)
@@ -139,9 +138,7 @@ def test_a_restarted_coordinator_goes_on_from_the_committed_version(group: Loopb
             full = training_step(full, version)
             assert all(getattr(o, "ok", False) for o in publish_all(clients, full, version))
         # Between rounds.
-        group.agents[0].stop(kill=True)
-        group.start_agent(0)
-        group.wait_built(60)
+        group.restart_agent(0)
         wait_committed(group, 2)
         clients[0].close()
         clients[0] = group.client(0)  # a fresh trainer process: it knows no version of its own
@@ -172,8 +169,7 @@ def test_a_restarted_coordinator_goes_on_from_the_committed_version(group: Loopb
         assert failures and "could not run the round" in str(failures[0])
         for engine in group.engines.values():  # never paused: it waited for rank 1 before anything else
             assert engine.client().status()["round"] is None
-        group.start_agent(0)
-        group.wait_built(60)
+        group.restart_agent(0)
         wait_committed(group, 2)
         clients[0].close()
         clients[0] = group.client(0)
