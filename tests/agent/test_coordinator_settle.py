@@ -4,6 +4,8 @@ matrix's engine-hang at pause, begin and resume: after SIGCONT the engine served
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,11 +20,12 @@ from weightsync_agent.rounds.driver import RoundResult
 TEMPLATE = {"spec": {"containers": [{"name": "main"}]}}
 
 
-def make_plan(engines: int = 2) -> Plan:
+def make_plan(engines: int = 2, scrub_seconds: int = 0) -> Plan:
     spec = WeightSyncGroupSpec.model_validate(
         {
             "trainer": {"replicas": 1, "template": TEMPLATE},
             "inference": {"engines": engines, "ranksPerEngine": 1, "template": TEMPLATE},
+            "transfer": {"scrubSeconds": scrub_seconds},
         }
     )
     return plan_for(spec, group="g", namespace="ns")
@@ -103,3 +106,40 @@ def test_engines_it_cannot_reach_yet_are_tried_again_without_failing_the_tick(ri
     assert coordinator.settle() == []  # no exception: the tick goes on to scrub and catch up
     coordinator.engines = found
     assert coordinator.settle() == [1] and not reported[-1].engines_paused
+
+
+def test_the_ticks_work_between_rounds_never_waits_for_a_running_round(rig: Any) -> None:
+    """settle, scrub and catch-up run on the agent's tick, which also refetches the manifests of a restarted engine
+    that a round's prepare waits for: queued behind that round, the tick left it waiting out its refetch and failing
+    (CI: a round after an engine restart failed in prepare after 5 s). While a round runs they do nothing and return;
+    once it ended they do their work."""
+    coordinator, engines, _reported = rig
+    coordinator.own_sources = SimpleNamespace(plan=make_plan(scrub_seconds=60))
+    coordinator._finish(failed_round((1,)), "regular")  # something for settle to do
+    coordinator.recovered = True
+    coordinator.committed = 2
+    coordinator._committed_sums = {(0, 0): ["0" * 16]}  # and for scrub: one engine rank's verified checksums
+    in_round, release = threading.Event(), threading.Event()
+    found = coordinator.engines
+
+    def engines_of_a_round_that_waits(plan: Any, which: Any) -> Any:
+        if list(which) == [0, 1]:  # the regular round's
+            in_round.set()
+            release.wait(30)
+            raise LookupError("the round ends here")
+        return found(plan, which)
+
+    coordinator.engines = engines_of_a_round_that_waits
+    round_thread = threading.Thread(target=coordinator.run_round, args=(3,))
+    round_thread.start()
+    try:
+        assert in_round.wait(10)
+        began = time.monotonic()
+        assert coordinator.settle() == [] and engines[1].resumes == []
+        assert coordinator.catch_up() is None
+        assert coordinator.scrub() == {}
+        assert time.monotonic() - began < 1.0
+    finally:
+        release.set()
+        round_thread.join(10)
+    assert coordinator.settle() == [1]  # the round ended (refused): the tick's work runs again

@@ -35,12 +35,13 @@ version must not lock the group out of every later one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 from weightsync.api import names
 from weightsync.api.engines import refusal
@@ -163,6 +164,8 @@ class Coordinator:
         self._canary: Canary | None = None
         #: Engine version asks (``held_version`` calls) since start: what catching up costs the engines.
         self.asked = 0
+        #: Held by each round. The agent tick's work between rounds (settle, scrub, catch-up) takes it only when free
+        #: (:meth:`_between_rounds`).
         self._round = threading.Lock()
         #: The version of the regular round in progress (None: none), and when each kept result finished (this
         #: process's clock): what tells a rank's ask that a retry of its version is coming.
@@ -247,9 +250,26 @@ class Coordinator:
             self._doubt(range(plan.layout.engines))
         return self._finish(result, "regular")
 
+    @contextlib.contextmanager
+    def _between_rounds(self) -> Iterator[bool]:
+        """The round lock for the agent tick's work, if no round holds it (whether it does). The tick never queues
+        behind a round: a round's prepare may be waiting for this very tick to refetch the manifests of an engine
+        that restarted (``SourceAgent._refetched``), and a tick waiting for that round would leave it waiting out
+        its refetch and failing (CI saw the round fail after 5 s)."""
+        if not self._round.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._round.release()
+
     def catch_up(self) -> RoundResult | None:
-        """Bring engines that answer with another version than the committed one up to it."""
-        with self._round:
+        """Bring engines that answer with another version than the committed one up to it (between rounds: while a
+        round runs, nothing; the next tick looks again)."""
+        with self._between_rounds() as free:
+            if not free:
+                return None
             if self._recover(self.own_sources.plan) is not None:
                 return None
             plan, version = self.own_sources.plan, self.committed
@@ -307,8 +327,10 @@ class Coordinator:
         time (an engine hung through the round's end, then back: it may have run the late calls or not), naming that
         round; once every one answered, report the round again without ``enginesPaused``, so the status stops
         saying engines are paused when they serve. An engine that refuses (its weights are not known clean) stays
-        paused, as reported. Returns the engines resumed now."""
-        with self._round:
+        paused, as reported. Returns the engines resumed now (none while a round runs: the next tick settles)."""
+        with self._between_rounds() as free:
+            if not free:
+                return []
             pending, plan = self._unresumed, self.own_sources.plan
             if pending is None or plan is None:
                 return []
@@ -365,8 +387,12 @@ class Coordinator:
             if engine >= plan.layout.engines or engine in self._drifted or engine in found:
                 continue
             # One rank at a time under the round lock: never while a round writes, and a round that is due waits
-            # for one checker call at most, not for the whole pass.
-            with self._round:
+            # for one checker call at most, not for the whole pass. A round running now ends the pass: it writes and
+            # verifies every engine; the next tick starts a pass again.
+            with self._between_rounds() as free:
+                if not free:
+                    self._next_scrub = time.monotonic()
+                    break
                 if self.committed != version or (engine, rank) not in self._committed_sums:
                     break  # a round committed meanwhile: its checksums are the next pass's
                 try:

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 from weightsync_tools.localcluster.realnode import (
@@ -98,6 +99,12 @@ def test_a_running_real_node_is_found_by_its_kubelets_config(tmp_path: Path) -> 
     # A shell named kubelet that waits (two commands, so it does not exec sleep in its place).
     process = subprocess.Popen([str(kubelet), "-c", "sleep 30; :", f"--config={config}"])
     try:
+        # Popen returns once exec has closed its error pipe, before the kernel has set the new argv: on a loaded
+        # machine /proc/PID/cmdline is empty for a moment (CI read it so). Wait for the argv, bounded.
+        cmdline, deadline = Path(f"/proc/{process.pid}/cmdline"), time.monotonic() + 10
+        while b"--config=" not in cmdline.read_bytes():
+            assert time.monotonic() < deadline, cmdline.read_bytes()
+            time.sleep(0.01)
         assert (process.pid, str(config)) in other_real_nodes()
         assert process.pid not in [pid for pid, _ in other_real_nodes(tmp_path / "cluster" / "realnode")]
     finally:
