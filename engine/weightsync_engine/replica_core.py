@@ -17,7 +17,8 @@ bit-for-bit comparison of everything the engine reads (parameters, buffers and p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from weightsync_engine.trace_core import dtype_name
@@ -26,6 +27,10 @@ from weightsync_engine.trace_core import dtype_name
 PARAMETER, BUFFER, ATTRIBUTE = "parameter", "buffer", "attribute"
 #: Where each parameter starts in a bound buffer: a multiple of this (any dtype's element size, a cache line).
 ALIGN = 64
+
+
+#: A decoder layer's index in an HF tensor name (``model.layers.3.``, GPT-2's ``transformer.h.3.``, ``blocks.3.``).
+LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 class ReplicaError(Exception):
@@ -161,3 +166,18 @@ def differences(torch: Any, got: Any, want: Any, ignore: frozenset[str] = frozen
 def _bytes(torch: Any, tensor: Any) -> Any:
     flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+
+
+def layer_groups(names: Sequence[str]) -> list[list[int]]:
+    """The feeds (``names``, in feed order) grouped by the decoder layer their name says, each group in feed order,
+    groups in the order their first feed comes; the feeds of no layer (embeddings, final norm, head) form one group,
+    last: a source loads each group as soon as the trainer staged it (a bounded feed) and gives its memory back."""
+    by_layer: dict[str, list[int]] = {}
+    rest: list[int] = []
+    for index, name in enumerate(names):
+        found = LAYER.search(name)
+        if found is None:
+            rest.append(index)
+        else:
+            by_layer.setdefault(name[: found.end()], []).append(index)
+    return [*by_layer.values(), *([rest] if rest else [])]

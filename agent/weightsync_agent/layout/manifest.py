@@ -292,12 +292,24 @@ class EngineReplica(ApiModel):
         description="Parameters no checkpoint tensor writes: the engine keeps its own values, as in its own load; "
         "not in the replica, never written.",
     )
+    layer_groups: tuple[tuple[int, ...], ...] = Field(
+        default=(),
+        description="The feeds by decoder layer (indices into feeds, each once), when the engine checked that its "
+        "load_weights over one group at a time leaves the bytes one call does: a source loads each group as soon as "
+        "the trainer staged it and gives the group's memory back. Empty: one load, once every feed is staged.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         names = [f.name for f in self.feeds]
         if len(set(names)) != len(names):
             raise ManifestError(f"engine replica feeds repeat {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        grouped = sorted(i for group in self.layer_groups for i in group)
+        if self.layer_groups and (grouped != list(range(len(names))) or not all(self.layer_groups)):
+            raise ManifestError(
+                f"the engine replica's layer groups must hold each of its {len(names)} feeds exactly once, in "
+                "non-empty groups"
+            )
         by_name = {f.name: f for f in self.feeds}
         for feed in self.feeds:
             if feed.scale is None or feed.block is None:

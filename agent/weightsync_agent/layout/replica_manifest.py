@@ -82,6 +82,7 @@ def assemble(
                 "ep": int(layout.get("ep_size") or 1),
                 "feeds": quantized_feeds(layout["feeds"], layout.get("quantization"), rank),
                 "kept": sorted(kept),
+                "layerGroups": layout.get("layer_groups") or [],
             }
         )
         return Manifest(

@@ -14,6 +14,7 @@ joining engine can never be handed a mix of two versions under one number.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -306,15 +307,51 @@ class SourceAgent:
 
     def _load_engine_replicas(self, rank: int, version: int, deadline: float) -> None:
         """Fill ``rank``'s engine replicas from what the trainer staged for ``version`` (the caller holds the rank's
-        lock): each one's loader runs the engine's ``load_weights`` over its feed once every feed tensor is staged.
-        A replica already loaded for ``version`` is left as it is (a retry, or the publish after its prepare); any
-        other version loads again, also after a failed round, whose feed stays staged: the replica then holds
-        what the feed holds, as a traced replica holds what was staged last."""
+        lock): each one's loader runs the engine's ``load_weights`` over its feed. A replica already loaded for
+        ``version`` is left as it is (a retry, or the publish after its prepare); any other version loads again, also
+        after a failed round, whose feed stays staged: the replica then holds what the feed holds, as a traced
+        replica holds what was staged last.
+
+        A feed whose engine checked that its layers load one at a time (``EngineReplica.layer_groups``) is loaded a
+        layer as soon as the trainer staged it, and every loaded layer's memory is given back (``Replica.release``):
+        streamed, the feed holds the layers staged and not yet loaded, not the model. Other feeds load once every
+        tensor is staged, and are given back after."""
+        todo: dict[str, list[EngineLoader]] = {}
         for loader in self.loaders.get(rank, []):
-            feed = loader.feed
             if loader.replica.is_complete() and self._loaded_for.get((rank, loader.name)) == version:
                 continue
-            while not feed.is_complete():  # a streamed version: the trainer is still staging
+            todo.setdefault(loader.feed.fingerprint, []).append(loader)
+        for loaders in todo.values():
+            feed = loaders[0].feed
+            groups = loaders[0].layer_groups
+            if not groups or any(other.layer_groups != groups for other in loaders):
+                groups = [[t.name for t in feed.layout.tensors]]
+            streamed = feed.stream_state(version) is not None
+            # Streamed, the trainer goes on staging other layers: each part is staged once per stream, so a staged
+            # layer does not change under its load. Otherwise everything is staged and the feed is held meanwhile.
+            with contextlib.nullcontext() if streamed else feed.publishing():
+                seconds = self._load_groups(rank, version, deadline, loaders, groups)
+            for loader in loaders:
+                loader.replica.mark_loaded()
+                self._loaded_for[(rank, loader.name)] = version
+                how = f"{len(groups)} layer groups" if len(groups) > 1 else "one load"
+                log.info("source %d: %s loaded for version %d in %.3f s (%s)", rank, loader.name, version, seconds, how)
+
+    @staticmethod
+    def _load_groups(
+        rank: int, version: int, deadline: float, loaders: list[EngineLoader], groups: list[list[str]]
+    ) -> float:
+        """Load each of ``groups`` into every one of ``loaders`` (which read one feed) once it is staged, whichever is
+        staged first, then give its feed memory back; the seconds the loads took."""
+        feed = loaders[0].feed
+        slots = [feed.layout.slots_of(group) for group in groups]
+        left = list(range(len(groups)))
+        seconds = 0.0
+        while left:
+            ready = [g for g in left if feed.staged(slots[g])]
+            if not ready:
+                if feed.stream_state(version) == "aborted":
+                    raise ReplicaError(f"source {rank}: the trainer aborted its stream of version {version}")
                 if time.monotonic() >= deadline:
                     missing = feed.missing()
                     raise TimeoutError(
@@ -322,11 +359,19 @@ class SourceAgent:
                         f"before the round's deadline (first: {', '.join(m.source for m in missing[:3])})"
                     )
                 time.sleep(0.01)
-            with feed.publishing():  # nothing is staged while the engine's loader reads the feed
-                seconds = loader.load(max(deadline - time.monotonic(), 1.0))
-            loader.replica.mark_loaded()
-            self._loaded_for[(rank, loader.name)] = version
-            log.info("source %d: %s loaded for version %d in %.3f s", rank, loader.name, version, seconds)
+                continue
+            for index in ready:
+                gone = feed.released(groups[index])
+                if gone:
+                    raise ReplicaError(
+                        f"source {rank}: the feed of {', '.join(gone[:3])} was given back after an earlier version's "
+                        f"load and not staged since; stage every tensor for version {version}"
+                    )
+                for loader in loaders:
+                    seconds += loader.load(max(deadline - time.monotonic(), 1.0), groups[index])
+                feed.release(groups[index])
+                left.remove(index)
+        return seconds
 
     def _stream(self, rank: int, version: int) -> ReplicaGate | None:
         """The trainer process streams ``version`` into ``rank``'s replicas (its client marked the shared files)."""
@@ -417,10 +462,19 @@ class SourceAgent:
             "held": {str(r): v for r, v in self.held.items()},
             "ready": {str(r): v for r, v in self.ready_version.items()},
             "replicas": {str(r): str(self.replica_root(r)) for r in self.ranks},
-            # Which targets' replicas an engine loader fills (the engine-replica path), and whether it ran since the
-            # last commit.
+            # Which targets' replicas an engine loader fills (the engine-replica path), whether it ran since the
+            # last commit, in how many layer groups it loads (1: once every feed is staged), and the memory its feed
+            # holds now (what the trainer staged and the loader has not taken yet).
             "engineReplicas": {
-                str(r): [{"loader": loader.name, "loaded": loader.replica.is_complete()} for loader in loaders]
+                str(r): [
+                    {
+                        "loader": loader.name,
+                        "loaded": loader.replica.is_complete(),
+                        "layerGroups": max(len(loader.layer_groups), 1),
+                        "feedHeldBytes": loader.feed.held_bytes(),
+                    }
+                    for loader in loaders
+                ]
                 for r, loaders in self.loaders.items()
                 if loaders
             },

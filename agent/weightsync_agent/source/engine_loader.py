@@ -76,10 +76,21 @@ class EngineLoader:
             START_SECONDS,
         )
 
-    def load(self, timeout: float) -> float:
-        """Run the engine's ``load_weights`` over the feed; the seconds it took. The caller holds the feed (no
-        staging meanwhile) and files the replica as loaded (:meth:`Replica.mark_loaded`) after it returns."""
-        answer = self._call({"op": "load"}, timeout)
+    @property
+    def layer_groups(self) -> list[list[str]]:
+        """The feed's tensors by decoder layer, when the engine found that loading them a group at a time leaves the
+        bytes one load does (``EngineReplica.layer_groups``); empty: one load of every feed."""
+        spec = self.replica.layout.replica or {}
+        names = [str(feed["name"]) for feed in spec.get("feeds", ())]
+        return [[names[i] for i in group] for group in spec.get("layer_groups", ())]
+
+    def load(self, timeout: float, names: list[str] | None = None) -> float:
+        """Run the engine's ``load_weights`` over the feed tensors ``names`` (every one when None); the seconds it
+        took. Those feeds must not change meanwhile (the caller holds the feed, or a stream staged them: a stream
+        stages each part once), and the caller files the replica as loaded (:meth:`Replica.mark_loaded`) once every
+        feed went through."""
+        request: dict[str, Any] = {"op": "load"} if names is None else {"op": "load", "names": names}
+        answer = self._call(request, timeout)
         return float(answer.get("seconds") or 0.0)
 
     def close(self) -> None:

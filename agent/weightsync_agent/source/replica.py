@@ -21,7 +21,8 @@ Shared-memory file format (little-endian), one file per replica::
     [0, 64)            header: magic, json length, data offset, data bytes, part count,
                        bitmap offset, xxh3-64 of the JSON, digest grain (0: no digests)
     [64, 64 + json)    JSON: {"fingerprint": ..., "tensors": [TensorEntry without address, ...]}
-    [bitmap, +parts)   one byte per shard part: 1 = staged for the current version
+    [bitmap, +parts)   one byte per shard part: 1 = staged for the current version, 2 = staged and its bytes given
+                       back after an engine replica's loader took them (a feed: ``Replica.release``)
     [stream, +16)      the version the trainer streams and its state (0 none, 1 open, 2 closed, 3 aborted)
     [digests, +8·n)    per chunk of ``grain`` bytes: xxh3-64 of the chunk as staged (64-aligned)
     [valid, +n)        per chunk: 1 = its digest describes the bytes the replica holds now
@@ -140,6 +141,9 @@ _STREAM_STATES: Final[dict[int, StreamState]] = {v: k for k, v in _STREAM_CODES.
 
 #: A chunk's state in the digest table's flag byte.
 _NO_DIGEST, _DIGEST_VALID, _DIGEST_HASHING = 0, 1, 2
+#: A staged flag: the part was staged for this version and its bytes given back after the engine replica's loader
+#: took them (``Replica.release``): staged for what reads the flags, gone for what would read the bytes.
+RELEASED: Final = 2
 
 
 # --- Layout ----------------------------------------------------------------------------------------
@@ -323,6 +327,11 @@ class ReplicaLayout:
                 out.extend(self._tensor_slots.get(tensor.name, ()))
             i += 1
         return tuple(out)
+
+    def slots_of(self, names: Iterable[str]) -> tuple[int, ...]:
+        """The part slots of the tensors ``names`` (a feed's: each tensor is one whole part)."""
+        wanted = set(names)
+        return tuple(slot.index for slot in self.slots if slot.tensor.name in wanted)
 
     def chunks_of(self, tensor: LocalTensor, grain: int) -> range:
         """The chunks of ``grain`` bytes ``tensor``'s bytes fall in."""
@@ -747,6 +756,55 @@ class Replica:
         out = torch.empty(tensor.shape, dtype=tensor.torch_dtype)
         out.reshape(-1).view(torch.uint8).copy_(self.raw(tensor.name))
         return out
+
+    def release(self, names: Iterable[str]) -> int:
+        """Give back the memory of tensors ``names`` (a feed's, once every engine replica reading it loaded them):
+        the file's pages under them return to the system (``MADV_REMOVE``; the file keeps its size and reads as zeros
+        there), and their parts stay filed as staged for this version, as :data:`RELEASED`, so a publish of it still
+        finds the feed complete while a load that would read them again is refused (:meth:`released`). Staging them
+        again writes them anew. Returns the bytes given back (whole pages inside the tensors' merged ranges)."""
+        wanted = set(names)
+        with self._lock:
+            self._check_open()
+            for slot in self.layout.slots:
+                if slot.tensor.name in wanted and self._flags[slot.index]:
+                    self._flags[slot.index] = RELEASED
+            if self._mmap is None:
+                return 0
+            # Runs of neighbouring released tensors go as one range (the pages they share go too); a tensor kept
+            # between them ends a run, and only whole pages inside a run are given back.
+            merged: list[list[int]] = []
+            joined = False
+            for tensor in sorted(self.layout.tensors, key=lambda t: t.offset):
+                if tensor.name not in wanted:
+                    joined = False
+                elif joined:
+                    merged[-1][1] = tensor.offset + tensor.nbytes
+                else:
+                    merged.append([tensor.offset, tensor.offset + tensor.nbytes])
+                    joined = True
+            freed = 0
+            for start, end in merged:
+                first = _align(self.data_offset + start, mmap.PAGESIZE)
+                last = (self.data_offset + end) // mmap.PAGESIZE * mmap.PAGESIZE
+                if last > first:
+                    self._mmap.madvise(mmap.MADV_REMOVE, first, last - first)
+                    freed += last - first
+            return freed
+
+    def held_bytes(self) -> int:
+        """The memory the replica's file holds now (its allocated blocks; a feed's shrink as layers are given back),
+        or its size for a buffer without a file."""
+        if self._fd is None:
+            return self.buffer.numel()
+        return os.fstat(self._fd).st_blocks * 512
+
+    def released(self, names: Iterable[str]) -> list[str]:
+        """Which of tensors ``names`` were given back (:meth:`release`) and not staged since."""
+        wanted = set(names)
+        flags = self._flags
+        gone = {s.tensor.name for s in self.layout.slots if s.tensor.name in wanted and flags[s.index] == RELEASED}
+        return sorted(gone)
 
     def reset(self) -> None:
         """Forget what was staged (the bytes stay): the next version must stage every part again."""

@@ -143,3 +143,39 @@ def check(
         "differences": found,
         "before_end": before_end,
     }
+
+
+def layerwise_difference(
+    sg: types.SimpleNamespace,
+    model_dir: Path,
+    tp: int,
+    rank: int,
+    dtype: str,
+    new: dict[str, Any],
+    groups: list[list[int]],
+    ep: int = 1,
+) -> str | None:
+    """Whether ``load_weights`` may run one layer group at a time (``groups``: indices into ``new``'s order, from
+    :func:`replica_core.layer_groups`) and leave the same bytes as one call over every tensor, as a source that loads
+    each group once the trainer staged it needs: None if so, else the first parameter that differs. The groups go in
+    reverse order, so neither the checkpoint's order nor one call's end-of-load steps are what makes them agree."""
+    names = list(new)
+
+    def loaded(calls: list[list[int]]) -> tuple[Any, list[dict[str, Any]]]:
+        replica = build(sg, model_dir, tp, rank, dtype, ep)
+        size = replica_core.packed(replica_core.loader_layout(replica))[1]
+        buffer = sg.torch.zeros(size, dtype=sg.torch.uint8)
+        bound = replica_core.bind(sg.torch, replica, buffer)
+        buffer.fill_(replica_core.SENTINEL)
+        for call in calls:
+            load(sg, replica, ((names[i], new[names[i]].clone()) for i in call))
+        replica_core.check_bound(replica, buffer, bound)
+        return buffer, bound
+
+    whole, bound = loaded([list(range(len(names)))])
+    grouped, _ = loaded(list(reversed(groups)))
+    for entry in bound:
+        span = slice(entry["offset"], entry["offset"] + entry["nbytes"])
+        if not sg.torch.equal(whole[span], grouped[span]):
+            return str(entry["name"])
+    return None

@@ -11,7 +11,10 @@ prints one JSON object: ``tensors`` (the loader layout: every parameter in ``nam
 no checkpoint tensor writes, listed in ``kept``: the engine keeps its own values there, as in its own load), ``feeds``
 (the HF tensors ``load_weights`` takes, in checkpoint order, in the engine's dtype), ``refused`` (every parameter,
 buffer or attribute the path cannot bring to the engine's own load's bytes, with the reason: never synced) and
-``rederived`` (what SGLang's end of session re-derives, for the docs and the status).
+``rederived`` (what SGLang's end of session re-derives, for the docs and the status), ``layer_groups`` (the feeds
+by decoder layer, as indices into ``feeds``, when ``load_weights`` one group at a time leaves the bytes one call does:
+a source then loads each group as soon as it is staged and gives its memory back; empty: one load of every feed) and
+``layerwise`` (what that check found).
 
 ``--replica-serve`` (a source's agent, one process per engine replica): JSON lines on stdin, one answer line each
 on stdout (``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``):
@@ -102,7 +105,8 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
     plain = model_dtype(sg, probe)
     del probe
     old = checkpoint(sg, model_dir, plain)
-    found = replica_model.check(sg, model_dir, tp, rank, dtype, old, perturbed(sg, old), ep)
+    round_values = perturbed(sg, old)
+    found = replica_model.check(sg, model_dir, tp, rank, dtype, old, round_values, ep)
     kept = set(found["unwritten"])
     refused = [
         {
@@ -117,6 +121,12 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
     fields = ("name", "dtype", "shape", "nbytes")
     tensors = [{k: entry[k] for k in fields} for entry in found["layout"] if entry["name"] not in kept]
     feeds = [{"name": n, "dtype": core.dtype_name(t.dtype), "shape": list(t.shape)} for n, t in old.items()]
+    # A source loads a group once the trainer staged it and gives its feed memory back, if the model's load_weights
+    # leaves the same bytes that way; otherwise it loads once, when every feed is staged.
+    groups = replica_core.layer_groups(list(old))
+    split = None
+    if len(groups) > 1:
+        split = replica_model.layerwise_difference(sg, model_dir, tp, rank, dtype, round_values, groups, ep)
     return {
         "sglang": sg.version,
         "tp_size": tp,
@@ -128,6 +138,8 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
         "feeds": feeds,
         "refused": refused,
         "kept": sorted(kept),
+        "layer_groups": groups if len(groups) > 1 and split is None else [],
+        "layerwise": "one group" if len(groups) <= 1 else (f"differs at {split}" if split else "equal"),
         "rederived": sorted({d.split(":")[0] for d in found["before_end"]}),
         "seconds": round(time.monotonic() - started, 2),
     }

@@ -3,7 +3,14 @@ replica the trainer stages into, created by the sidecar and attached by the trai
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,3 +129,123 @@ def test_a_loader_that_cannot_start_is_named_and_not_started_again_at_once(
     with pytest.raises(ReplicaError, match=r"cannot start the engine's Python .* \(tried again in \d+ s\)"):
         sources.replica_set(0, [MANIFEST])
     assert not list((tmp_path / "rank0").glob("*")) and 0 not in sources.replicas
+
+
+#: Two layers' feeds of 64 KiB each and a head: large enough that giving a layer back frees whole pages.
+BIG = [4096, 4]
+LAYERED = {
+    **LAYOUT,
+    "feeds": [
+        {"name": "model.layers.0.a.weight", "dtype": "float32", "shape": BIG},
+        {"name": "model.layers.0.b.weight", "dtype": "float32", "shape": BIG},
+        {"name": "model.layers.1.a.weight", "dtype": "float32", "shape": BIG},
+        {"name": NORM, "dtype": "float32", "shape": [4]},
+    ],
+    "layer_groups": [[0, 1], [2], [3]],
+}
+LAYERS = [["model.layers.0.a.weight", "model.layers.0.b.weight"], ["model.layers.1.a.weight"], [NORM]]
+
+
+@pytest.fixture
+def directory(tmp_path: Path) -> Iterator[Path]:
+    """A directory on tmpfs where there is one (/dev/shm, as the pods' replicas are): pages given back show there."""
+    if not Path("/dev/shm").is_dir():
+        yield tmp_path
+        return
+    made = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ws-feed-"))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def allocated(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_a_feed_gives_back_the_memory_of_what_was_loaded_and_refuses_to_be_read_again(directory: Path) -> None:
+    manifest = assemble(0, 0, LAYERED, "s:1", {FUSED: [1 << 20, 28, 4], NORM: [1 << 21, 4, 4]},
+                        checksum="tensor-sha256-8", model="/m")  # fmt: skip
+    assert manifest.replica is not None and manifest.replica.layer_groups == ((0, 1), (2,), (3,))
+    sidecar = ReplicaSet.for_manifests([manifest], shm_dir=directory, pin=False)
+    trainer = ReplicaSet.attach(directory, pin=False)
+    try:
+        [feed] = sidecar.feeds.values()
+        assert feed.shm_path is not None
+        values = {name: torch.full(BIG, float(i + 1)) for i, name in enumerate(LAYERS[0] + LAYERS[1])}
+        trainer.stage_many({**values, NORM: torch.ones(4)})
+        staged = allocated(feed.shm_path)
+        freed = feed.release(LAYERS[0])
+        assert freed >= 2 * 64 * 1024 - 2 * 4096  # whole pages inside the layer's two tensors
+        assert staged - allocated(feed.shm_path) >= freed - 4096  # the file's pages went back to the system
+        [trainer_feed] = trainer.feeds.values()
+        assert not trainer_feed.tensor(LAYERS[0][0])[1:-1].any()  # the trainer's mapping reads zeros there
+        assert torch.equal(trainer_feed.tensor(LAYERS[1][0]), values[LAYERS[1][0]])  # the next layer is untouched
+        # Still staged for this version (a publish finds the feed complete), but never read again as if it were.
+        assert feed.is_complete() and not feed.missing()
+        assert feed.released(LAYERS[0] + LAYERS[1]) == sorted(LAYERS[0])
+        trainer.stage(LAYERS[0][0], values[LAYERS[0][0]])  # staged again: its bytes are back
+        assert feed.released(LAYERS[0]) == [LAYERS[0][1]]
+        assert torch.equal(feed.tensor(LAYERS[0][0]), values[LAYERS[0][0]])
+        sidecar.reset()
+        assert feed.released(LAYERS[0]) == [] and len(feed.missing()) == 4
+    finally:
+        trainer.close()
+        sidecar.close(unlink=True)
+
+
+class Loader:
+    """Stands for an engine replica's loader process (its load reads the feed, here into a list)."""
+
+    def __init__(self, feed: Any, groups: list[list[str]]) -> None:
+        self.feed, self.layer_groups = feed, groups
+        self.loads: list[tuple[list[str], list[float]]] = []
+
+    def load(self, timeout: float, names: list[str] | None = None) -> float:
+        assert names is not None
+        self.loads.append((names, [float(self.feed.tensor(n).reshape(-1)[0]) for n in names]))
+        return 0.001
+
+
+def test_a_streamed_feed_loads_each_layer_once_it_is_staged_and_holds_only_what_is_not_loaded_yet(
+    directory: Path,
+) -> None:
+    """The trainer streams layer 1, then layer 0, then the head; the source loads each as soon as it is staged, in
+    the order staged, and gives it back: the feed never holds more than the layer being staged and loaded."""
+    manifest = assemble(0, 0, LAYERED, "s:1", {FUSED: [1 << 20, 28, 4], NORM: [1 << 21, 4, 4]},
+                        checksum="tensor-sha256-8", model="/m")  # fmt: skip
+    sidecar = ReplicaSet.for_manifests([manifest], shm_dir=directory, pin=False)
+    trainer = ReplicaSet.attach(directory, pin=False)
+    try:
+        [feed] = sidecar.feeds.values()
+        assert feed.shm_path is not None
+        loader = Loader(feed, LAYERS)
+        trainer.reset()
+        trainer.mark_stream(7, "open")
+        peak = [0]
+        order = [LAYERS[1], LAYERS[0], LAYERS[2]]
+
+        def stream() -> None:
+            with trainer.streaming():
+                for step, names in enumerate(order):
+                    for name in names:
+                        trainer.stage(name, torch.full(BIG if name != NORM else [4], 10.0 + step))
+                    peak[0] = max(peak[0], allocated(feed.shm_path))  # type: ignore[arg-type]
+                    deadline = time.monotonic() + 10
+                    while len(loader.loads) <= step and time.monotonic() < deadline:  # the source took it
+                        time.sleep(0.005)
+            trainer.mark_stream(7, "closed")
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        seconds = SourceAgent._load_groups(0, 7, time.monotonic() + 20, [loader], LAYERS)  # type: ignore[list-item]
+        worker.join()
+        assert seconds > 0 and [names for names, _ in loader.loads] == order  # as staged, each once
+        assert [values for _, values in loader.loads] == [[10.0], [11.0, 11.0], [12.0]]  # read before given back
+        assert peak[0] <= 2 * 64 * 1024 + 3 * 4096 < 3 * 64 * 1024  # never the whole model's feed
+        assert feed.released([n for names in LAYERS for n in names]) == sorted(n for names in LAYERS for n in names)
+        with pytest.raises(ReplicaError, match="was given back after an earlier version's load"):
+            SourceAgent._load_groups(0, 8, time.monotonic() + 5, [loader], LAYERS)  # type: ignore[list-item]
+    finally:
+        trainer.close()
+        sidecar.close(unlink=True)

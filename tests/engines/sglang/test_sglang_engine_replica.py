@@ -75,6 +75,7 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
     assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in names  # the loader's fused pair
     assert manifest.replica is not None and manifest.replica.engine == "sglang"
     assert {f.name for f in manifest.replica.feeds} >= {"model.layers.0.self_attn.q_a_proj.weight"}
+    feed_bytes = sum(f.nbytes for f in manifest.replica.feeds)
     engine = group.engines[0].client(timeout=60)
     with group.clients() as clients:
         for version in (1, 2):
@@ -85,9 +86,23 @@ def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_h
             [loader] = AgentClient(group.agents[0].url, token=group.token).state()["sources"]["engineReplicas"]["0"]
             assert "(sglang rank 0)" in loader["loader"]
             assert loader["loaded"] is False  # the version is committed: the next one loads again
+            # SGLang's loader took the feed a decoder layer at a time (its engine checked that this leaves the same
+            # bytes) and the feed gave each layer's memory back: between rounds it holds next to nothing.
+            assert loader["layerGroups"] == len(manifest.replica.layer_groups) > 2
+            assert loader["feedHeldBytes"] < feed_bytes // 4, (loader["feedHeldBytes"], feed_bytes)
             if version == 2:
                 continue  # the first round proved the engine re-derives MLA's w_kc/w_vc; this one the reload
             assert_generates_like_hf(engine, sglang_py, tiny_deepseek_v3, full, version, tmp_path)
+        # Streamed: each layer is loaded as soon as the trainer staged it, while it stages the next.
+        [client] = clients
+        full = trained_state(tiny_deepseek_v3, 3)
+        with client.stream(3, check=False) as stream:
+            for name, tensor in full.items():
+                stream.stage(name, tensor)
+        assert stream.outcome is not None and stream.outcome.ok, str(stream.outcome)
+        assert engine.weight_version() == "3"
+        assert_generates_like_hf(engine, sglang_py, tiny_deepseek_v3, full, 3, tmp_path)
+    assert "layer groups)" in group.agents[0].log_text()
     # The CPU server attended in SGLang's absorbed MLA form (a gated workaround: docs/engines/sglang-testing.md).
     server = harness.servers[0]
     assert sglang_cpu.ABSORBED_MLA in server.workarounds

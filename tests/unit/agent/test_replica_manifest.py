@@ -150,3 +150,11 @@ def test_parameters_no_checkpoint_tensor_writes_are_kept_by_the_engine_and_never
     assert manifest.replica is not None and manifest.replica.kept == ("attn.k_scale",)
     with pytest.raises(ManifestError, match="which its engine replica lacks"):  # kept by no one: not a kept name
         assemble(0, 1, layout(), "s:9", published, checksum="tensor-sha256-8", model="/m")
+
+
+def test_layer_groups_name_each_feed_once_or_the_manifest_is_refused() -> None:
+    assert build(layer_groups=[[0, 1], [2]]).replica.layer_groups == ((0, 1), (2,))  # type: ignore[union-attr]
+    assert build().replica.layer_groups == ()  # type: ignore[union-attr]  # not checked layerwise: one load
+    for groups in ([[0, 1]], [[0, 1], [1, 2]], [[0, 1], [2, 3]], [[0, 1, 2], []], [[0, 1], [-2]]):
+        with pytest.raises(ValueError, match="must hold each of its 3 feeds exactly once"):
+            build(layer_groups=groups)

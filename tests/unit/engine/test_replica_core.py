@@ -147,3 +147,19 @@ def test_a_parameter_the_loader_never_wrote_is_the_engines_own() -> None:
     want = filled(11)
     assert replica_core.differences(torch, engine, want, ignore=own) == []
     assert replica_core.differences(torch, engine, want) == ["parameter norm: the bytes differ"]
+
+
+def test_feeds_group_by_decoder_layer_in_the_order_their_first_feed_comes_and_the_rest_goes_last() -> None:
+    names = [
+        "lm_head.weight",
+        "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.10.mlp.gate.weight",
+        "model.embed_tokens.weight",
+        "transformer.h.3.attn.c_attn.weight",
+        "model.norm.weight",
+    ]
+    assert replica_core.layer_groups(names) == [[1, 3], [2], [4], [6], [0, 5, 7]]
+    assert replica_core.layer_groups(["model.norm.weight"]) == [[0]]
+    assert replica_core.layer_groups([]) == []
