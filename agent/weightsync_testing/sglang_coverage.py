@@ -56,6 +56,10 @@ CASES: tuple[tuple[int, int], ...] = _COMMON.CASES
 #: (TP size, rank, EP size) checked through the engine replica for MoE architectures (SGLang's ``--ep-size``: the
 #: 8 experts split over 2 or 8 ranks).
 EP_CASES: tuple[tuple[int, int, int], ...] = ((2, 1, 2), (8, 7, 8))
+#: (TP size, rank, DP size, EP size) checked with SGLang's DP attention (``--enable-dp-attention --dp-size``:
+#: attention split over TP / DP ranks, each DP group whole) through the engine replica, for the MoE architectures EP
+#: syncs: DeepSeek-V3 and Kimi-K2 are served so (TP 8, DP 8, EP 8).
+DP_CASES: tuple[tuple[int, int, int, int], ...] = ((2, 1, 2, 1), (8, 7, 8, 8))
 #: Model types that ship FP8 block checkpoints (DeepSeek-V3, Kimi-K2, Qwen3 and Qwen3-MoE's FP8 releases): also checked
 #: as an FP8 block target from BF16 trainer tensors, quantized by weightsync's quantizer, at every case above.
 FP8_FAMILIES = ("deepseek_v3", "kimi_k2", "qwen3", "qwen3_moe")
@@ -105,8 +109,14 @@ def render(rows: Sequence[dict[str, Any]], versions: dict[str, str] | None = Non
         "weightsync replica writes (**trace**). Where the trace refuses, the **engine replica** is checked at the same",
         "ranks: SGLang's own `load_weights` on the source, its parameters written into an engine that held other",
         "weights, SGLang's own end-of-session processing; every parameter, buffer and tensor attribute must then equal",
-        "SGLang's own full load, bit for bit. MoE architectures are also checked with expert parallelism "
-        f"({', '.join(f'TP {t} rank {r} EP {e}' for t, r, e in EP_CASES)}) through the engine replica. The families",
+        "SGLang's own full load, bit for bit; such a row also says whether a source loads the feed a decoder layer",
+        "at a time and gives each layer back (`load_weights` one layer at a time, in reverse order, leaves the bytes",
+        "one call does; [engine replicas](engine-replicas.md)).",
+        "MoE architectures are also checked with expert parallelism "
+        f"({', '.join(f'TP {t} rank {r} EP {e}' for t, r, e in EP_CASES)}) through the engine replica, and those EP",
+        "syncs with SGLang's DP attention ("
+        + ", ".join(f"TP {t} rank {r} DP {d}" + (f" EP {e}" if e > 1 else "") for t, r, d, e in DP_CASES)
+        + "). The families",
         f"that ship FP8 block checkpoints ({', '.join(FP8_FAMILIES)}) are also checked as an FP8 block target",
         f"({FP8_BLOCK[0]} x {FP8_BLOCK[1]} blocks): the checkpoint and both rounds quantized from BF16 by weightsync's",
         "quantizer, through the engine replica at every case, against SGLang's own load of the FP8 checkpoint.",
@@ -131,6 +141,11 @@ def _cell(row: dict[str, Any]) -> str:
             f"end-of-session processing ({row.get('parameters', '?')} parameters on {last}); the trace refuses "
             f"{detail[:160]}"
         )
+        layerwise = str(row.get("layerwise") or "")
+        if layerwise.endswith(" groups"):
+            detail += f"; its feed loads a layer at a time ({layerwise})"
+        elif layerwise:
+            detail += f"; its feed loads at once (a layer at a time {layerwise})"
     elif row["status"] == "synced" and row.get("rebind"):
         rebound = row["rebind"]
         detail = (
@@ -145,11 +160,15 @@ def _cell(row: dict[str, Any]) -> str:
         detail += f"; with EP {' and '.join(str(e) for e in row['ep'])}: engine replica, bit-exact"
     elif row.get("ep_not_built"):
         detail += f"; EP not built here: {row['ep_not_built']}"
+    if row.get("dp_not_built"):
+        detail += f"; DP attention not built here: {row['dp_not_built'][:160]}"
+    elif row.get("dp"):
+        detail += f"; with DP attention ({', '.join(row['dp'])}): engine replica, bit-exact"
     if row.get("fp8_not_built"):
         detail += f"; FP8 block target not built here: {row['fp8_not_built'][:160]}"
     elif row.get("fp8"):
         detail += f"; FP8 block target from BF16 ({', '.join(row['fp8'])}): engine replica, bit-exact"
-    return detail[:520]
+    return detail[:760]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +239,7 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
             if isinstance(found, str):
                 refusal = f"TP {tp} rank {rank}: {found}"
                 row = _with_ep(sg, model_dir, rounds, defaults, _replica(sg, model_dir, rounds, refusal))
-                return _with_fp8(sg, model_dir, rounds, model_type, row)
+                return _with_fp8(sg, model_dir, rounds, model_type, _with_dp(sg, model_dir, rounds, row))
             traced[tp, rank], rederived = found
             rebound |= set(rederived)
         parameters = 0
@@ -232,7 +251,8 @@ def _one(tm: Any, sg: Any, transformers: Any, arch: str, model_type: str | None)
         synced = {"status": "synced", "reason": "", "parameters": parameters, "path": "trace"}
         if rebound:
             synced = _with_rebind(sg, model_dir, rounds, sorted(rebound), synced)
-        return _with_fp8(sg, model_dir, rounds, model_type, _with_ep(sg, model_dir, rounds, defaults, synced))
+        row = _with_dp(sg, model_dir, rounds, _with_ep(sg, model_dir, rounds, defaults, synced))
+        return _with_fp8(sg, model_dir, rounds, model_type, row)
 
 
 def _with_rebind(sg: Any, model_dir: Path, rounds: Rounds, rebound: list[str], row: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +288,26 @@ def _with_ep(sg: Any, model_dir: Path, rounds: Rounds, defaults: dict[str, Any],
         experts[str(ep)] = fused[0] if fused else []
     # ``ep_experts``: per EP size, the first fused expert parameter's shape (experts held by the rank first).
     return {**row, "ep": [ep for _, _, ep in EP_CASES], "ep_experts": experts}
+
+
+def _with_dp(sg: Any, model_dir: Path, rounds: Rounds, row: dict[str, Any]) -> dict[str, Any]:
+    """A MoE architecture EP syncs, also checked with DP attention (:data:`DP_CASES`) through the engine replica:
+    ``dp`` lists the cases synced, ``dp_not_built`` says why SGLang could not build one here, or the row becomes what
+    :func:`_check` says."""
+    if row["status"] != "synced" or not row.get("ep"):
+        return row
+    cases: list[str] = []
+    for tp, rank, dp, ep in DP_CASES:
+        case = f"TP {tp} rank {rank} DP {dp}" + (f" EP {ep}" if ep > 1 else "")
+        try:
+            checked = _check(sg, model_dir, rounds, tp, rank, ep, dp=dp)
+        except Exception as exc:  # SGLang cannot build or load this layout here (CPU): said, not hidden
+            return {**row, "dp": cases, "dp_not_built": f"{case}: {_why(exc)}"}
+        if isinstance(checked, tuple):
+            status, detail = checked
+            return {"status": status, "reason": f"engine replica with DP attention: {case}: {detail}"}
+        cases.append(case)
+    return {**row, "dp": cases}
 
 
 def _with_fp8(sg: Any, model_dir: Path, rounds: Rounds, model_type: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -310,6 +350,7 @@ def _check(
     ep: int = 1,
     keeps: tuple[str, ...] = (),
     *,
+    dp: int = 1,
     with_rebind: bool = False,
 ) -> Any:
     """``replica_model.check`` at one case, ``rounds`` = (what the engine held, what the round sends): its result when
@@ -322,7 +363,7 @@ def _check(
     (weightsync's custom weight loader, :func:`_with_rebind`)."""
     rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
     old, new = rounds
-    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep, with_rebind=with_rebind)
+    checked = rm.check(sg, model_dir, tp, rank, "bfloat16", old, new, ep=ep, dp=dp, with_rebind=with_rebind)
     found = checked["differences"]
     own = [name for name in checked["unwritten"] if not name.endswith(keeps)]  # endswith(()) is False: keeps all
 
@@ -359,7 +400,22 @@ def _replica(sg: Any, model_dir: Path, rounds: Rounds, refusal: str) -> dict[str
         # the writes update it, and only the other ranks show it stale before the end of the session.
         rederived |= {d.split(":")[0] for d in checked["before_end"]}
     return {"status": "synced", "reason": refusal, "parameters": checked["parameters"], "path": "engine replica",
-            "rederived": sorted(rederived)}  # fmt: skip
+            "rederived": sorted(rederived), "layerwise": _layerwise(sg, model_dir, rounds)}  # fmt: skip
+
+
+def _layerwise(sg: Any, model_dir: Path, rounds: Rounds) -> str:
+    """Whether a source may load this model's feed a decoder layer at a time and give each layer back (what the
+    engine pod's layout check decides, ``replica_model.layerwise_difference``), at the last case: ``"N groups"``, or
+    why not."""
+    rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
+    rc: Any = importlib.import_module("weightsync_engine.replica_core")
+    new = rounds[1]
+    groups = rc.layer_groups(list(new))
+    if len(groups) <= 1:
+        return "one group"
+    tp, rank = CASES[-1]
+    differs = rm.layerwise_difference(sg, model_dir, tp, rank, "bfloat16", new, groups)
+    return f"differs at {differs}" if differs else f"{len(groups)} groups"
 
 
 def _why(exc: BaseException) -> str:

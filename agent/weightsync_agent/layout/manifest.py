@@ -283,9 +283,14 @@ class EngineReplica(ApiModel):
     engine_version: str = Field(min_length=1, max_length=64)
     model: str = Field(min_length=1, max_length=4096, description="The model directory (its config) on the source.")
     dtype: str = Field(min_length=1, max_length=32)
-    tp: int = Field(ge=1)
-    rank: int = Field(ge=0, description="The TP rank it is built for (ranks of one shape hold different bytes).")
-    ep: int = Field(default=1, ge=1)
+    tp: int = Field(ge=1, le=4096)
+    rank: int = Field(
+        ge=0, le=4095, description="The TP rank it is built for (ranks of one shape hold different bytes)."
+    )
+    ep: int = Field(default=1, ge=1, le=4096)
+    dp: int = Field(
+        default=1, ge=1, le=4096, description="DP attention's DP size (1: none): attention split over tp / dp."
+    )
     feeds: tuple[Feed, ...] = Field(min_length=1)
     kept: tuple[str, ...] = Field(
         default=(),

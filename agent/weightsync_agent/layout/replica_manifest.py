@@ -80,6 +80,7 @@ def assemble(
                 "tp": int(layout["tp_size"]),
                 "rank": rank,
                 "ep": int(layout.get("ep_size") or 1),
+                "dp": int(layout.get("dp_size") or 1),
                 "feeds": quantized_feeds(layout["feeds"], layout.get("quantization"), rank),
                 "kept": sorted(kept),
                 "layerGroups": layout.get("layer_groups") or [],

@@ -28,12 +28,12 @@ def run_trace(engine: str, *, model: str, tp: int, rank: int, dtype: str, who: s
 
 
 def run_replica_layout(
-    engine: str, *, model: str, tp: int, rank: int, dtype: str, ep: int = 1, who: str
+    engine: str, *, model: str, tp: int, rank: int, dtype: str, ep: int = 1, dp: int = 1, who: str
 ) -> dict[str, Any]:
     """The engine-replica layout of TP rank ``rank`` (``weightsync_engine/<engine>/replica_serve.py``), checked
     against the engine's own load; ManifestError naming ``who`` when it fails."""
     args = [engine, "--replica-layout", "--model", model, "--tp", str(tp), "--rank", str(rank), "--dtype", dtype]
-    return _run([*args, "--ep", str(ep)], f"building rank {rank}'s engine replica", who)
+    return _run([*args, "--ep", str(ep), "--dp", str(dp)], f"building rank {rank}'s engine replica", who)
 
 
 def _run(args: list[str], doing: str, who: str) -> dict[str, Any]:

@@ -34,11 +34,13 @@ from weightsync_engine.trace_core import Workarounds
 LOADER = "sglang.srt.model_loader.loader"
 
 
-def build(sg: types.SimpleNamespace, model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> Any:
-    """SGLang's model class for TP rank ``rank`` of ``tp`` (``--ep-size ep``) on CPU, as the trace builds it (its
-    workarounds); a quantized checkpoint's with its quantization config (an FP8 checkpoint's FP8 weights and
-    ``weight_scale_inv``)."""
-    model, _ = trace_model.build_model(sg, model_dir, tp, rank, dtype, Workarounds(), ep=ep, quantized=True)
+def build(
+    sg: types.SimpleNamespace, model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1, *, dp: int = 1
+) -> Any:
+    """SGLang's model class for TP rank ``rank`` of ``tp`` (``--ep-size ep``, DP attention over ``dp`` groups when
+    above 1) on CPU, as the trace builds it (its workarounds); a quantized checkpoint's with its quantization config
+    (an FP8 checkpoint's FP8 weights and ``weight_scale_inv``)."""
+    model, _ = trace_model.build_model(sg, model_dir, tp, rank, dtype, Workarounds(), ep=ep, dp=dp, quantized=True)
     return model
 
 
@@ -90,6 +92,7 @@ def check(
     new: dict[str, Any],
     ep: int = 1,
     *,
+    dp: int = 1,
     with_rebind: bool = False,
 ) -> dict[str, Any]:
     """The whole path of one round into TP rank ``rank`` (``--ep-size ep``) on CPU, against SGLang's own load of
@@ -112,9 +115,9 @@ def check(
     def weights(values: dict[str, Any]) -> Iterable[tuple[str, Any]]:
         return ((name, tensor.clone()) for name, tensor in values.items())  # a loader may change its input
 
-    engine = build(sg, model_dir, tp, rank, dtype, ep)
+    engine = build(sg, model_dir, tp, rank, dtype, ep, dp=dp)
     full_load(sg, engine, weights(old))
-    replica = build(sg, model_dir, tp, rank, dtype, ep)
+    replica = build(sg, model_dir, tp, rank, dtype, ep, dp=dp)
     # The replica's parameters are views of one flat buffer, as they are of the shared file a source registers.
     size = replica_core.packed(replica_core.loader_layout(replica))[1]
     buffer = sg.torch.zeros(size, dtype=sg.torch.uint8)
@@ -127,7 +130,7 @@ def check(
     own = frozenset(replica_core.unwritten(buffer, bound))
     begin(sg, engine)
     skipped = replica_core.write_parameters(sg.torch, replica, engine, skip=own)
-    reference = build(sg, model_dir, tp, rank, dtype, ep)
+    reference = build(sg, model_dir, tp, rank, dtype, ep, dp=dp)
     full_load(sg, reference, weights(new))
     before_end = replica_core.differences(sg.torch, engine, reference, ignore=own)
     if with_rebind:
@@ -154,6 +157,8 @@ def layerwise_difference(
     new: dict[str, Any],
     groups: list[list[int]],
     ep: int = 1,
+    *,
+    dp: int = 1,
 ) -> str | None:
     """Whether ``load_weights`` may run one layer group at a time (``groups``: indices into ``new``'s order, from
     :func:`replica_core.layer_groups`) and leave the same bytes as one call over every tensor, as a source that loads
@@ -162,7 +167,7 @@ def layerwise_difference(
     names = list(new)
 
     def loaded(calls: list[list[int]]) -> tuple[Any, list[dict[str, Any]]]:
-        replica = build(sg, model_dir, tp, rank, dtype, ep)
+        replica = build(sg, model_dir, tp, rank, dtype, ep, dp=dp)
         size = replica_core.packed(replica_core.loader_layout(replica))[1]
         buffer = sg.torch.zeros(size, dtype=sg.torch.uint8)
         bound = replica_core.bind(sg.torch, replica, buffer)

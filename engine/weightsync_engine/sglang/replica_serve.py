@@ -2,7 +2,8 @@
 
 Run with the ENGINE's Python through the engine root's entry point (``trace.py``)::
 
-    python .../weightsync_engine/trace.py sglang --replica-layout --model DIR --tp T --rank R --dtype D [--ep E]
+    python .../weightsync_engine/trace.py sglang --replica-layout --model DIR --tp T --rank R --dtype D \
+        [--ep E] [--dp D]
     python .../weightsync_engine/trace.py sglang --replica-serve
 
 ``--replica-layout`` (the engine pod's agent, where the trace refused a rank): runs :func:`replica_model.check` for
@@ -97,16 +98,16 @@ def model_dtype(sg: Any, model: Any) -> Any:
     return max(counts, key=lambda d: counts[d])
 
 
-def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict[str, Any]:
+def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1, dp: int = 1) -> dict[str, Any]:
     """The rank's engine-replica layout and what the check found (module doc)."""
     started = time.monotonic()
     sg = trace_model.import_sglang()
-    probe = replica_model.build(sg, model_dir, tp, rank, dtype, ep)
+    probe = replica_model.build(sg, model_dir, tp, rank, dtype, ep, dp=dp)
     plain = model_dtype(sg, probe)
     del probe
     old = checkpoint(sg, model_dir, plain)
     round_values = perturbed(sg, old)
-    found = replica_model.check(sg, model_dir, tp, rank, dtype, old, round_values, ep)
+    found = replica_model.check(sg, model_dir, tp, rank, dtype, old, round_values, ep, dp=dp)
     kept = set(found["unwritten"])
     refused = [
         {
@@ -126,12 +127,13 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1) -> dict
     groups = replica_core.layer_groups(list(old))
     split = None
     if len(groups) > 1:
-        split = replica_model.layerwise_difference(sg, model_dir, tp, rank, dtype, round_values, groups, ep)
+        split = replica_model.layerwise_difference(sg, model_dir, tp, rank, dtype, round_values, groups, ep, dp=dp)
     return {
         "sglang": sg.version,
         "tp_size": tp,
         "tp_rank": rank,
         "ep_size": ep,
+        "dp_size": dp,
         "dtype": core.dtype_name(plain),
         "quantization": json.loads((model_dir / "config.json").read_text()).get("quantization_config"),
         "tensors": tensors,
@@ -158,7 +160,13 @@ class Loader:
     def bind(self, request: dict[str, Any]) -> dict[str, Any]:
         torch, spec = self.sg.torch, request["replica"]
         model = replica_model.build(
-            self.sg, Path(spec["model"]), int(spec["tp"]), int(spec["rank"]), str(spec["dtype"]), int(spec["ep"])
+            self.sg,
+            Path(spec["model"]),
+            int(spec["tp"]),
+            int(spec["rank"]),
+            str(spec["dtype"]),
+            int(spec["ep"]),
+            dp=int(spec.get("dp") or 1),
         )
         given = [(str(name), int(offset)) for name, offset in request["tensors"]]
         kept = {str(name) for name in spec.get("kept", ())}
@@ -261,12 +269,13 @@ def layout_main(argv: list[str]) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1, help="DP attention's DP size (1: none)")
     args = parser.parse_args(argv)
     sys.stdout.flush()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     try:
-        result = layout(args.model.resolve(), args.tp, args.rank, args.dtype, args.ep)
+        result = layout(args.model.resolve(), args.tp, args.rank, args.dtype, args.ep, args.dp)
     except Exception as exc:
         print(f"replica_layout: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1

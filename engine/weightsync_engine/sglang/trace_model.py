@@ -227,14 +227,17 @@ def build_model(
     layers: int | None = None,
     device: str = "cpu",
     ep: int = 1,
+    dp: int = 1,
     quantized: bool = False,
 ) -> tuple[Any, Any]:
     """SGLang's model class for TP rank ``rank`` of ``tp`` on CPU, weights uninitialised; (model, ModelConfig).
 
     ``layers`` overrides ``num_hidden_layers`` (SGLang's own ``json_model_override_args``); ``device="meta"``
     builds names, shapes and dtypes without memory; ``ep`` is SGLang's ``--ep-size`` (experts split over ``ep``
-    of the ``tp`` ranks, as SGLang publishes the MoE groups from it); ``quantized``: build a quantized checkpoint's
-    model with its quantization config, as SGLang's loader does (the engine replica; the trace refuses them)."""
+    of the ``tp`` ranks, as SGLang publishes the MoE groups from it); ``dp`` > 1 is SGLang's DP attention
+    (``--enable-dp-attention --dp-size dp``: attention split over ``tp / dp`` ranks, each DP group whole);
+    ``quantized``: build a quantized checkpoint's model with its quantization config, as SGLang's loader does (the
+    engine replica; the trace refuses them)."""
     torch = sg.torch
     sg.reset_context()
     override = json.dumps({"num_hidden_layers": layers}) if layers is not None else "{}"
@@ -243,6 +246,7 @@ def build_model(
         device="cpu",
         tp_size=tp,
         ep_size=ep,
+        **({"enable_dp_attention": True, "dp_size": dp} if dp > 1 else {}),
         load_format="dummy",
         dtype=dtype,
         json_model_override_args=override,

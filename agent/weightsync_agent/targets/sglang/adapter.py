@@ -60,6 +60,7 @@ from weightsync_agent.targets.sglang.manifest import (
     checksum_scheme,
     rebinds,
 )
+from weightsync_agent.targets.sglang.parallelism import Parallelism
 
 FLUSH_RETRY_SECONDS = 0.2
 INIT_GROUP_ROUTE = "/init_weights_update_group"
@@ -376,14 +377,17 @@ class SglangAdapter:
         info_pair = self.client.transfer_engine_info(rank)
         if not isinstance(info_pair.weights_info, dict):
             raise ManifestError(f"{self.name}: rank {rank}'s weights info is not a {{name: [ptr, numel, size]}} map")
-        trace = self._trace(rank, info)
+        parallelism = Parallelism.of(info, self.name)
         device = str(info.get("device") or "cuda")
         try:
+            if not parallelism.traced:  # experts or attention split otherwise than by TP: the trace does not apply
+                raise TraceRefusedError(f"{self.name}: the server runs {parallelism}; the trace follows TP only")
+            trace = self._trace(rank, info)
             return assemble(self.settings.engine, rank, trace, info_pair.session_id, info_pair.weights_info,
                             device=device, rebind=rebinds(info))  # fmt: skip
         except TraceRefusedError as refused:
             # The loader fuses, transforms or derives weights here: the engine replica holds what it produces.
-            layout = self._replica_layout(rank, info)
+            layout = self._replica_layout(rank, info, parallelism)
             try:
                 return replica_manifest.assemble(
                     self.settings.engine,
@@ -404,17 +408,18 @@ class SglangAdapter:
                 self._traces[rank] = self._run_trace(rank, server_info)
             return self._traces[rank]
 
-    def _replica_layout(self, rank: int, server_info: dict[str, Any]) -> dict[str, Any]:
+    def _replica_layout(self, rank: int, server_info: dict[str, Any], parallelism: Parallelism) -> dict[str, Any]:
         """Rank ``rank``'s engine-replica layout, built and checked once with the engine's own SGLang code."""
         with self._lock:
             if rank not in self._layouts:
                 self._layouts[rank] = run_replica_layout(
                     "sglang",
                     model=str(server_info["model_path"]),
-                    tp=int(server_info.get("tp_size") or 1),
+                    tp=parallelism.tp,
                     rank=rank,
                     dtype=str(server_info.get("dtype") or "auto"),
-                    ep=int(server_info.get("ep_size") or 1),
+                    ep=parallelism.ep,
+                    dp=parallelism.dp,
                     who=self.name,
                 )
             return self._layouts[rank]

@@ -179,13 +179,32 @@ class VllmTracedAdapter(VllmAdapter):
         """Model directory, TP size and dtype of the running server (``/server_info``, dev mode)."""
         _, answer = self.client.request("GET", "/server_info", query={"config_format": "json"})
         config = (answer or {}).get("vllm_config") if isinstance(answer, dict) else None
-        if not isinstance(config, dict):
-            raise ManifestError(f"{self.name}: /server_info has no vllm_config")
-        model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
-        if not model.get("model"):
-            raise ManifestError(f"{self.name}: /server_info names no model")
-        return {
-            "model": str(model["model"]),
-            "tp": str(int(parallel.get("tensor_parallel_size") or 1)),
-            "dtype": str(model.get("dtype") or "auto").removeprefix("torch."),
-        }
+        return served_model(config, self.name)
+
+
+def served_model(config: Any, who: str) -> dict[str, str]:
+    """Model directory, TP size and dtype from a vLLM server's ``vllm_config``; ManifestError where the trace, which
+    follows TP only, does not describe its live parameters: expert parallelism splits the experts by expert (at EP
+    equal to TP a TP cut has as many elements and would pass every size check), and data parallelism runs several
+    TP groups in one server."""
+    if not isinstance(config, dict):
+        raise ManifestError(f"{who}: /server_info has no vllm_config")
+    model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
+    if not model.get("model"):
+        raise ManifestError(f"{who}: /server_info names no model")
+    staged = "transfer.targetStaging: staged (vLLM's own loader takes the checkpoint tensors, whatever its layout)"
+    if parallel.get("enable_expert_parallel"):
+        raise ManifestError(
+            f"{who}: vLLM runs expert parallelism (--enable-expert-parallel): its experts are split by expert, which "
+            f"the trace (TP only) does not describe; sync it with {staged}"
+        )
+    if int(parallel.get("data_parallel_size") or 1) > 1:
+        raise ManifestError(
+            f"{who}: vLLM runs {parallel['data_parallel_size']} data-parallel replicas in one server, which the "
+            f"trace (one TP group) does not describe; run one engine per replica, or sync with {staged}"
+        )
+    return {
+        "model": str(model["model"]),
+        "tp": str(int(parallel.get("tensor_parallel_size") or 1)),
+        "dtype": str(model.get("dtype") or "auto").removeprefix("torch."),
+    }
