@@ -246,34 +246,44 @@ def fp8_state(values: dict[str, Any], block: tuple[int, int]) -> dict[str, Any]:
 def ensure_int8_model(model_dir: Path) -> Path:
     """``model_dir`` as a compressed-tensors W8A8 INT8 checkpoint (symmetric per output channel, dynamic per-token
     activations: what vLLM's CPU build computes with, docs/engines/vllm.md), made once beside it by weightsync's own
-    quantizer (:func:`int8_state`), in the model's own dtype."""
+    quantizer (:func:`w8a8_state`), in the model's own dtype."""
     out = model_dir.with_name(f"{model_dir.name}-w8a8")
-    made_once(out, lambda work: int8_checkpoint(model_dir, work))
+    made_once(out, lambda work: w8a8_checkpoint(model_dir, work))
     return out
 
 
-def int8_checkpoint(model_dir: Path, out: Path) -> None:
+def ensure_fp8_channel_model(model_dir: Path) -> Path:
+    """``model_dir`` as a compressed-tensors W8A8 FP8 checkpoint (e4m3, symmetric per output channel, dynamic
+    per-token activations: vLLM's CPU build computes with it), made once beside it as :func:`ensure_int8_model`."""
+    out = model_dir.with_name(f"{model_dir.name}-w8a8fp8")
+    made_once(out, lambda work: w8a8_checkpoint(model_dir, work, kind="float"))
+    return out
+
+
+def w8a8_checkpoint(model_dir: Path, out: Path, kind: str = "int") -> None:
+    """A compressed-tensors W8A8 channel checkpoint of ``model_dir``: INT8 (``kind`` ``int``) or FP8 (``float``)."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", STAMP))
-    save_file(int8_state(load_file(str(next(model_dir.glob("*.safetensors"))))), str(out / "model.safetensors"))
+    values = load_file(str(next(model_dir.glob("*.safetensors"))))
+    save_file(w8a8_state(values, fp8=kind == "float"), str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
-    scheme = {"num_bits": 8, "type": "int", "symmetric": True}
+    scheme = {"num_bits": 8, "type": kind, "symmetric": True}
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"],
                                       "weights": {**scheme, "strategy": "channel", "dynamic": False},
                                       "input_activations": {**scheme, "strategy": "token", "dynamic": True}}},
         "ignore": ["lm_head"],
     }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / STAMP).write_text(json.dumps({"w8a8_of": model_dir.name}) + "\n")
+    (out / STAMP).write_text(json.dumps({"w8a8_of": model_dir.name, "type": kind}) + "\n")
 
 
-def int8_state(values: dict[str, Any]) -> dict[str, Any]:
-    """HF-named tensors as a W8A8 INT8 checkpoint stores them: each projection (:data:`FP8_QUANTIZED`'s names) as
-    int8 with its ``weight_scale`` per output channel in the tensor's dtype, by weightsync's quantizer (as a source
-    quantizes a trainer's tensors); everything else as it is."""
+def w8a8_state(values: dict[str, Any], *, fp8: bool = False) -> dict[str, Any]:
+    """HF-named tensors as a W8A8 INT8 (``fp8``: FP8 e4m3) checkpoint stores them: each projection
+    (:data:`FP8_QUANTIZED`'s names) quantized with its ``weight_scale`` per output channel in the tensor's dtype, by
+    weightsync's quantizer (as a source quantizes a trainer's tensors); everything else as it is."""
     import re
 
     quantizer = _quantizer()
@@ -281,9 +291,8 @@ def int8_state(values: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, tensor in values.items():
         if tensor.dim() == 2 and quantized.match(name) and not name.endswith(FP8_NOT_QUANTIZED):
-            state[name], state[name.removesuffix("weight") + "weight_scale"] = quantizer.int8_channel(
-                tensor, tensor.dtype
-            )
+            channel = quantizer.fp8_channel if fp8 else quantizer.int8_channel
+            state[name], state[name.removesuffix("weight") + "weight_scale"] = channel(tensor, tensor.dtype)
         else:
             state[name] = tensor
     return state

@@ -127,10 +127,11 @@ class TensorEntry(ApiModel):
         ge=0,
         description="Trailing slices along cat_dim that no full tensor writes and the engine holds as zeros.",
     )
-    quantize: Literal["int8-channel", "fp8-block"] | None = Field(
+    quantize: Literal["int8-channel", "fp8-channel", "fp8-block"] | None = Field(
         default=None,
         description="A quantized checkpoint tensor the source makes from the trainer's float tensors its parts cut "
-        "(layout/quantize.py: int8-channel = symmetric INT8 per output channel, a whole copy; fp8-block = e4m3 in "
+        "(layout/quantize.py: int8-channel / fp8-channel = symmetric INT8 / e4m3 per output channel, a whole copy; "
+        "fp8-block = e4m3 in "
         "block x block tiles of each full tensor, cut on tile edges); scale names the entry its scale goes to.",
     )
     block: tuple[int, int] | None = Field(default=None, description="fp8-block: the tile, [rows, columns].")
@@ -144,6 +145,10 @@ class TensorEntry(ApiModel):
         whole = len(self.parts) == 1 and self.parts[0].full_shape == self.shape
         if self.quantize == "int8-channel" and (self.dtype != "int8" or len(self.shape) != 2 or not whole):
             raise ManifestError(f"{self.name}: an int8-channel tensor is a whole 2-D int8 copy of one trainer tensor")
+        if self.quantize == "fp8-channel" and (self.dtype != "float8_e4m3fn" or len(self.shape) != 2 or not whole):
+            raise ManifestError(
+                f"{self.name}: an fp8-channel tensor is a whole 2-D float8_e4m3fn copy of one trainer tensor"
+            )
         if (self.quantize == "fp8-block") != (self.block is not None):
             raise ManifestError(f"{self.name}: a block goes with fp8-block quantization, and only with it")
         if self.quantize == "fp8-block" and (

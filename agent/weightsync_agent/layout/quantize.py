@@ -14,10 +14,10 @@ Deterministic by construction, so that the same BF16 in gives the same bytes out
 rounded (IEEE round-to-nearest-even) on both. No fused multiply-add, no reciprocal (``bench/quantize_bench.py``
 compares the bytes on the GPU machine).
 
-Also INT8 per output channel (:func:`int8_channel`), as a compressed-tensors W8A8 checkpoint stores it (symmetric,
-``weight`` int8 ``[out, in]``, ``weight_scale`` ``[out, 1]`` in the model's dtype, ``w ~ int8 x scale``): the
-quantized format vLLM's CPU build computes with here (its FP8 kernels need Intel AMX), deterministic by the same
-rules.
+Also per output channel, as a compressed-tensors W8A8 checkpoint stores it (symmetric, ``weight`` ``[out, in]``,
+``weight_scale`` ``[out, 1]`` in the model's dtype, ``w ~ weight x scale``): INT8 (:func:`int8_channel`) and FP8 e4m3
+(:func:`fp8_channel`), the two quantized formats vLLM's CPU build computes with here (its per-tensor FP8 path needs a
+kernel the CPU build lacks, ``static_scaled_fp8_quant``); deterministic by the same rules.
 
 Imports only ``torch``: the GPU machine's benchmark loads it without the rest of weightsync.
 """
@@ -78,6 +78,19 @@ def dequantize(quantized: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
     rows, cols = quantized.shape[-2:]
     expanded = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
     return quantized.float() * expanded
+
+
+def fp8_channel(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn weight, scale [out, 1])`` of a 2-D ``weight``, symmetric per output channel: ``scale =
+    amax(|row|) / 448`` in float32 (1 for an all-zero row), rounded to ``scale_dtype`` (checkpoints store it in the
+    model's dtype), then ``fp8 = clamp(w / scale, -448, 448)`` with that stored scale, cast to e4m3."""
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 channel quantization takes a 2-D weight, not {list(weight.shape)}")
+    full = weight.float()
+    amax = full.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax)).to(scale_dtype)
+    quantized = (full / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
+    return quantized, scale.contiguous()
 
 
 def int8_channel(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

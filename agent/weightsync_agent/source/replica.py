@@ -72,7 +72,7 @@ from weightsync_agent.layout.buckets import replica_offsets
 from weightsync_agent.layout.checksums import view
 from weightsync_agent.layout.manifest import ITEMSIZE, Manifest, ShardPart, TensorEntry
 from weightsync_agent.layout.placement import part_view
-from weightsync_agent.layout.quantize import fp8_block, int8_channel
+from weightsync_agent.layout.quantize import fp8_block, fp8_channel, int8_channel
 from weightsync_agent.shared_files import SHARED_READ_WRITE, make_shared_folders, open_shared
 from weightsync_agent.source.stream import StreamState
 
@@ -184,7 +184,7 @@ class PartSlot:
 class Quantized:
     """How staging makes a quantized weight from the trainer's float tensor of its name (``layout/quantize.py``)."""
 
-    scheme: str  # "fp8-block" (block set) | "int8-channel"
+    scheme: str  # "fp8-block" (block set) | "int8-channel" | "fp8-channel"
     block: tuple[int, int] | None
     scale: str  # the tensor (or feed) its scale goes to
 
@@ -296,7 +296,7 @@ class ReplicaLayout:
         self.quantized: dict[str, Quantized] = {}
         by_name = {t.name: t for t in self.tensors}
         for raw in layout:
-            if raw.get("quantize") in ("fp8-block", "int8-channel"):
+            if raw.get("quantize") in ("fp8-block", "int8-channel", "fp8-channel"):
                 block = (int(raw["block"][0]), int(raw["block"][1])) if raw["quantize"] == "fp8-block" else None
                 weight, scale = by_name[str(raw["name"])], by_name.get(str(raw["scale"]))
                 if scale is None or len(scale.parts) != len(weight.parts):
@@ -1057,7 +1057,8 @@ class ReplicaSet:
             )
         if quantized.block is None:
             scale_dtype = TORCH_DTYPES[replica.layout.by_name[quantized.scale].dtype]  # the checkpoint's
-            weight, scale = int8_channel(full.detach(), scale_dtype)
+            channel = fp8_channel if quantized.scheme == "fp8-channel" else int8_channel
+            weight, scale = channel(full.detach(), scale_dtype)
             return [_StagedWrite(replica, replica.check(name, weight.cpu()), weight.cpu()),
                     _StagedWrite(replica, replica.check(quantized.scale, scale.cpu()), scale.cpu())]  # fmt: skip
         # Only the tiles this replica's cut covers (a TP shard's rows): the same bytes as quantizing the whole tensor

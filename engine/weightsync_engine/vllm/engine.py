@@ -56,7 +56,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync_engine.vllm.live_parameters import LiveParameters, PlacementRefusedError, Span, live_parameters
-from weightsync_engine.vllm.receive_buffer import DTYPES, BufferError, ReceiveBuffer, checkpoint_tensors, publish_json
+from weightsync_engine.vllm.receive_buffer import (
+    BufferError,
+    ReceiveBuffer,
+    buffer_dtypes,
+    checkpoint_tensors,
+    publish_json,
+)
 from weightsync_engine.vllm.reload_defects import reload_defect
 
 logger = logging.getLogger("weightsync_engine.vllm")
@@ -187,8 +193,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise PlacementRefusedError(defect)
         dtype = _dtype(init_info.dtype) if init_info.dtype else self.model_config.dtype
         model_dir = Path(self.model_config.model)
-        tensors = [(name, dtype if DTYPES.get(kind, dtype).is_floating_point else DTYPES[kind], shape)
-                   for name, kind, shape in checkpoint_tensors(model_dir)]  # fmt: skip
+        tensors = buffer_dtypes(checkpoint_tensors(model_dir), dtype)
         self.buffer = ReceiveBuffer(Path(init_info.directory), rank_tag(), tensors)
         self._start_mooncake(init_info.host, [Span(self.buffer.address, self.buffer.nbytes)])
         logger.info("weightsync: receive buffer of %d tensors, %d bytes, Mooncake session %s",

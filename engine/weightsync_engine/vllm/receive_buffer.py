@@ -30,7 +30,8 @@ import torch
 ALIGN = 64
 #: A safetensors header larger than this is not a checkpoint's (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-#: safetensors dtype names -> torch dtypes (what a checkpoint of an unquantized model holds).
+#: safetensors dtype names -> torch dtypes (what a checkpoint holds: an unquantized model's, and a W8A8 checkpoint's
+#: INT8 or FP8 e4m3 weights).
 DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -41,11 +42,32 @@ DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
+#: The plain float dtypes a checkpoint may hold in another precision than the model's: the buffer takes them in the
+#: model's dtype (vLLM's loader casts them to it anyway). Every other dtype is kept as the checkpoint holds it.
+PLAIN_FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 class BufferError(ValueError):
     """The checkpoint cannot be laid out, or the buffer's file cannot be made."""
+
+
+def buffer_dtypes(
+    tensors: list[tuple[str, str, tuple[int, ...]]], model_dtype: torch.dtype
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``checkpoint_tensors``' entries with the dtype each takes in the buffer: plain floats in ``model_dtype``,
+    the rest (integers, FP8 weights) as the checkpoint holds them; BufferError naming a dtype it does not know (never
+    laid out as something else)."""
+    out = []
+    for name, kind, shape in tensors:
+        if kind in PLAIN_FLOATS:
+            out.append((name, model_dtype, shape))
+        elif kind in DTYPES:
+            out.append((name, DTYPES[kind], shape))
+        else:
+            raise BufferError(f"{name}: the checkpoint holds it as {kind}, which the receive buffer does not take")
+    return out
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync_agent.layout.quantize import FP8_MAX, dequantize, fp8_block, int8_channel
+from weightsync_agent.layout.quantize import FP8_MAX, dequantize, fp8_block, fp8_channel, int8_channel
 
 
 def digest(*tensors: torch.Tensor) -> str:
@@ -145,3 +145,39 @@ def test_int8_dequantized_is_within_half_a_step(rows: int, cols: int, seed: int)
     quantized, scale = int8_channel(weight)
     error = (quantized.float() * scale - weight).abs()
     assert bool((error <= scale * 0.5 + 1e-6).all())  # round to nearest with the scale it stores
+
+
+# --- FP8 per output channel (compressed-tensors W8A8 FP8) ----------------------------------------------------------
+
+
+def test_fp8_channel_is_the_w8a8_fp8_checkpoint_format() -> None:
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(5))
+    quantized, scale = fp8_channel(weight, torch.bfloat16)
+    assert (quantized.dtype, list(quantized.shape), scale.dtype, list(scale.shape)) == (
+        torch.float8_e4m3fn, [48, 32], torch.bfloat16, [48, 1]
+    )  # fmt: skip
+    assert scale[3, 0] == (weight[3].abs().max() / FP8_MAX).to(torch.bfloat16)  # the stored scale, the model's dtype
+    assert quantized.float().abs().max() <= FP8_MAX and torch.isfinite(quantized.float()).all()
+    assert digest(*fp8_channel(weight, torch.bfloat16)) == digest(*fp8_channel(weight.clone(), torch.bfloat16))
+    zeros = torch.zeros(2, 8)
+    zero_weight, zero_scale = fp8_channel(zeros)
+    assert (zero_scale == 1).all() and not zero_weight.float().any()  # an all-zero row: a finite scale, zeros
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_channel(torch.zeros(2, 2, 2))
+
+
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), seed=st.integers(0, 2**16), magnitude=st.sampled_from(
+    [1e-6, 1e-2, 1.0, 300.0]))  # fmt: skip
+def test_fp8_channel_dequantized_is_within_e4m3s_rounding(rows: int, cols: int, seed: int, magnitude: float) -> None:
+    weight = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude).to(torch.bfloat16)
+    quantized, scale = fp8_channel(weight)
+    error = (quantized.float() * scale - weight.float()).abs()
+    bound = weight.float().abs() / 16 + scale * 2.0**-9  # half-ulp of e4m3's 3 mantissa bits; its subnormal step
+    assert (error <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (bench/quantize_bench.py on the GPU machine)")
+def test_fp8_channel_gives_the_same_bytes_on_cpu_and_gpu() -> None:
+    weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    gpu = [t.cpu() for t in fp8_channel(weight.cuda(), torch.bfloat16)]
+    assert digest(*fp8_channel(weight, torch.bfloat16)) == digest(*gpu)

@@ -1,5 +1,5 @@
 """Which receive-buffer tensors the sources quantize for a vLLM target (``targets/vllm/checkpoint_quantization.py``):
-a W8A8 INT8 channel checkpoint's weights with their scales; everything else refused by name."""
+a W8A8 INT8 or FP8 channel checkpoint's weights with their scales; everything else refused by name."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ from pydantic import ValidationError
 
 from weightsync_agent.layout.manifest import Manifest, ManifestError, TensorEntry
 from weightsync_agent.targets.vllm.adapter import manifest_of
-from weightsync_agent.targets.vllm.checkpoint_quantization import int8_channel_scales
+from weightsync_agent.targets.vllm.checkpoint_quantization import channel_scales
 
 SCHEME = {"num_bits": 8, "type": "int", "symmetric": True}
 
 
 def config(**weights: Any) -> dict[str, Any]:
+    kind = weights.get("type", "int")
     return {
         "quant_method": "compressed-tensors",
         "config_groups": {"g": {"weights": {**SCHEME, "strategy": "channel", **weights},
-                                "input_activations": {**SCHEME, "strategy": "token", "dynamic": True}}},
+                                "input_activations": {**SCHEME, "type": kind, "strategy": "token", "dynamic": True}}},
     }  # fmt: skip
 
 
@@ -34,22 +35,33 @@ PROJ = [
 ]
 
 
-def test_an_int8_channel_checkpoint_pairs_weights_with_scales() -> None:
-    assert int8_channel_scales({"quantization": config(), "tensors": PROJ}) == {"l.q.weight": "l.q.weight_scale"}
+FP8_PROJ = [slot("l.q.weight", "float8_e4m3fn", [8, 4]), *PROJ[1:]]
+
+
+def test_an_int8_or_fp8_channel_checkpoint_pairs_weights_with_scales() -> None:
+    assert channel_scales({"quantization": config(), "tensors": PROJ}) == {
+        "l.q.weight": ("l.q.weight_scale", "int8-channel")
+    }
+    assert channel_scales({"quantization": config(type="float"), "tensors": FP8_PROJ}) == {
+        "l.q.weight": ("l.q.weight_scale", "fp8-channel")
+    }
 
 
 def test_an_unquantized_checkpoint_quantizes_nothing() -> None:
-    assert int8_channel_scales({"quantization": None, "tensors": PROJ[2:]}) == {}
+    assert channel_scales({"quantization": None, "tensors": PROJ[2:]}) == {}
     with pytest.raises(ManifestError, match=r"not quantized but holds l\.q\.weight"):
-        int8_channel_scales({"quantization": None, "tensors": PROJ})
+        channel_scales({"quantization": None, "tensors": PROJ})
 
 
 @pytest.mark.parametrize(
     ("quantization", "tensors", "says"),
     [
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, PROJ, "quantized as 'fp8'"),
-        (config(strategy="group"), PROJ, "not INT8 symmetric per channel"),
-        (config(symmetric=False), PROJ, "not INT8 symmetric per channel"),
+        (config(strategy="group"), PROJ, "not 8-bit \\(int or float\\) symmetric per channel"),
+        (config(symmetric=False), PROJ, "not 8-bit"),
+        (config(type="float", strategy="tensor"), FP8_PROJ, "not 8-bit"),  # per-tensor FP8: vLLM's CPU build can't
+        (config(type="float"), PROJ, "int8 in a checkpoint whose quantized weights are float8_e4m3fn"),
+        (config(), FP8_PROJ, "float8_e4m3fn in a checkpoint whose quantized weights are int8"),
         (config(dynamic=True), PROJ, "dynamic weight quantization"),
         (config(), [*PROJ, slot("l.q.input_scale", "float32", [1])], "static or asymmetric"),
         (config(), [slot("l.q.weight", "int8", [8, 4])], "weight_scale beside it"),
@@ -63,7 +75,7 @@ def test_an_unquantized_checkpoint_quantizes_nothing() -> None:
 )
 def test_what_weightsync_does_not_make_is_refused_by_name(quantization: Any, tensors: Any, says: str) -> None:
     with pytest.raises(ManifestError, match=says):
-        int8_channel_scales({"quantization": quantization, "tensors": tensors})
+        channel_scales({"quantization": quantization, "tensors": tensors})
 
 
 def buffer_layout(scale_shape: list[int]) -> dict[str, Any]:

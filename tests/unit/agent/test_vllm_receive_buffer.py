@@ -13,7 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync_engine.vllm.receive_buffer import ALIGN, BufferError, ReceiveBuffer, checkpoint_tensors, layout
+from weightsync_engine.vllm.receive_buffer import (
+    ALIGN,
+    BufferError,
+    ReceiveBuffer,
+    buffer_dtypes,
+    checkpoint_tensors,
+    layout,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8]
 
@@ -60,3 +67,21 @@ def test_the_checkpoint_headers_give_names_dtypes_and_shapes(tmp_path: Path) -> 
     assert sorted(checkpoint_tensors(tmp_path)) == [("n", "BF16", (3,)), ("w", "F32", (2, 4))]
     with pytest.raises(BufferError, match=r"no \*\.safetensors"):
         checkpoint_tensors(tmp_path / "..")
+
+
+def test_plain_floats_take_the_models_dtype_and_quantized_weights_keep_theirs(tmp_path: Path) -> None:
+    """A W8A8 FP8 checkpoint's e4m3 weights were laid out in the model's float32 (every float dtype was), so the
+    sources' FP8 bytes had no float8 slot to go to: they keep the checkpoint's dtype, as INT8 weights always did."""
+    save_file(
+        {
+            "w": torch.zeros(4, 2).to(torch.float8_e4m3fn),
+            "w_scale": torch.ones(4, 1, dtype=torch.bfloat16),
+            "q": torch.zeros(4, 2, dtype=torch.int8),
+            "n": torch.ones(2, dtype=torch.float16),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    found = {name: dtype for name, dtype, _ in buffer_dtypes(checkpoint_tensors(tmp_path), torch.float32)}
+    assert found == {"w": torch.float8_e4m3fn, "w_scale": torch.float32, "q": torch.int8, "n": torch.float32}
+    with pytest.raises(BufferError, match="x: the checkpoint holds it as F8_E5M2"):
+        buffer_dtypes([("x", "F8_E5M2", (2,))], torch.float32)

@@ -54,7 +54,7 @@ from weightsync_agent.targets.adapter import (
     TargetVerdict,
 )
 from weightsync_agent.targets.engine_agent_calls import MANIFEST_ROUTE, MAX_MISMATCHED, fetch_manifest, remote_verify
-from weightsync_agent.targets.vllm.checkpoint_quantization import int8_channel_scales
+from weightsync_agent.targets.vllm.checkpoint_quantization import channel_scales
 
 log = logging.getLogger("weightsync.agent.vllm")
 
@@ -359,7 +359,7 @@ def _budget(timeout: float) -> Callable[[str], float]:
 def manifest_of(engine: int, rank: int, layout: dict[str, Any]) -> Manifest:
     """The manifest of a receive buffer: every checkpoint tensor whole, at its address in the engine's worker."""
     base = int(layout["address"])
-    scales = int8_channel_scales(layout)  # a quantized checkpoint's weights: the sources quantize them
+    scales = channel_scales(layout)  # a quantized checkpoint's weights: the sources quantize them
     tensors = []
     for slot in layout["tensors"]:
         shape = tuple(int(d) for d in slot["shape"])
@@ -367,10 +367,10 @@ def manifest_of(engine: int, rank: int, layout: dict[str, Any]) -> Manifest:
             raise ManifestError(f"{slot['name']}: a tensor of shape {list(shape)} has nothing to transfer")
         whole = ShardPart(source=slot["name"], full_shape=shape, dim=0, start=0, length=shape[0])
         address = base + int(slot["offset"])
-        scale = scales.get(slot["name"])
+        scale, scheme = scales.get(slot["name"], (None, None))
         tensors.append(TensorEntry(name=slot["name"], dtype=slot["dtype"], shape=shape, address=address,
-                                   nbytes=int(slot["nbytes"]), parts=(whole,),
-                                   quantize="int8-channel" if scale else None, scale=scale))  # fmt: skip
+                                   nbytes=int(slot["nbytes"]), parts=(whole,), quantize=scheme,
+                                   scale=scale))  # fmt: skip
     return Manifest(
         engine=engine,
         rank=rank,
