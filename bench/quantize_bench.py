@@ -1,10 +1,10 @@
-"""FP8 block quantization (``weightsync_agent.layout.quantize.fp8_block``): its throughput against a plain copy of the
-same bytes on the same device, and whether CPU and GPU give the same bytes.
+"""The quantizers (``weightsync_agent.layout.quantize``: FP8 block, FP8 and INT8 per channel): their throughput against
+a plain copy of the same bytes on the same device, and whether CPU and GPU give the same bytes.
 
 For each device (the CPU, and the GPU when there is one): a copy of a BF16 weight (the baseline: what staging the
-BF16 bytes costs), then ``fp8_block`` of it. Prints GB/s of BF16 input and the ratio quantize / copy. With a GPU it
-also quantizes seeded weights of several shapes on both and compares the bytes (weight and scale_inv): the
-quantizer is meant to be deterministic across devices (docs/engines/engine-replicas.md, "FP8 targets").
+BF16 bytes costs), then each quantizer of it. Prints GB/s of BF16 input and the ratio quantize / copy. With a GPU it
+also quantizes seeded weights of several shapes on both and compares the bytes (weight and scale): the quantizers
+are meant to be deterministic across devices (docs/engines/engine-replicas.md, "FP8 targets").
 
     python bench/quantize_bench.py [--rows 4096] [--cols 14336] [--repeat 3]
 """
@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))  # not installed on the GPU machine
-from weightsync_agent.layout.quantize import fp8_block
+from weightsync_agent.layout.quantize import fp8_block, fp8_channel, int8_channel
+
+#: name -> quantizer of a 2-D weight; the channel ones store their scale in the weight's dtype, as checkpoints do.
+QUANTIZERS = {
+    "fp8_block": fp8_block,
+    "fp8_channel": lambda w: fp8_channel(w, w.dtype),
+    "int8_channel": lambda w: int8_channel(w, w.dtype),
+}
 
 SHAPES = [(128, 128), (300, 200), (4096, 1024), (7168, 2048), (129, 7)]
 
@@ -59,22 +66,24 @@ def main() -> int:
         weight = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         weight = weight.to(device)
         copy = timed(device, lambda w=weight: w.clone(), args.repeat)
-        quantize = timed(device, lambda w=weight: fp8_block(w), args.repeat)
-        rate, baseline = nbytes / quantize / 1e9, nbytes / copy / 1e9
-        print(f"{device}: {args.rows}x{args.cols} bf16 ({nbytes / 1e9:.2f} GB): copy {baseline:.1f} GB/s, fp8_block "
-              f"{rate:.2f} GB/s of bf16 input, quantize/copy {quantize / copy:.1f}x")  # fmt: skip
+        baseline = nbytes / copy / 1e9
+        print(f"{device}: {args.rows}x{args.cols} bf16 ({nbytes / 1e9:.2f} GB): copy {baseline:.1f} GB/s")
+        for name, quantizer in QUANTIZERS.items():
+            quantize = timed(device, lambda w=weight, q=quantizer: q(w), args.repeat)
+            print(f"  {name}: {nbytes / quantize / 1e9:.2f} GB/s of bf16 input, quantize/copy {quantize / copy:.1f}x")
     if "cuda" in devices:
-        same = 0
-        for index, (rows, cols) in enumerate(SHAPES):
-            for scale in (1e-3, 1.0, 300.0):
-                seeded = torch.Generator().manual_seed(index)
-                weight = (torch.randn(rows, cols, generator=seeded) * scale).to(torch.bfloat16)
-                cpu, gpu = digest(*fp8_block(weight)), digest(*fp8_block(weight.cuda()))
-                same += cpu == gpu
-                if cpu != gpu:
-                    print(f"DIFFERENT bytes for {rows}x{cols} x{scale}: cpu {cpu}, gpu {gpu}")
-        print(f"CPU and GPU bytes equal in {same} of {len(SHAPES) * 3} weights")
-        return 0 if same == len(SHAPES) * 3 else 1
+        same = total = 0
+        for name, quantizer in QUANTIZERS.items():
+            for index, (rows, cols) in enumerate(SHAPES):
+                for scale in (1e-3, 1.0, 300.0):
+                    seeded = torch.Generator().manual_seed(index)
+                    weight = (torch.randn(rows, cols, generator=seeded) * scale).to(torch.bfloat16)
+                    cpu, gpu = digest(*quantizer(weight)), digest(*quantizer(weight.cuda()))
+                    same, total = same + (cpu == gpu), total + 1
+                    if cpu != gpu:
+                        print(f"DIFFERENT bytes, {name} of {rows}x{cols} x{scale}: cpu {cpu}, gpu {gpu}")
+        print(f"CPU and GPU bytes equal in {same} of {total} weights ({', '.join(QUANTIZERS)})")
+        return 0 if same == total else 1
     return 0
 
 
