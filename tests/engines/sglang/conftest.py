@@ -47,6 +47,11 @@ def server(sglang_py: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(sglang_py: Path) -> Path:
+    return ensure_tiny_model(sglang_py, "qwen3_moe", seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3(sglang_py: Path) -> Path:
     """Kimi-K2's architecture, tiny: MLA with q-LoRA, a dense layer, then MoE with a shared expert (float32)."""
     return ensure_tiny_model(sglang_py, "deepseek_v3", seed=0, dtype="float32")

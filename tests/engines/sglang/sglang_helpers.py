@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from weightsync.api.v1alpha1 import WeightSyncGroupSpec
+from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.targets.engine_client import EngineClient
+from weightsync_testing.engine_harness import SglangEngines
+from weightsync_testing.loopback_group import LoopbackGroup
 from weightsync_testing.sglang_models import hf_greedy, with_weights
 from weightsync_testing.sglang_server import SglangProcess, launch_sglang
 
@@ -103,3 +111,16 @@ def assert_generates_like_hf(
         tokens, label = engine_generate(engine, prompt)
         assert label == str(version)
         assert tokens == expected["output_ids"], (prompt, expected.get("margins"))
+
+
+@contextlib.contextmanager
+def replica_group(
+    sglang_py: Path, harness: SglangEngines, spec: WeightSyncGroupSpec, name: str, *, timeout: float = 300
+) -> Iterator[LoopbackGroup]:
+    """A started loopback group into ``harness``'s servers whose trainer pod's agent runs SGLang's own loader (the
+    engine replicas': ``WEIGHTSYNC_ENGINE_PYTHON`` is SGLang's, as in a trainer pod built on the engine's image)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))
+        with LoopbackGroup(spec, group=name, engines=harness) as running:
+            running.start(timeout=timeout)
+            yield running

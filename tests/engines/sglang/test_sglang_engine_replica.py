@@ -22,11 +22,10 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_helpers import assert_generates_like_hf
+from sglang_helpers import assert_generates_like_hf, replica_group
 from test_sglang_rounds import spec
 
 from weightsync_agent.client.trainer import RoundOutcome
-from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.layout.checksums import dequantized_bytes
 from weightsync_agent.layout.quantize import fp8_block
 from weightsync_agent.rounds.canary import Canary
@@ -59,11 +58,8 @@ def harness(
 
 @pytest.fixture(scope="module")
 def group(sglang_py: Path, harness: SglangEngines) -> Iterator[LoopbackGroup]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))  # the trainer pod's agent runs SGLang's loader too
-        with LoopbackGroup(spec(1, trainers=1, timeout=120), group="sg-dsv3", engines=harness) as running:
-            running.start(timeout=300)
-            yield running
+    with replica_group(sglang_py, harness, spec(1, trainers=1, timeout=120), "sg-dsv3") as running:
+        yield running
 
 
 def test_deepseek_v3_rounds_through_an_engine_replica_verify_and_generate_like_hf(
@@ -183,11 +179,8 @@ def fp8_group(
     fp8 = ensure_fp8_model(tiny_deepseek_v3)
     logs = tmp_path_factory.mktemp("sglang-dsv3-fp8")
     engines = SglangEngines(fp8, python=str(sglang_py), dtype="bfloat16", log_dir=logs, no_forward=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))
-        with LoopbackGroup(spec(1, trainers=1, timeout=120), group="sg-dsv3-fp8", engines=engines) as running:
-            running.start(timeout=300)
-            yield running
+    with replica_group(sglang_py, engines, spec(1, trainers=1, timeout=120), "sg-dsv3-fp8") as running:
+        yield running
 
 
 def test_bf16_trainer_tensors_sync_into_an_fp8_block_target_quantized_on_the_source(

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from sglang_helpers import replica_group
 from test_sglang_rounds import spec
 
-from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_testing.engine_harness import SglangEngines
 from weightsync_testing.loopback_group import LoopbackGroup
-from weightsync_testing.sglang_models import ensure_tiny_model, trained_state
+from weightsync_testing.sglang_models import trained_state
 from weightsync_testing.trainer_ranks import publish_ok
 
 pytest.importorskip("safetensors.torch")
@@ -36,20 +36,12 @@ EXPERTS = "model.layers.0.mlp.experts.w13_weight"
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3_moe(sglang_py: Path) -> Path:
-    return ensure_tiny_model(sglang_py, "qwen3_moe", seed=0, dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def group(sglang_py: Path, tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackGroup]:
     logs = tmp_path_factory.mktemp("sglang-ep")
     harness = SglangEngines(tiny_qwen3_moe, python=str(sglang_py), dtype="float32", log_dir=logs,
                             extra_args=["--ep-size", "2"], no_forward=True)  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ENV_ENGINE_PYTHON, str(sglang_py))  # the trainer pod's agent runs SGLang's loader too
-        with LoopbackGroup(spec(2, trainers=1, timeout=180), group="sg-ep", engines=harness) as running:
-            running.start(timeout=400)
-            yield running
+    with replica_group(sglang_py, harness, spec(2, trainers=1, timeout=180), "sg-ep", timeout=400) as running:
+        yield running
 
 
 def test_an_expert_parallel_server_is_synced_through_its_own_layout_each_rank_holding_its_own_experts(
