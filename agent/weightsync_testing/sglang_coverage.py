@@ -27,13 +27,14 @@ file with the SGLang venv's python and renders the table; the engine side never 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -296,18 +297,31 @@ def _with_dp(sg: Any, model_dir: Path, rounds: Rounds, row: dict[str, Any]) -> d
     :func:`_check` says."""
     if row["status"] != "synced" or not row.get("ep"):
         return row
-    cases: list[str] = []
-    for tp, rank, dp, ep in DP_CASES:
-        case = f"TP {tp} rank {rank} DP {dp}" + (f" EP {ep}" if ep > 1 else "")
+    checks = [
+        (f"TP {tp} rank {rank} DP {dp}" + (f" EP {ep}" if ep > 1 else ""),
+         functools.partial(_check, sg, model_dir, rounds, tp, rank, ep, dp=dp))
+        for tp, rank, dp, ep in DP_CASES
+    ]  # fmt: skip
+    return _more_cases(row, "dp", "engine replica with DP attention", checks)
+
+
+def _more_cases(
+    row: dict[str, Any], key: str, what: str, checks: Sequence[tuple[str, Callable[[], Any]]]
+) -> dict[str, Any]:
+    """A synced row checked at more cases (``(case, check)``, each a :func:`_check`): ``key`` lists the cases that are
+    bit-exact, ``<key>_not_built`` says why SGLang could not build one here (CPU: said, not hidden), and a difference
+    becomes the row's status, named ``what: case: detail``."""
+    done: list[str] = []
+    for case, check in checks:
         try:
-            checked = _check(sg, model_dir, rounds, tp, rank, ep, dp=dp)
-        except Exception as exc:  # SGLang cannot build or load this layout here (CPU): said, not hidden
-            return {**row, "dp": cases, "dp_not_built": f"{case}: {_why(exc)}"}
+            checked = check()
+        except Exception as exc:
+            return {**row, key: done, f"{key}_not_built": f"{case}: {_why(exc)}"}
         if isinstance(checked, tuple):
             status, detail = checked
-            return {"status": status, "reason": f"engine replica with DP attention: {case}: {detail}"}
-        cases.append(case)
-    return {**row, "dp": cases}
+            return {"status": status, "reason": f"{what}: {case}: {detail}"}
+        done.append(case)
+    return {**row, key: done}
 
 
 def _with_fp8(sg: Any, model_dir: Path, rounds: Rounds, model_type: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -319,21 +333,15 @@ def _with_fp8(sg: Any, model_dir: Path, rounds: Rounds, model_type: str, row: di
         return row
     old, new = rounds
     quantized = (_MODELS.fp8_state(old, FP8_BLOCK), _MODELS.fp8_state(new, FP8_BLOCK))
-    cases: list[str] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-coverage-fp8-") as work:
         fp8_dir = Path(work)
         _MODELS.fp8_checkpoint(model_dir, fp8_dir, FP8_BLOCK)
-        for tp, rank, ep in [*((t, r, 1) for t, r in CASES), *(EP_CASES if row.get("ep") else ())]:
-            case = f"TP {tp} rank {rank}" + (f" EP {ep}" if ep > 1 else "")
-            try:
-                checked = _check(sg, fp8_dir, quantized, tp, rank, ep, keeps=KV_CACHE_SCALES)
-            except Exception as exc:  # SGLang cannot build or load this FP8 layout here (CPU): said, not hidden
-                return {**row, "fp8": cases, "fp8_not_built": f"{case}: {_why(exc)}"}
-            if isinstance(checked, tuple):
-                status, detail = checked
-                return {"status": status, "reason": f"FP8 block target: engine replica: {case}: {detail}"}
-            cases.append(case)
-    return {**row, "fp8": cases}
+        checks = [
+            (f"TP {tp} rank {rank}" + (f" EP {ep}" if ep > 1 else ""),
+             functools.partial(_check, sg, fp8_dir, quantized, tp, rank, ep, keeps=KV_CACHE_SCALES))
+            for tp, rank, ep in [*((t, r, 1) for t, r in CASES), *(EP_CASES if row.get("ep") else ())]
+        ]  # fmt: skip
+        return _more_cases(row, "fp8", "FP8 block target: engine replica", checks)
 
 
 #: What an FP8 checkpoint without KV-cache scales leaves to the engine: SGLang's own load keeps these parameters'
