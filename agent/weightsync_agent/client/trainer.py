@@ -58,6 +58,7 @@ from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundDriver, RoundResult
 from weightsync_agent.rounds.remote import AgentClient, AgentError
 from weightsync_agent.source.control import SourceControl
+from weightsync_agent.source.feed_window import FeedWindow
 from weightsync_agent.source.replica import MissingPart, ReplicaSet
 from weightsync_agent.source.stream import StreamGate
 from weightsync_agent.source.writer import InProcessSourceControl, Outcome, PublishError, PublishResult, Source
@@ -487,7 +488,7 @@ class WeightSyncClient:
             except BaseException as exc:  # handed to the trainer's thread below
                 future.set_exception(exc)
 
-        handle = Stream(self, gate, future)
+        handle = Stream(self, gate, future, FeedWindow(self.replicas))
         with self.replicas.streaming():  # this process never restages a part the stream may have sent
             worker = threading.Thread(target=send, name=f"weightsync-stream-v{version}", daemon=True)
             worker.start()
@@ -541,10 +542,15 @@ class WeightSyncClient:
 class Stream:
     """One streamed version, as :meth:`WeightSyncClient.stream` hands it to the trainer."""
 
-    def __init__(self, client: WeightSyncClient, gate: StreamGate, future: Future[Outcome]) -> None:
+    def __init__(
+        self, client: WeightSyncClient, gate: StreamGate, future: Future[Outcome], window: FeedWindow | None = None
+    ) -> None:
         self._client = client
         self._gate = gate
         self._future = future
+        #: Engine replicas' feeds: staging into one waits while it holds more than its window of layers not loaded
+        #: yet (source/feed_window.py).
+        self.window = window
         #: The version's outcome, once the ``with`` block ended.
         self.outcome: Outcome | None = None
 
@@ -556,10 +562,13 @@ class Stream:
         """Stage one full tensor (as :meth:`WeightSyncClient.stage`); its buckets go out once complete.
 
         Raises PublishError if the version already failed (the round ended early: a target or another rank
-        failed, or the deadline passed), so the trainer stops gathering for nothing."""
+        failed, or the deadline passed), so the trainer stops gathering for nothing. A tensor an engine replica's
+        loader takes waits first while its feed holds a window of layers not loaded yet (source/feed_window.py)."""
         if self._future.done():
             outcome = self._future.result()
             raise PublishError(outcome)
+        if self.window is not None and self.window.windows:
+            self.window.room(name, ended=self._future.done)
         return self._client.stage(name, tensor, strict=strict)
 
     def stage_many(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:

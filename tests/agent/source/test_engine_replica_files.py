@@ -19,6 +19,7 @@ import xxhash
 from weightsync_agent.engine_python import ENV_ENGINE_PYTHON
 from weightsync_agent.layout.replica_manifest import assemble
 from weightsync_agent.source.agent import SourceAgent
+from weightsync_agent.source.feed_window import FeedWindow
 from weightsync_agent.source.replica import FEED_SUFFIX, REPLICA_SUFFIX, ReplicaError, ReplicaLayout, ReplicaSet
 
 FUSED = "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"
@@ -246,6 +247,77 @@ def test_a_streamed_feed_loads_each_layer_once_it_is_staged_and_holds_only_what_
         assert feed.released([n for names in LAYERS for n in names]) == sorted(n for names in LAYERS for n in names)
         with pytest.raises(ReplicaError, match="was given back after an earlier version's load"):
             SourceAgent._load_groups(0, 8, time.monotonic() + 5, [loader], LAYERS)  # type: ignore[list-item]
+    finally:
+        trainer.close()
+        sidecar.close(unlink=True)
+
+
+#: Four layers of one 64 KiB feed each: a window (twice the largest layer) of 128 KiB holds two of them.
+FOUR = [f"model.layers.{i}.a.weight" for i in range(4)]
+FOUR_LAYERS = {
+    **LAYOUT,
+    "feeds": [{"name": name, "dtype": "float32", "shape": BIG} for name in FOUR],
+    "layer_groups": [[0], [1], [2], [3]],
+}
+
+
+class SlowLoader(Loader):
+    def load(self, timeout: float, names: list[str] | None = None) -> float:
+        time.sleep(0.15)  # the engine's load_weights, slower than staging
+        return super().load(timeout, names)
+
+
+def four_layer_files(directory: Path) -> tuple[ReplicaSet, ReplicaSet]:
+    manifest = assemble(0, 0, FOUR_LAYERS, "s:1", {FUSED: [1 << 20, 28, 4], NORM: [1 << 21, 4, 4]},
+                        checksum="tensor-sha256-8", model="/m")  # fmt: skip
+    sidecar = ReplicaSet.for_manifests([manifest], shm_dir=directory, pin=False)
+    return sidecar, ReplicaSet.attach(directory, pin=False)
+
+
+def test_a_streamed_feed_stays_within_its_window_when_the_trainer_outruns_the_loader(directory: Path) -> None:
+    sidecar, trainer = four_layer_files(directory)
+    try:
+        [feed] = sidecar.feeds.values()
+        window = FeedWindow(trainer)
+        assert list(window.windows.values()) == [2 * 64 * 1024]  # twice the largest layer
+        loader = SlowLoader(feed, [[name] for name in FOUR])
+        trainer.reset()
+        trainer.mark_stream(3, "open")
+        peak = [0]
+
+        def stream() -> None:
+            with trainer.streaming():
+                for name in FOUR:
+                    window.room(name)
+                    trainer.stage(name, torch.full(BIG, 1.0))
+                    peak[0] = max(peak[0], feed.held_bytes())
+            trainer.mark_stream(3, "closed")
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        SourceAgent._load_groups(0, 3, time.monotonic() + 30, [loader], [[name] for name in FOUR])  # type: ignore[list-item]
+        worker.join()
+        assert [names for names, _ in loader.loads] == [[name] for name in FOUR]
+        assert window.waited > 0.1  # the trainer waited for the loader
+        assert peak[0] <= 2 * 64 * 1024 + 3 * 4096, peak  # never more than the window (and the file's header pages)
+    finally:
+        trainer.close()
+        sidecar.close(unlink=True)
+
+
+def test_staging_goes_on_past_the_window_when_no_layer_is_taken_and_stops_waiting_when_the_version_ended(
+    directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sidecar, trainer = four_layer_files(directory)
+    try:
+        window = FeedWindow(trainer, stall_seconds=0.3)
+        for name in FOUR[:2]:
+            window.room(name)
+            trainer.stage(name, torch.full(BIG, 1.0))  # nothing loads them
+        began = time.monotonic()
+        assert window.room(FOUR[2]) >= 0.3 and time.monotonic() - began < 5  # went on after the stall
+        assert "took no layer for 0 s while its feed holds" in caplog.text  # said once
+        assert window.room(FOUR[3], ended=lambda: True) < 0.1  # the version already ended: no wait
     finally:
         trainer.close()
         sidecar.close(unlink=True)
