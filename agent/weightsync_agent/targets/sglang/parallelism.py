@@ -32,18 +32,23 @@ class Parallelism:
     @classmethod
     def of(cls, server_info: Mapping[str, Any], who: str) -> Parallelism:
         """From SGLang's ``/server_info`` (its server args); ManifestError for what weightsync cannot sync."""
-        tp, ep, dp = (_size(server_info, key, who) for key in ("tp_size", "ep_size", "dp_size"))
+        tp, ep, replicas = (_size(server_info, key, who) for key in ("tp_size", "ep_size", "dp_size"))
         attention = bool(server_info.get("enable_dp_attention"))
-        if dp > 1 and not attention:
+        # SGLang 0.5.23 reports DP attention's size as attn_dp_size (dp_size stays 1); earlier versions as dp_size.
+        if "attn_dp_size" in server_info:
+            dp = _size(server_info, "attn_dp_size", who) if attention else 1
+        else:
+            dp, replicas = (replicas, 1) if attention else (1, replicas)
+        if replicas > 1:
             raise ManifestError(
-                f"{who}: SGLang serves {dp} data-parallel replicas in one server (--dp-size {dp} without "
+                f"{who}: SGLang serves {replicas} data-parallel replicas in one server (--dp-size {replicas} without "
                 "--enable-dp-attention); weightsync syncs one TP group per engine: run one engine per replica"
             )
-        if dp > 1 and tp % dp:
+        if tp % dp:
             raise ManifestError(f"{who}: DP attention's DP size {dp} does not divide the TP size {tp}")
-        if ep > 1 and tp % ep:
+        if tp % ep:
             raise ManifestError(f"{who}: the EP size {ep} does not divide the TP size {tp}")
-        return cls(tp=tp, ep=ep, dp=dp if attention else 1)
+        return cls(tp=tp, ep=ep, dp=dp)
 
     @property
     def traced(self) -> bool:

@@ -21,6 +21,13 @@ from weightsync_agent.targets.sglang.parallelism import MAX_RANKS, Parallelism
         ({"tp_size": 8, "ep_size": 8, "dp_size": 8, "enable_dp_attention": True}, Parallelism(8, 8, 8), False),
         ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, Parallelism(4, 1, 2), False),
         ({"tp_size": 4, "dp_size": 1, "enable_dp_attention": True}, Parallelism(4, 1, 1), True),  # one DP group
+        # SGLang 0.5.23's own /server_info of --tp 2 --dp-size 2 --enable-dp-attention (measured): attn_dp_size.
+        (
+            {"tp_size": 2, "dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True, "ep_size": 1},
+            Parallelism(2, 1, 2),
+            False,
+        ),
+        ({"tp_size": 2, "dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": False}, Parallelism(2, 1, 1), True),
     ],
 )
 def test_tp_only_is_traced_and_expert_parallelism_or_dp_attention_goes_through_the_engine_replica(
@@ -34,6 +41,7 @@ def test_tp_only_is_traced_and_expert_parallelism_or_dp_attention_goes_through_t
     ("info", "says"),
     [
         ({"tp_size": 2, "dp_size": 2}, "data-parallel replicas in one server"),
+        ({"tp_size": 4, "dp_size": 2, "attn_dp_size": 2, "enable_dp_attention": True}, "2 data-parallel replicas"),
         ({"tp_size": 6, "dp_size": 4, "enable_dp_attention": True}, "does not divide the TP size 6"),
         ({"tp_size": 4, "ep_size": 3}, "EP size 3 does not divide"),
         ({"tp_size": 0}, "tp_size is 0"),
