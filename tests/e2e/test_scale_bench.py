@@ -27,9 +27,11 @@ def test_the_scale_bench_measures_a_small_group(tmp_path: Path) -> None:
     # Every pod reached Ready through its stand-in: the progress shows all of them.
     assert ("scale-32 Ready", 32, 32) in progress and ("scale-32 Ready", 36, 36) in progress
     # The audit log was read: the control plane's own components ask while idle. The operator asks only at its
-    # resync (about 9 GETs per group, every 30 s), so a 10 s window may hold none of its requests, never many.
+    # resync (about 9 GETs per group, every 30 s), so a 10 s window may hold none of its requests, never many: at
+    # most one resync and the reconciles of status reports that land late on a slow machine (an AMD EPYC 2-core run
+    # counted 11, 1.1/s). An operator that polled would show several per second per group.
     assert report.idle_window_s is not None and report.idle_rps.get("other", 0) > 0
-    assert report.idle_rps.get("operator", 0) <= 1.0
+    assert report.idle_rps.get("operator", 0) <= 2.0
     assert report.idle_agent_rps_per_100_pods is not None and report.idle_agent_rps_per_100_pods <= 1.0
     assert report.operator_cpu_s is not None and report.operator_cpu_s > 0
     assert report.operator_peak_rss_mib is not None and 20 < report.operator_peak_rss_mib < 2000
