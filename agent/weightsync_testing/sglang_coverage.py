@@ -416,14 +416,9 @@ def _layerwise(sg: Any, model_dir: Path, rounds: Rounds) -> str:
     engine pod's layout check decides, ``replica_model.layerwise_difference``), at the last case: ``"N groups"``, or
     why not."""
     rm: Any = importlib.import_module("weightsync_engine.sglang.replica_model")
-    rc: Any = importlib.import_module("weightsync_engine.replica_core")
-    new = rounds[1]
-    groups = rc.layer_groups(list(new))
-    if len(groups) <= 1:
-        return "one group"
     tp, rank = CASES[-1]
-    differs = rm.layerwise_difference(sg, model_dir, tp, rank, "bfloat16", new, groups)
-    return f"differs at {differs}" if differs else f"{len(groups)} groups"
+    _, found = rm.checked_layer_groups(sg, model_dir, tp, rank, "bfloat16", rounds[1])
+    return str(found)
 
 
 def _why(exc: BaseException) -> str:

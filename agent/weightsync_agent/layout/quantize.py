@@ -87,10 +87,16 @@ def fp8_channel(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) 
     if weight.dim() != 2:
         raise ValueError(f"FP8 channel quantization takes a 2-D weight, not {list(weight.shape)}")
     full = weight.float()
-    amax = full.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax)).to(scale_dtype)
+    scale = _channel_scale(full, FP8_MAX, scale_dtype)
     quantized = (full / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
     return quantized, scale.contiguous()
+
+
+def _channel_scale(full: torch.Tensor, largest: float, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Per output channel of float32 ``full``: ``amax(|row|) / largest`` (1 for an all-zero row), rounded to
+    ``scale_dtype``. A tensor divisor, as in fp8_block: the same bytes on CPU and GPU."""
+    amax = full.abs().amax(dim=1, keepdim=True)
+    return torch.where(amax > 0, amax / torch.full_like(amax, largest), torch.ones_like(amax)).to(scale_dtype)
 
 
 def int8_channel(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +106,6 @@ def int8_channel(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32)
     if weight.dim() != 2:
         raise ValueError(f"INT8 channel quantization takes a 2-D weight, not {list(weight.shape)}")
     full = weight.float()
-    amax = full.abs().amax(dim=1, keepdim=True)
-    # Tensor divisors, as in fp8_block: the same bytes on CPU and GPU.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, INT8_MAX), torch.ones_like(amax)).to(scale_dtype)
+    scale = _channel_scale(full, INT8_MAX, scale_dtype)
     quantized = torch.round(full / scale.float()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8).contiguous()
     return quantized, scale.contiguous()

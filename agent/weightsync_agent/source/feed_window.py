@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from weightsync_agent.layout.manifest import ITEMSIZE
 from weightsync_agent.source.replica import Replica, ReplicaSet
 
 log = logging.getLogger("weightsync.client.feed_window")
@@ -39,19 +38,11 @@ def feed_windows(replicas: ReplicaSet) -> dict[str, int]:
         spec = replica.layout.replica
         if not spec or not spec.get("layer_groups"):
             continue
-        feeds = spec["feeds"]
-        sizes = [ITEMSIZE[str(f["dtype"])] * _count(f["shape"]) for f in feeds]
+        feed = replicas.feed_for(replica)
+        sizes = [feed.layout.by_name[str(f["name"])].nbytes for f in spec["feeds"]]
         largest = max(sum(sizes[i] for i in group) for group in spec["layer_groups"])
-        fingerprint = replicas.feed_for(replica).fingerprint
-        windows[fingerprint] = max(windows.get(fingerprint, 0), 2 * largest)
+        windows[feed.fingerprint] = max(windows.get(feed.fingerprint, 0), 2 * largest)
     return windows
-
-
-def _count(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count
 
 
 class FeedWindow:

@@ -148,6 +148,27 @@ def check(
     }
 
 
+def checked_layer_groups(
+    sg: types.SimpleNamespace,
+    model_dir: Path,
+    tp: int,
+    rank: int,
+    dtype: str,
+    new: dict[str, Any],
+    ep: int = 1,
+    *,
+    dp: int = 1,
+) -> tuple[list[list[int]], str]:
+    """The layer groups a source may load ``new``'s feeds in, one at a time (:func:`replica_core.layer_groups`, checked
+    by :func:`layerwise_difference`; empty: one load of every feed), and what the check found: ``"N groups"``, ``"one
+    group"`` or ``"differs at <parameter>"``."""
+    groups = replica_core.layer_groups(list(new))
+    if len(groups) <= 1:
+        return [], "one group"
+    differs = layerwise_difference(sg, model_dir, tp, rank, dtype, new, groups, ep, dp=dp)
+    return ([], f"differs at {differs}") if differs else (groups, f"{len(groups)} groups")
+
+
 def layerwise_difference(
     sg: types.SimpleNamespace,
     model_dir: Path,

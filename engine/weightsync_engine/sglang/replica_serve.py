@@ -124,10 +124,7 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1, dp: int
     feeds = [{"name": n, "dtype": core.dtype_name(t.dtype), "shape": list(t.shape)} for n, t in old.items()]
     # A source loads a group once the trainer staged it and gives its feed memory back, if the model's load_weights
     # leaves the same bytes that way; otherwise it loads once, when every feed is staged.
-    groups = replica_core.layer_groups(list(old))
-    split = None
-    if len(groups) > 1:
-        split = replica_model.layerwise_difference(sg, model_dir, tp, rank, dtype, round_values, groups, ep, dp=dp)
+    groups, layerwise = replica_model.checked_layer_groups(sg, model_dir, tp, rank, dtype, round_values, ep, dp=dp)
     return {
         "sglang": sg.version,
         "tp_size": tp,
@@ -140,8 +137,8 @@ def layout(model_dir: Path, tp: int, rank: int, dtype: str, ep: int = 1, dp: int
         "feeds": feeds,
         "refused": refused,
         "kept": sorted(kept),
-        "layer_groups": groups if len(groups) > 1 and split is None else [],
-        "layerwise": "one group" if len(groups) <= 1 else (f"differs at {split}" if split else "equal"),
+        "layer_groups": groups,
+        "layerwise": layerwise,
         "rederived": sorted({d.split(":")[0] for d in found["before_end"]}),
         "seconds": round(time.monotonic() - started, 2),
     }

@@ -21,6 +21,8 @@ from weightsync_agent.layout.manifest import FLOAT_SCALES, ManifestError
 SCALE = "weight_scale"
 #: Per compressed-tensors weight type: the quantized weight's dtype and how the sources make it.
 SCHEMES: dict[str, tuple[str, str]] = {"int": ("int8", "int8-channel"), "float": ("float8_e4m3fn", "fp8-channel")}
+#: The dtypes of quantized weights (an unquantized checkpoint holds none).
+QUANTIZED_DTYPES = ("int8", "uint8", "float8_e4m3fn")
 
 
 def channel_scales(layout: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
@@ -30,7 +32,7 @@ def channel_scales(layout: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     config = layout.get("quantization")
     slots: Sequence[Mapping[str, Any]] = layout.get("tensors") or ()
     if not config:
-        quantized = [s["name"] for s in slots if s.get("dtype") in ("int8", "uint8", "float8_e4m3fn")]
+        quantized = [s["name"] for s in slots if s.get("dtype") in QUANTIZED_DTYPES]
         if quantized:
             raise ManifestError(f"the checkpoint says it is not quantized but holds {quantized[0]} as "
                                 f"{next(s['dtype'] for s in slots if s['name'] == quantized[0])}")  # fmt: skip
@@ -42,7 +44,7 @@ def channel_scales(layout: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
         if name.endswith((".input_scale", ".weight_zero_point", ".input_zero_point")):
             raise ManifestError(f"{name}: a static or asymmetric scheme; weightsync quantizes symmetric "
                                 "per-channel weights with dynamic activations only")  # fmt: skip
-        if slot.get("dtype") in ("int8", "uint8", "float8_e4m3fn") and slot.get("dtype") != dtype:
+        if slot.get("dtype") in QUANTIZED_DTYPES and slot.get("dtype") != dtype:
             raise ManifestError(f"{name}: {slot.get('dtype')} in a checkpoint whose quantized weights are {dtype}")
         if slot.get("dtype") != dtype:
             continue
