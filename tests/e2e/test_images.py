@@ -1,7 +1,10 @@
-"""The operator image that ``hack/build-images.sh`` builds (no registry: a Debian base from debootstrap), imported into
-the real node's containerd and run with its runc: its index names the chart's default image, its entry point with the
-chart's arguments (or its own default ones) runs ``weightsync operator``, it runs as uid 65532, and its root filesystem
-is read-only under ``--read-only`` (what the chart's ``readOnlyRootFilesystem`` asks of a kubelet).
+"""The images that ``hack/build-images.sh`` builds (no registry: a Debian base from debootstrap), imported into a
+containerd and run with the real node's runc. Each one's index names the chart's default image, it runs as uid 65532,
+and its root filesystem is read-only under ``--read-only`` (what ``readOnlyRootFilesystem`` asks of a kubelet). The
+operator's entry point with the chart's arguments (or its own default ones) runs ``weightsync operator``. The agent's
+(built with ``TORCH=node``) runs ``weightsync agent``: with the node's site-packages mounted read-only where the image
+looks for it, torch, the Mooncake Transfer Engine and the agent's own modules import in the image's Python; without the
+mount it says so in one line and exits 2.
 
 The build is not part of the test (cold ~3 min, then cached): it skips with the reason in one line unless the archive
 was built from the current sources (``hack/build-images.sh --check``), it runs as root on Linux, and the real node's
@@ -59,8 +62,20 @@ def chart_operator_args() -> list[str]:
     raise AssertionError(f"the chart renders no operator Deployment:\n{rendered}")
 
 
-def archive_or_reason() -> tuple[Path, NodeBinaries] | str:
-    """The operator archive and the node binaries where the images can run here; otherwise why not, in one line."""
+#: Where the agent image built with ``TORCH=node`` looks for the node's torch (agent/Dockerfile's .pth line).
+NODE_PYTHON = "/opt/weightsync/node-python"
+
+
+def agent_image_name() -> str:
+    """What the operator puts into pods by default (the chart's ``agentImage``)."""
+    values = yaml.safe_load((REPO / "charts" / "weightsync" / "values.yaml").read_text())
+    chart = yaml.safe_load((REPO / "charts" / "weightsync" / "Chart.yaml").read_text())
+    return f"{values['agentImage']['repository']}:{values['agentImage']['tag'] or chart['appVersion']}"
+
+
+def archive_or_reason() -> tuple[list[Path], NodeBinaries] | str:
+    """The archives (operator, agent) and the node binaries where the images can run here; otherwise why not, in one
+    line."""
     if sys.platform != "linux" or os.geteuid() != 0:
         return "containerd and runc need root on Linux"
     check = subprocess.run(
@@ -72,7 +87,7 @@ def archive_or_reason() -> tuple[Path, NodeBinaries] | str:
         binaries = built_node_binaries()
     except NodeBinariesMissingError as error:
         return f"{error} (hack/setup.sh builds them)"
-    return Path(check.stdout.strip().splitlines()[-1]), binaries
+    return [Path(line) for line in check.stdout.split()], binaries
 
 
 def image_config(archive: Path) -> dict[str, Any]:
@@ -110,11 +125,23 @@ class Containerd:
             timeout=timeout,
         )
 
-    def run(self, image: str, name: str, *command: str) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, image: str, name: str, *command: str, mounts: tuple[str, ...] = ()
+    ) -> subprocess.CompletedProcess[str]:
         """``command`` in a new container of ``image`` as the image configures it (user, environment, working
-        directory), its root filesystem read-only, removed afterwards. No cgroup: nothing to clean up on the host."""
+        directory), its root filesystem read-only, removed afterwards. No cgroup: nothing to clean up on the host.
+        ``mounts``: ``ctr run --mount`` specifications."""
+        flags = [f"--mount={mount}" for mount in mounts]
         return self.ctr(
-            "run", "--rm", "--read-only", "--cgroup=", f"--runc-binary={self.binaries.runc}", image, name, *command
+            "run",
+            "--rm",
+            "--read-only",
+            "--cgroup=",
+            *flags,
+            f"--runc-binary={self.binaries.runc}",
+            image,
+            name,
+            *command,
         )
 
 
@@ -143,21 +170,22 @@ disabled_plugins = ['io.containerd.grpc.v1.cri', 'io.containerd.cri.v1.images', 
 
 
 @pytest.fixture(scope="module")
-def operator_image() -> Iterator[tuple[Containerd, str, dict[str, Any]]]:
+def images() -> Iterator[tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]]]:
+    """The containerd that imported both images, and each image's name and runtime configuration by role."""
     found = archive_or_reason()
     if isinstance(found, str):
         if os.environ.get(REQUIRE) == "1":  # CI: the build ran in hack/setup.sh, so an image is missing for a cause
             pytest.fail(f"{REQUIRE}=1 and images: {found}")
         pytest.skip(f"images: {found}")
-    archive, binaries = found
+    archives, binaries = found
     with contextlib.ExitStack() as cleanup:  # undone in reverse: containerd stopped, unmounted, removed
         # A short path: containerd's sockets live under it (a unix socket's path has at most 107 bytes).
         directory = Path(tempfile.mkdtemp(prefix="ws-images-", dir="/tmp"))
         cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", str(directory)], check=False)
         # containerd's root and state on a tmpfs of their own: the import writes the archive's blobs and unpacks
-        # its layers (~600 MB in all), which took 17-44 s on this machine's shared disk and 5 s in memory.
+        # its layers (~600 MB for the operator's), which took 17-44 s on this machine's shared disk and 5 s in memory.
         (directory / "ram").mkdir()
-        mount = ["mount", "-t", "tmpfs", "-o", "size=2g,mode=0700", "tmpfs", str(directory / "ram")]
+        mount = ["mount", "-t", "tmpfs", "-o", "size=3g,mode=0700", "tmpfs", str(directory / "ram")]
         subprocess.run(mount, check=True)
         cleanup.callback(_unmount_under, directory)
         config = directory / "config.toml"
@@ -179,11 +207,35 @@ def operator_image() -> Iterator[tuple[Containerd, str, dict[str, Any]]]:
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"containerd did not start: {(directory / 'containerd.log').read_text()[-2000:]}")
             time.sleep(0.1)
-        started = time.monotonic()
-        imported = daemon.ctr("images", "import", "--platform=linux/amd64", str(archive))
-        assert imported.returncode == 0, imported.stderr
-        print(f"\nimported {archive.name} in {time.monotonic() - started:.1f} s", file=sys.stderr)
-        yield daemon, operator_image_name(), image_config(archive)
+        for archive in archives:
+            started = time.monotonic()
+            imported = daemon.ctr("images", "import", "--platform=linux/amd64", str(archive))
+            assert imported.returncode == 0, imported.stderr
+            print(f"\nimported {archive.name} in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        operator_archive, agent_archive = archives
+        yield (
+            daemon,
+            {
+                "operator": (operator_image_name(), image_config(operator_archive)),
+                "agent": (agent_image_name(), image_config(agent_archive)),
+            },
+        )
+
+
+@pytest.fixture
+def operator_image(
+    images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]],
+) -> tuple[Containerd, str, dict[str, Any]]:
+    daemon, by_role = images
+    return daemon, *by_role["operator"]
+
+
+@pytest.fixture
+def agent_image(
+    images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]],
+) -> tuple[Containerd, str, dict[str, Any]]:
+    daemon, by_role = images
+    return daemon, *by_role["agent"]
 
 
 def _stop(daemon: Containerd) -> None:
@@ -207,9 +259,13 @@ def _unmount_under(directory: Path) -> None:
         subprocess.run(["umount", point], check=False)
 
 
-def test_the_archive_is_the_charts_default_image(operator_image: tuple[Containerd, str, dict[str, Any]]) -> None:
-    """`ctr images import` names it from the archive alone, as the chart's values name the operator image."""
-    daemon, image, _ = operator_image
+@pytest.mark.parametrize("role", ["operator", "agent"])
+def test_the_archive_is_the_charts_default_image(
+    images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]], role: str
+) -> None:
+    """`ctr images import` names it from the archive alone, as the chart's values name the image."""
+    daemon, by_role = images
+    image, _ = by_role[role]
     assert image in daemon.ctr("images", "ls", "-q").stdout.split()
 
 
@@ -230,16 +286,70 @@ def test_the_charts_args_run_weightsync_operator(operator_image: tuple[Container
         assert option in result.stdout, (option, result.stdout)
 
 
-def test_runs_as_uid_65532_with_a_read_only_root(operator_image: tuple[Containerd, str, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("role", ["operator", "agent"])
+def test_runs_as_uid_65532_with_a_read_only_root(
+    images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]], role: str
+) -> None:
     """The user comes from the image (no ``--user``); a write to ``/`` and to the world-writable ``/tmp`` fails with
     EROFS, not EACCES, so it is the read-only mount that refuses it and not the permissions."""
-    daemon, image, config = operator_image
+    daemon, by_role = images
+    image, config = by_role[role]
     assert config["User"] == f"{UID}:{UID}"
     script = "id -u; id -g; touch /probe 2>&1; touch /tmp/probe 2>&1; echo end"
-    result = daemon.run(image, "operator-probe", "sh", "-c", script)
+    result = daemon.run(image, f"{role}-probe", "sh", "-c", script)
     assert result.returncode == 0, result
     lines = result.stdout.splitlines()
     assert lines[:2] == [str(UID), str(UID)], result.stdout
     assert len(lines) == 5 and lines[-1] == "end", result.stdout
     for line, path in zip(lines[2:4], ("/probe", "/tmp/probe"), strict=True):
         assert path in line and "Read-only file system" in line, result.stdout
+
+
+def node_python_mount() -> str:
+    """This interpreter's site-packages (the checkout's venv: torch, its CUDA libraries, the rest), read-only where the
+    agent image looks for the node's: what the real node's cache gives the agent container."""
+    import sysconfig
+
+    return f"type=bind,src={sysconfig.get_paths()['purelib']},dst={NODE_PYTHON},options=rbind:ro"
+
+
+def test_the_agent_image_runs_the_agent_with_the_nodes_torch(
+    agent_image: tuple[Containerd, str, dict[str, Any]],
+) -> None:
+    """Its default command is ``weightsync agent``; with the node's site-packages mounted, the image's own Python
+    imports torch from the mount and the transfer engine and the agent's sidecar from the image (the image's packages
+    come first: the mount's copy of weightsync, an editable install, is not the one imported), and the entry point's
+    ``--help`` lists the agent's options."""
+    daemon, image, config = agent_image
+    assert config["Entrypoint"] + config["Cmd"] == ["weightsync", "agent"], config
+    probe = (
+        "import torch, mooncake.engine, weightsync_agent.sidecar.main as m; "
+        "print(torch.__file__); print(mooncake.engine.__file__); print(m.__file__); "
+        "print(torch.ones(3).add(1).sum().item())"
+    )
+    result = daemon.run(image, "agent-imports", "python3", "-c", probe, mounts=(node_python_mount(),))
+    assert result.returncode == 0, result
+    torch_file, mooncake_file, agent_file, total = result.stdout.split()
+    assert torch_file.startswith(NODE_PYTHON + "/"), result.stdout
+    assert mooncake_file.startswith("/opt/venv/") and agent_file.startswith("/opt/venv/"), result.stdout
+    assert total == "6.0", result.stdout
+    helped = daemon.run(
+        image, "agent-help", *config["Entrypoint"], *config["Cmd"], "--help", mounts=(node_python_mount(),)
+    )
+    assert helped.returncode == 0, helped
+    assert "Usage: weightsync agent" in helped.stdout and "--plan-file" in helped.stdout, helped.stdout
+
+
+def test_the_agent_image_without_the_nodes_torch_says_so_in_one_line(
+    agent_image: tuple[Containerd, str, dict[str, Any]],
+) -> None:
+    """Started as a pod would start it, without the mount: exit 2 and one line naming torch and where the image looks
+    for it, not a traceback."""
+    daemon, image, config = agent_image
+    result = daemon.run(image, "agent-no-torch", *config["Entrypoint"], *config["Cmd"])
+    assert result.returncode == 2, result
+    # ctr's own log lines (logrus: time="..." level=...) share its stderr with the container's.
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line and not line.startswith('time="')]
+    assert len(lines) == 1, result
+    (line,) = lines
+    assert "torch is not installed" in line and NODE_PYTHON in line, line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -293,6 +294,15 @@ def agent(
     ] = None,
 ) -> None:
     """Run a weightsync agent (sidecar) configured from its environment."""
+    if importlib.util.find_spec("torch") is None:
+        # The agent image built with TORCH=node has no torch of its own (agent/Dockerfile): one line, not a traceback.
+        typer.echo(
+            "weightsync agent: torch is not installed (pip install 'weightsync[agent]'; an agent image built with "
+            f"TORCH=node needs the node's Python {sys.version_info.major}.{sys.version_info.minor} site-packages "
+            "mounted at /opt/weightsync/node-python)",
+            err=True,
+        )
+        raise typer.Exit(2)
     from weightsync_agent.sidecar.main import run
 
     raise typer.Exit(run(plan_file=plan_file))
