@@ -133,10 +133,13 @@ class GroupBuilder:
         resources: dict[str, Any] | None = None,
         pull_policy: str | None = None,
         security_context: dict[str, Any] | None = None,
+        site_packages: dict[str, Any] | None = None,
     ) -> Self:
         agent: dict[str, Any] = {}
         if security_context is not None:
             agent["securityContext"] = security_context
+        if site_packages is not None:
+            agent["sitePackages"] = site_packages
         if image is not None:
             agent["image"] = image
         if port is not None:

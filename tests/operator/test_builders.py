@@ -463,6 +463,45 @@ def test_the_security_context_schema_is_bounded(bad: dict[str, Any]) -> None:
         parse_group(GroupBuilder().agent(security_context=bad).build())
 
 
+@pytest.mark.parametrize("role", ["trainer", "engine"])
+def test_the_site_packages_claim_is_read_only_in_the_agent_alone(role: str) -> None:
+    """``spec.agent.sitePackages`` gives an agent image built without torch (``TORCH=node``) the node's: the claim,
+    read-only, at the path the image's ``.pth`` line names, in the agent only; a template's volume of that name is
+    replaced; without the field nothing is added."""
+    squatter = {"name": "weightsync-agent-site-packages", "emptyDir": {}}
+    tpl = template(container("main"), volumes=[squatter])
+    builder = GroupBuilder("g").trainer_template(tpl).engine_template(copy.deepcopy(tpl))
+    plain = builder.model()
+    group = builder.agent(site_packages={"claimName": "torch-site"}).model()
+    pod = build_trainer_pod(group, 0) if role == "trainer" else build_engine_pod(group, 0, 0)
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "weightsync-agent-site-packages"]
+    assert volume == {
+        "name": "weightsync-agent-site-packages",
+        "persistentVolumeClaim": {"claimName": "torch-site", "readOnly": True},
+    }
+    (mount,) = [m for m in agent_of(pod)["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount == {"name": volume["name"], "mountPath": names.SITE_PACKAGES_PATH, "readOnly": True}
+    for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]:
+        if c["name"] != AGENT_CONTAINER:
+            assert volume["name"] not in _mounts(c).values(), c["name"]
+    without = build_trainer_pod(plain, 0) if role == "trainer" else build_engine_pod(plain, 0, 0)
+    assert names.SITE_PACKAGES_PATH not in _mounts(agent_of(without))
+    assert all("persistentVolumeClaim" not in v for v in without["spec"]["volumes"])
+
+
+def test_the_site_packages_path_is_where_the_agent_image_looks() -> None:
+    dockerfile = (Path(__file__).resolve().parents[2] / "agent" / "Dockerfile").read_text()
+    assert f"echo {names.SITE_PACKAGES_PATH} > " in dockerfile
+
+
+@pytest.mark.parametrize("bad", [{"claimName": ""}, {"claimName": "Torch_Site"}, {"claimName": "a" * 254}, {}])
+def test_the_site_packages_claim_is_a_bounded_name(bad: dict[str, Any]) -> None:
+    from weightsync.api.load import SpecError, parse_group
+
+    with pytest.raises(SpecError):
+        parse_group(GroupBuilder().agent(site_packages=bad).build())
+
+
 # --- RDMA, capabilities, shm, networking ---------------------------------------------------------
 
 

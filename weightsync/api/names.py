@@ -169,6 +169,9 @@ AGENT_PORT_NAME: Final = "agent"
 #: Where the memory-backed volume shared by the user's containers and the agent is mounted (it holds
 #: the CPU replica).
 SHM_PATH: Final = "/dev/shm"
+#: Where an agent image built with ``TORCH=node`` (agent/Dockerfile) finds torch: a Python site-packages the node
+#: provides, mounted read-only from the claim ``spec.agent.sitePackages`` names (docs/local-cluster.md, "Images").
+SITE_PACKAGES_PATH: Final = "/opt/weightsync/node-python"
 
 # --- The operator's own environment (set by the Helm chart) --------------------------------------
 #: Agent image used when a group sets no ``spec.agent.image``.

@@ -441,6 +441,22 @@ class AgentSecurityContext(SpecModel):
     seccomp_profile: SeccompProfile | None = None
 
 
+#: A PersistentVolumeClaim's name (a DNS-1123 subdomain).
+_CLAIM_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class AgentSitePackages(SpecModel):
+    """A Python site-packages holding torch for an agent image built without it (``TORCH=node``)."""
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=_CLAIM_NAME,
+        description="A PersistentVolumeClaim in the group's namespace, mounted read-only in the agent container only "
+        "at /opt/weightsync/node-python; it must hold a site-packages for the image's Python (3.11) with torch.",
+    )
+
+
 class AgentSpec(SpecModel):
     """The weightsync agent sidecar."""
 
@@ -460,6 +476,10 @@ class AgentSpec(SpecModel):
         default=None,
         description="Overrides of the agent container's hardened securityContext (non-root uid 65532, no privilege "
         "escalation, drop ALL, RuntimeDefault seccomp, read-only root filesystem), field by field.",
+    )
+    site_packages: AgentSitePackages | None = Field(
+        default=None,
+        description="For an agent image built with TORCH=node (no torch of its own): where its torch comes from.",
     )
 
 

@@ -32,7 +32,9 @@ What is added to the template (everything else is the user's and passes through 
 - least privilege (docs/security.md, "Least privilege"): ``automountServiceAccountToken: false``, and the
   agents' API credentials as a projected volume mounted in the agent container only (the user's containers
   get none); the agent hardened (non-root, no privilege escalation, drop ALL, RuntimeDefault seccomp,
-  read-only root filesystem with an emptyDir at /tmp), each field overridable by ``spec.agent.securityContext``.
+  read-only root filesystem with an emptyDir at /tmp), each field overridable by ``spec.agent.securityContext``;
+- ``spec.agent.sitePackages``'s claim, read-only in the agent alone at /opt/weightsync/node-python: the torch of an
+  agent image built without one (agent/Dockerfile, ``TORCH=node``).
 """
 
 from __future__ import annotations
@@ -77,11 +79,13 @@ CREDENTIALS_VOLUME = "weightsync-agent-credentials"
 AGENT_TMP_VOLUME = "weightsync-agent-tmp"
 AGENT_TMP_PATH = "/tmp"
 AGENT_TMP_SIZE = "1Gi"
+#: ``spec.agent.sitePackages``'s claim, read-only in the agent alone.
+SITE_PACKAGES_VOLUME = "weightsync-agent-site-packages"
 #: The agent image's user (agent/Dockerfile: ``USER 65532:65532``).
 AGENT_UID = 65532
 #: Volumes only the agent mounts: a template's container naming one loses that mount.
 AGENT_SECRET_VOLUMES = (API_ACCESS_VOLUME, CREDENTIALS_VOLUME)
-AGENT_VOLUMES = (*AGENT_SECRET_VOLUMES, AGENT_TMP_VOLUME)
+AGENT_VOLUMES = (*AGENT_SECRET_VOLUMES, AGENT_TMP_VOLUME, SITE_PACKAGES_VOLUME)
 AGENT_COMMAND = ["weightsync"]
 AGENT_ARGS = ["agent"]
 
@@ -234,6 +238,10 @@ def _agent_container(group: WeightSyncGroup, who: PodIdentity, options: BuildOpt
         ],
         "securityContext": agent_security_context(spec),
     }
+    if agent.site_packages is not None:
+        container["volumeMounts"].append(
+            {"name": SITE_PACKAGES_VOLUME, "mountPath": names.SITE_PACKAGES_PATH, "readOnly": True}
+        )
     if agent.image_pull_policy:
         container["imagePullPolicy"] = agent.image_pull_policy
     if agent.resources:
@@ -290,7 +298,17 @@ def with_agent_group(pod_security: Mapping[str, Any] | None, agent_security: Map
 
 def agent_volumes(group: WeightSyncGroup) -> list[JsonDict]:
     """The agent's API credentials (the kubelet's ``kube-api-access`` shape: a bound ServiceAccount token, the
-    cluster CA, the namespace), the group's credential and its scratch space."""
+    cluster CA, the namespace), the group's credential, its scratch space and, when the group names one, the claim
+    holding its torch."""
+    site_packages = group.spec.agent.site_packages
+    claim: list[JsonDict] = []
+    if site_packages is not None:
+        claim.append(
+            {
+                "name": SITE_PACKAGES_VOLUME,
+                "persistentVolumeClaim": {"claimName": site_packages.claim_name, "readOnly": True},
+            }
+        )
     return [
         {
             "name": API_ACCESS_VOLUME,
@@ -314,6 +332,7 @@ def agent_volumes(group: WeightSyncGroup) -> list[JsonDict]:
         },
         credentials_volume(group, CREDENTIALS_VOLUME),
         {"name": AGENT_TMP_VOLUME, "emptyDir": {"sizeLimit": AGENT_TMP_SIZE}},
+        *claim,
     ]
 
 
