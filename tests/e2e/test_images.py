@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from typing import Any
 import pytest
 import yaml
 
+from weightsync.api import names
 from weightsync_tools.localcluster import binaries as binaries_mod
 from weightsync_tools.localcluster.realnode import NodeBinaries, NodeBinariesMissingError, built_node_binaries
 
@@ -63,7 +65,7 @@ def chart_operator_args() -> list[str]:
 
 
 #: Where the agent image built with ``TORCH=node`` looks for the node's torch (agent/Dockerfile's .pth line).
-NODE_PYTHON = "/opt/weightsync/node-python"
+NODE_PYTHON = names.SITE_PACKAGES_PATH
 
 
 def agent_image_name() -> str:
@@ -126,7 +128,7 @@ class Containerd:
         )
 
     def run(
-        self, image: str, name: str, *command: str, mounts: tuple[str, ...] = ()
+        self, image: str, name: str, *command: str, mounts: tuple[str, ...] = (), timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
         """``command`` in a new container of ``image`` as the image configures it (user, environment, working
         directory), its root filesystem read-only, removed afterwards. No cgroup: nothing to clean up on the host.
@@ -142,6 +144,7 @@ class Containerd:
             image,
             name,
             *command,
+            timeout=timeout,
         )
 
 
@@ -353,3 +356,70 @@ def test_the_agent_image_without_the_nodes_torch_says_so_in_one_line(
     assert len(lines) == 1, result
     (line,) = lines
     assert "torch is not installed" in line and NODE_PYTHON in line, line
+
+
+def test_the_agent_image_traces_a_stock_sglang_model_with_the_engines_site_packages(
+    agent_image: tuple[Containerd, str, dict[str, Any]],
+) -> None:
+    """The engine-side agent for SGLang engines is the same image with the engine's site-packages mounted instead
+    of the trainer's: the pinned SGLang venv's (SGLang, its torch), so the agent's own interpreter is also the
+    engine's (``WEIGHTSYNC_ENGINE_PYTHON`` unset). In it, the agent's ``run_trace`` runs stock SGLang's shard-map
+    trace of a tiny model: SGLang's own ``load_weights`` traced in the container, read-only root, uid 65532."""
+    sglang_python = os.environ.get("WEIGHTSYNC_SGLANG_PYTHON")
+    if not sglang_python:
+        reason = "WEIGHTSYNC_SGLANG_PYTHON is not set (hack/test.sh sets it to the pinned SGLang venv)"
+        if os.environ.get("WEIGHTSYNC_REQUIRE_SGLANG") == "1":
+            pytest.fail(f"WEIGHTSYNC_REQUIRE_SGLANG=1 and {reason}")
+        pytest.skip(reason)
+    site = subprocess.run(
+        [sglang_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    from weightsync_testing.sglang_models import ensure_tiny_model
+
+    # A copy anyone may read: the container runs as uid 65532, the cache is root's.
+    model = Path(tempfile.mkdtemp(prefix="ws-model-"))
+    model_source = ensure_tiny_model(sglang_python)
+    shutil.copytree(model_source, model, dirs_exist_ok=True)
+    model.chmod(0o755)
+    for path in model.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    daemon, image, _ = agent_image
+    probe = (
+        "import json, torch, sglang; "
+        "from weightsync_agent.targets.engine_trace import run_trace; "
+        "t = run_trace('sglang', model='/model', tp=2, rank=1, dtype='float32', who='probe'); "
+        "print(json.dumps({'sglang': sglang.__file__, 'torch': torch.__file__, 'trace': t}))"
+    )
+    mounts = (
+        f"type=bind,src={site},dst={names.SITE_PACKAGES_PATH},options=rbind:ro",
+        f"type=bind,src={model},dst=/model,options=rbind:ro",
+        "type=tmpfs,src=tmpfs,dst=/tmp,options=rw:size=256m:mode=1777",
+    )
+    try:
+        result = daemon.run(image, "agent-sglang-trace", "python3", "-c", probe, mounts=mounts, timeout=300)
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
+    assert result.returncode == 0, result
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["sglang"].startswith(names.SITE_PACKAGES_PATH + "/"), answer["sglang"]
+    assert answer["torch"].startswith(names.SITE_PACKAGES_PATH + "/"), answer["torch"]
+    # The same trace on the host, with the venv's own interpreter: the container's is that trace, not a stand-in.
+    from weightsync_agent.engine_python import trace_script
+
+    args = ["sglang", "--model", str(model_source), "--tp", "2", "--rank", "1", "--dtype", "float32"]
+    host = subprocess.run(
+        [sglang_python, str(trace_script()), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    expected = json.loads(host.stdout)
+    in_container = answer["trace"]
+    assert in_container["tensors"] and in_container["refused"] == expected["refused"] == []
+    for key in ("tensors", "layers", "sglang_version", "tp_rank", "tp_size", "dtype"):
+        assert in_container[key] == expected[key], key
