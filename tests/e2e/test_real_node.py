@@ -165,3 +165,35 @@ def test_a_pod_runs_the_projects_python_from_the_host(real_cluster: tuple[LocalC
     described = local._kubectl(state, "get", "pod", "host-python", "-o", "yaml", check=False).stdout
     assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}\n{described}"
     assert "Usage:" in logs.stdout and "cluster" in logs.stdout, logs
+
+
+def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
+    real_cluster: tuple[LocalCluster, ClusterState],
+) -> None:
+    """What every agent does first: ``load_incluster_config`` (the ``kubernetes`` Service's ClusterIP and port, which
+    the kubelet gives the container, the ServiceAccount token and CA it mounts) and a request with that token. The
+    real node has no kube-proxy: the ClusterIP is on its bridge, where a relay copies the bytes to the API server
+    (TLS end to end, the certificate names the ClusterIP)."""
+    local, state = real_cluster
+    service = json.loads(local._kubectl(state, "get", "service", "kubernetes", "-o", "json").stdout)["spec"]
+    code = (
+        "import os; from kubernetes import client, config; config.load_incluster_config(); "
+        "print(os.environ['KUBERNETES_SERVICE_HOST'], os.environ['KUBERNETES_SERVICE_PORT'], "
+        "client.VersionApi().get_code().git_version)"
+    )
+    pod = host_python_pod("in-cluster", ["-c", code])
+    pod["spec"]["automountServiceAccountToken"] = True  # type: ignore[index]
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(pod))
+    deadline = time.monotonic() + 120
+    phase = ""
+    while time.monotonic() < deadline:
+        phase = local._kubectl(state, "get", "pod", "in-cluster", "-o", "jsonpath={.status.phase}").stdout
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(0.5)
+    logs = local._kubectl(state, "logs", "in-cluster", check=False)
+    assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}"
+    host, port, version = logs.stdout.split()
+    assert (host, int(port)) == (service["clusterIP"], service["ports"][0]["port"]), logs.stdout
+    server = json.loads(local._kubectl(state, "version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+    assert version == server, (version, server)

@@ -7,8 +7,10 @@ sandbox and a test image, both the one static binary ``weightsync-pause``) are O
 with ``ctr images import``; pods must use ``imagePullPolicy: Never`` (or ``IfNotPresent``).
 
 What it changes on the host beyond that directory: a bridge ``wsrn0`` with 10.89.0.1/24 (the CNI bridge plugin's
-gateway; deleted by :meth:`RealNode.stop`), ``net.ipv4.ip_forward=1`` (the bridge plugin sets it for a gateway), and
-the kubelet's cgroups (``kubepods`` in every cgroup v1 hierarchy; removed by :meth:`RealNode.stop` when empty).
+gateway) and the ``kubernetes`` Service's ClusterIP (/32, where :mod:`~weightsync_tools.localcluster.relay` relays
+pods' API requests to the API server; both deleted with the bridge by :meth:`RealNode.stop`), ``net.ipv4.ip_forward=1``
+(the bridge plugin sets it for a gateway), and the kubelet's cgroups (``kubepods`` in every cgroup v1 hierarchy;
+removed by :meth:`RealNode.stop` when empty). No netfilter rule.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -313,6 +316,7 @@ class RealNode:
         self._start_containerd(state)
         self._import_images()
         self._bridge()
+        self._start_api_relay(state)
         self._start_kubelet(state)
         _wait(f"node {self.name} Ready", lambda: self.ready(state), timeout, self.cluster.logs / "kubelet.log")
 
@@ -456,6 +460,48 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
             subprocess.run(["ip", "addr", "add", f"{NODE_IP}/{prefix}", "dev", BRIDGE], capture_output=True, check=True)
         subprocess.run(["ip", "link", "set", BRIDGE, "up"], capture_output=True, check=True)
 
+    def _start_api_relay(self, state: ClusterState, timeout: float = 30) -> None:
+        """The ``kubernetes`` Service's ClusterIP on the bridge and a relay there to the API server (127.0.0.1): what
+        a pod's in-cluster client connects to (``$KUBERNETES_SERVICE_HOST``), with no kube-proxy."""
+        service: dict[str, object] = {}
+
+        def found() -> bool:
+            got = self.cluster._kubectl(
+                state, "get", "service", "kubernetes", "-n", "default", "-o", "json", check=False
+            )
+            if got.returncode == 0:
+                service.update(json.loads(got.stdout)["spec"])
+            return bool(service)
+
+        _wait("the kubernetes Service", found, timeout, self.cluster.logs / "apiserver.log")
+        cluster_ip = str(service["clusterIP"])
+        ports = service["ports"]
+        assert isinstance(ports, list) and ports, service
+        port = int(ports[0]["port"])
+        show = ["ip", "-4", "-o", "addr", "show", BRIDGE]
+        if f" {cluster_ip}/" not in subprocess.run(show, capture_output=True, text=True, check=True).stdout:
+            subprocess.run(["ip", "addr", "add", f"{cluster_ip}/32", "dev", BRIDGE], capture_output=True, check=True)
+        self.cluster._start(
+            state,
+            "apiserver-relay",
+            Path(sys.executable),
+            [
+                "-m",
+                "weightsync_tools.localcluster.relay",
+                cluster_ip,
+                str(port),
+                "127.0.0.1",
+                str(state.apiserver_port),
+            ],
+        )
+
+        def listening() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection((cluster_ip, port), timeout=1):
+                return True
+            return False
+
+        _wait("the API server relay", listening, timeout, self.cluster.logs / "apiserver-relay.log")
+
     def _kubelet_config(self, healthz_port: int, port: int) -> dict[str, object]:
         return {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -547,7 +593,10 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
                     self.ctr("containers", "delete", container, check=False)
             if process is not None:
                 terminate(process)
-        state.processes = [p for p in state.processes if p.name not in ("kubelet", "containerd")]
+        relay = names.get("apiserver-relay")
+        if relay is not None:
+            terminate(relay)
+        state.processes = [p for p in state.processes if p.name not in ("kubelet", "containerd", "apiserver-relay")]
         state.save()
         for pid in self._shims():
             os.kill(pid, signal.SIGKILL)
