@@ -1,7 +1,8 @@
 """Relay TCP connections from ``HOST:PORT`` to ``TO_HOST:TO_PORT`` (bytes both ways, until either side closes).
 
 ``python -m weightsync_testing.tcp_forward HOST PORT TO_HOST TO_PORT``; prints ``listening`` once bound. The pod
-sandboxes' way to the local API server (``pod_sandbox.py``). Test-only."""
+sandboxes' way to the local API server (``pod_sandbox.py``), and the real node's (the ``kubernetes`` Service's
+ClusterIP on its bridge: ``weightsync_tools/localcluster/realnode.py``). Test-only."""
 
 from __future__ import annotations
 

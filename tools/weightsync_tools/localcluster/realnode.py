@@ -7,8 +7,8 @@ sandbox and a test image, both the one static binary ``weightsync-pause``) are O
 with ``ctr images import``; pods must use ``imagePullPolicy: Never`` (or ``IfNotPresent``).
 
 What it changes on the host beyond that directory: a bridge ``wsrn0`` with 10.89.0.1/24 (the CNI bridge plugin's
-gateway) and the ``kubernetes`` Service's ClusterIP (/32, where :mod:`~weightsync_tools.localcluster.relay` relays
-pods' API requests to the API server; both deleted with the bridge by :meth:`RealNode.stop`), ``net.ipv4.ip_forward=1``
+gateway) and the ``kubernetes`` Service's ClusterIP (/32, where ``weightsync_testing.tcp_forward`` relays pods'
+API requests to the API server; both deleted with the bridge by :meth:`RealNode.stop`), ``net.ipv4.ip_forward=1``
 (the bridge plugin sets it for a gateway), and the kubelet's cgroups (``kubepods`` in every cgroup v1 hierarchy;
 removed by :meth:`RealNode.stop` when empty). No netfilter rule.
 """
@@ -462,7 +462,10 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
 
     def _start_api_relay(self, state: ClusterState, timeout: float = 30) -> None:
         """The ``kubernetes`` Service's ClusterIP on the bridge and a relay there to the API server (127.0.0.1): what
-        a pod's in-cluster client connects to (``$KUBERNETES_SERVICE_HOST``), with no kube-proxy."""
+        a pod's in-cluster client connects to (``$KUBERNETES_SERVICE_HOST``), with no kube-proxy. TLS stays end to
+        end (the API server's certificate names the ClusterIP). A NAT rule would do too, but a NAT table makes the
+        kernel track every connection of the host, the suite's loopback traffic included: the relay needs no
+        netfilter (docs/local-cluster.md)."""
         service: dict[str, object] = {}
 
         def found() -> bool:
@@ -487,7 +490,7 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
             Path(sys.executable),
             [
                 "-m",
-                "weightsync_tools.localcluster.relay",
+                "weightsync_testing.tcp_forward",
                 cluster_ip,
                 str(port),
                 "127.0.0.1",
