@@ -1,7 +1,10 @@
 """The real-node tier: a kubelet (the control plane's version) on containerd 2.x, runc and the CNI bridge, next to
 the kwok nodes; one pod goes Running and Ready on it (a readiness probe the kubelet sends over the bridge), two
-pods reach each other over the bridge, and a container runs the project's own Python (the host's venv and checkout
-mounted read-only) to completion.
+pods reach each other over the bridge, a container runs the project's own Python (the host's venv and checkout
+mounted read-only) to completion, a pod's in-cluster client reaches the API server through the ``kubernetes``
+Service, and a group runs in real containers: the operator's pods with the agent image as the native sidecar, a
+trainer and a stock SGLang engine, a verified round, Ready through the readiness gate, a killed engine container
+restarted by the kubelet and caught up, under Pod Security ``baseline``.
 
 On by default where it can run: as root (it creates a bridge, mounts overlays and cgroups), with ``ip`` and
 ``nsenter``, and with the node binaries built (``hack/setup.sh`` builds them after the control plane:
@@ -26,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from weightsync.api import names
 from weightsync_tools.localcluster import binaries as binaries_mod
 from weightsync_tools.localcluster.cluster import ClusterState, LocalCluster
 from weightsync_tools.localcluster.realnode import (
@@ -40,8 +44,10 @@ from weightsync_tools.localcluster.realnode import (
     host_python_pod,
     other_real_nodes,
 )
+from weightsync_tools.localcluster.session import OperatorProcess
 
 REQUIRE = "WEIGHTSYNC_REQUIRE_REAL_NODE"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def node_binaries_or_reason() -> NodeBinaries | str:
@@ -197,3 +203,236 @@ def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
     assert (host, int(port)) == (service["clusterIP"], service["ports"][0]["port"]), logs.stdout
     server = json.loads(local._kubectl(state, "version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
     assert version == server, (version, server)
+
+
+# --- a group in real containers -----------------------------------------------------------------------------------
+
+GROUP_NS = "ws-real"
+GROUP = "real"
+ENGINE_PORT = 30000
+#: Where the containers find the checkout (the test-only trainer, SGLang's gated CPU workarounds) and the model.
+CHECKOUT, MODEL = "/checkout", "/model"
+
+
+def _host_path_claim(name: str, path: Path) -> list[dict[str, Any]]:
+    """A hostPath PersistentVolume of ``path`` and the claim bound to it: how a node's cache reaches pods under Pod
+    Security ``baseline``, which refuses a pod's own ``hostPath`` volume (the volume is the administrator's)."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{GROUP_NS}-{name}"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(path), "type": "Directory"},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": GROUP_NS},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "volumeName": f"{GROUP_NS}-{name}",
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    ]
+
+
+def _real_group(agent_image: str) -> dict[str, Any]:
+    """A trainer pod and a stock SGLang engine pod on the real node, every container of the agent image: the agent
+    as the operator's native sidecar, the trainer's and the engine's programs with the SGLang venv's site-packages
+    (SGLang, its torch) where the image looks for them."""
+    from weightsync_testing import sglang_cpu
+    from weightsync_testing.sglang_server import server_command
+
+    site = {"name": "site", "persistentVolumeClaim": {"claimName": "site", "readOnly": True}}
+    checkout = {"name": "checkout", "persistentVolumeClaim": {"claimName": "checkout", "readOnly": True}}
+    model = {"name": "model", "persistentVolumeClaim": {"claimName": "model", "readOnly": True}}
+    mounts = [
+        {"name": "site", "mountPath": names.SITE_PACKAGES_PATH, "readOnly": True},
+        {"name": "checkout", "mountPath": CHECKOUT, "readOnly": True},
+        {"name": "model", "mountPath": MODEL, "readOnly": True},
+    ]
+    pod = {"nodeSelector": {"kubernetes.io/hostname": NODE_NAME}, "dnsPolicy": "Default",
+           "terminationGracePeriodSeconds": 5, "volumes": [site, checkout, model]}  # fmt: skip
+    trainer = ["sh", "-c", "python3 -m torch.distributed.run --standalone --nproc-per-node 1 "
+               f"-m weightsync_testing.pod_trainer {MODEL} 1 && exec sleep 86400"]  # fmt: skip
+    sglang = server_command("python3", Path(MODEL), host="0.0.0.0", port=ENGINE_PORT, bootstrap_port=6789, tp=1,
+                            dtype="float32", admin_api_key="$(WEIGHTSYNC_GROUP_TOKEN)")  # fmt: skip
+    workarounds_dir = Path(CHECKOUT) / sglang_cpu.DIRECTORY.relative_to(REPO)
+    sglang_env = [
+        {"name": "PYTHONPATH", "value": str(workarounds_dir)},
+        {"name": sglang_cpu.ENV_ENABLE, "value": ",".join(sglang_cpu.workarounds_for(1, transfer_engine=True))},
+        {"name": sglang_cpu.ENV_LOG, "value": "/tmp/workarounds.log"},
+    ]
+    image = {"image": agent_image, "imagePullPolicy": "Never", "volumeMounts": mounts}
+    return {
+        "apiVersion": "weightsync.io/v1alpha1",
+        "kind": "WeightSyncGroup",
+        "metadata": {"name": GROUP, "namespace": GROUP_NS},
+        "spec": {
+            "agent": {"image": agent_image, "imagePullPolicy": "Never", "sitePackages": {"claimName": "site"}},
+            "trainer": {"replicas": 1, "template": {"spec": {**pod, "containers": [
+                {"name": "trainer", **image, "command": trainer,
+                 "env": [{"name": "PYTHONPATH", "value": f"{CHECKOUT}/agent"}]}]}}},
+            "inference": {"engines": 1, "adapter": "sglang", "port": ENGINE_PORT, "template": {"spec": {
+                **pod, "containers": [{"name": "sglang", **image, "command": sglang, "env": sglang_env}]}}},
+            "transfer": {"mode": "p2p", "protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 60,
+                         "targetStaging": "live"},
+        },
+    }  # fmt: skip
+
+
+def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
+    real_cluster: tuple[LocalCluster, ClusterState], tmp_path: Path
+) -> None:
+    """The operator's pods in real containers: the agent image as the native sidecar (torch from the claim
+    ``spec.agent.sitePackages`` names), a trainer that trains and publishes, a stock SGLang CPU engine; the namespace
+    enforces Pod Security ``baseline``. The round is verified, the group turns Ready through the real kubelet's
+    readiness gate, and an engine container killed in containerd is restarted by the kubelet and caught up."""
+    local, state = real_cluster
+    sglang_python = os.environ.get("WEIGHTSYNC_SGLANG_PYTHON")
+    if not sglang_python:
+        _skip("WEIGHTSYNC_REQUIRE_SGLANG", "WEIGHTSYNC_SGLANG_PYTHON is not set (hack/test.sh sets it)")
+    check = subprocess.run(["bash", str(REPO / "hack" / "build-images.sh"), "--check"], capture_output=True,
+                           text=True, check=False, timeout=60)  # fmt: skip
+    if check.returncode != 0:
+        _skip("WEIGHTSYNC_REQUIRE_IMAGES", f"images: {check.stderr.strip()}")
+    assert sglang_python
+    agent_archive = Path(check.stdout.split()[-1])
+    RealNode(local, built_node_binaries()).import_archive(agent_archive)
+    values = yaml.safe_load((REPO / "charts" / "weightsync" / "values.yaml").read_text())
+    chart = yaml.safe_load((REPO / "charts" / "weightsync" / "Chart.yaml").read_text())
+    agent_image = f"{values['agentImage']['repository']}:{values['agentImage']['tag'] or chart['appVersion']}"
+
+    from weightsync_testing.sglang_models import ensure_tiny_model
+
+    site = subprocess.run([sglang_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+    model = tmp_path / "model"  # a copy the containers' uid may read (the cache is root's)
+    shutil.copytree(ensure_tiny_model(sglang_python), model)
+    for path in [model, *model.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    tmp_path.chmod(0o755)
+
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": GROUP_NS, "labels": {
+        "pod-security.kubernetes.io/enforce": "baseline"}}}  # fmt: skip
+    objects = [namespace, *_host_path_claim("site", Path(site)), *_host_path_claim("checkout", REPO)]
+    objects += _host_path_claim("model", model)
+    local._kubectl(state, "apply", "-f", str(REPO / "crds" / "weightsync.io_weightsyncgroups.yaml"))
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    operator_log = tmp_path / "operator.log"
+    operator = OperatorProcess(state.kubeconfig, operator_log)
+    operator.start()
+    try:
+        # Pod Security baseline is enforced here: a pod of its own hostPath is refused (the claims are how the
+        # node's cache reaches the group's pods).
+        host_path_pod = {
+            **host_python_pod("host-path", ["-V"]),
+            "metadata": {"name": "host-path", "namespace": GROUP_NS},
+        }
+        refused = local._kubectl(state, "apply", "-f", "-", check=False, input=yaml.safe_dump(host_path_pod))
+        assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused
+        local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(_real_group(agent_image)))
+        status = _wait_for_group(local, state, lambda s: s.get("weightVersion") == 1 and _ready(s), 420)
+        assert status["lastSync"]["version"] == 1 and status["lastSync"]["result"] == "Succeeded", status
+        engine, trainer = f"{GROUP}-engine-0-0", f"{GROUP}-trainer-0"
+        for name in (engine, trainer):  # Ready through the kubelet, with the agent's readiness gate passed
+            conditions = {c["type"]: c["status"] for c in _pod(local, state, name)["status"]["conditions"]}
+            assert conditions[names.CONDITION_AGENT_READY] == "True" and conditions["Ready"] == "True", conditions
+        url = f"http://{_pod(local, state, engine)['status']['podIP']}:{ENGINE_PORT}"
+        synced = _generate(url)
+
+        # The engine container killed in containerd: the kubelet restarts it (SGLang loads the checkpoint's initial
+        # weights again), the agents see an engine without the committed version and catch it up.
+        node = RealNode(local, built_node_binaries())
+        (task,) = node.ctr("containers", "ls", "-q", 'labels."io.kubernetes.container.name"==sglang').stdout.split()
+        node.ctr("tasks", "kill", "--signal=SIGKILL", task)
+        _wait_for(lambda: _restarts(local, state, engine, "sglang") >= 1, 120, "the kubelet to restart SGLang")
+        _wait_for(lambda: "catch-up round v1: Succeeded" in _logs(local, state, trainer), 300, "the catch-up round")
+        status = _wait_for_group(local, state, lambda s: s.get("weightVersion") == 1 and _ready(s), 300)
+        _wait_for(lambda: _annotation(local, state, engine) == "1", 120, "the engine pod to report version 1")
+        assert _generate(url) == synced  # the restarted engine serves the synced weights, not the checkpoint's
+    except BaseException:
+        print(operator_log.read_text(errors="replace")[-3000:], file=sys.stderr)
+        print(local._kubectl(state, "get", "pods", "-n", GROUP_NS, "-o", "wide", check=False).stdout, file=sys.stderr)
+        print(local._kubectl(state, "get", "events", "-n", GROUP_NS, check=False).stdout[-4000:], file=sys.stderr)
+        for pod in (f"{GROUP}-trainer-0", f"{GROUP}-engine-0-0"):
+            for container in ("weightsync-agent", "trainer", "sglang"):
+                out = local._kubectl(state, "logs", "-n", GROUP_NS, pod, "-c", container, check=False)
+                if out.returncode == 0:
+                    print(f"--- {pod}/{container}\n{out.stdout[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        local._kubectl(state, "delete", "wsg", "-n", GROUP_NS, GROUP, "--wait=false", check=False)
+        operator.stop()
+
+
+def _ready(status: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+
+
+def _wait_for_group(local: LocalCluster, state: ClusterState, done: Any, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        got = local._kubectl(state, "get", "wsg", "-n", GROUP_NS, GROUP, "-o", "json", check=False)
+        if got.returncode == 0:
+            status = json.loads(got.stdout).get("status") or {}
+            if done(status):
+                return status
+        time.sleep(2)
+    pytest.fail(f"group {GROUP} not there in {timeout:.0f} s: {json.dumps(status)[-3000:]}")
+
+
+def _pod(local: LocalCluster, state: ClusterState, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(local._kubectl(state, "get", "pod", "-n", GROUP_NS, name, "-o", "json").stdout)
+    return found
+
+
+def _restarts(local: LocalCluster, state: ClusterState, pod: str, container: str) -> int:
+    statuses = _pod(local, state, pod)["status"].get("containerStatuses") or []
+    return sum(int(c.get("restartCount", 0)) for c in statuses if c["name"] == container)
+
+
+def _annotation(local: LocalCluster, state: ClusterState, pod: str) -> str | None:
+    value = (_pod(local, state, pod)["metadata"].get("annotations") or {}).get(names.ANNOTATION_WEIGHT_VERSION)
+    return str(value) if value is not None else None
+
+
+def _logs(local: LocalCluster, state: ClusterState, pod: str) -> str:
+    return local._kubectl(state, "logs", "-n", GROUP_NS, pod, "-c", "weightsync-agent", check=False).stdout
+
+
+def _generate(url: str) -> list[int]:
+    """Greedy tokens of a fixed prompt (the engine's own forward on its current weights)."""
+    import urllib.request
+
+    body = {"text": "The quick brown fox", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    request = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        out: list[int] = json.load(answer)["output_ids"]
+    return out
+
+
+def _wait_for(done: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done():
+            return
+        time.sleep(1)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _skip(require: str, reason: str) -> None:
+    """Skip with ``reason``, or fail where ``require`` is set (CI: the SGLang venv and the images are built)."""
+    if os.environ.get(require) == "1":
+        pytest.fail(f"{require}=1 and {reason}")
+    pytest.skip(reason)

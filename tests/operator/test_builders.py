@@ -489,6 +489,30 @@ def test_the_site_packages_claim_is_read_only_in_the_agent_alone(role: str) -> N
     assert all("persistentVolumeClaim" not in v for v in without["spec"]["volumes"])
 
 
+def test_the_engine_pods_agent_reads_what_the_engine_reads_read_only() -> None:
+    """The agent traces the model the engine reports, at the engine's path: the engine container's mounts, read-only
+    (a writable one too), at the same paths; none at or around the agent's own paths; none on trainer pods."""
+    mounts = [
+        {"name": "models", "mountPath": "/models/", "mountPropagation": "HostToContainer"},
+        {"name": "hf", "mountPath": "/root/.cache/huggingface", "subPath": "hub", "readOnly": True},
+        {"name": "scratch", "mountPath": "/tmp/engine"},  # inside the agent's /tmp
+        {"name": "everything", "mountPath": "/"},
+        {"name": "weightsync-agent-credentials", "mountPath": "/creds"},  # an agent volume: dropped everywhere
+    ]
+    volumes = [{"name": n, "emptyDir": {}} for n in ("models", "hf", "scratch", "everything")]
+    tpl = template(container("engine", volumeMounts=mounts), container("sidecar"), volumes=volumes)
+    group = GroupBuilder("g").engine_template(tpl).trainer_template(copy.deepcopy(tpl)).model()
+    agent = agent_of(build_engine_pod(group, 0, 0))
+    shared = [m for m in agent["volumeMounts"] if m["name"] in ("models", "hf", "scratch", "everything")]
+    assert shared == [
+        {"name": "models", "mountPath": "/models/", "readOnly": True},
+        {"name": "hf", "mountPath": "/root/.cache/huggingface", "subPath": "hub", "readOnly": True},
+    ]
+    assert len({m["mountPath"].rstrip("/") for m in agent["volumeMounts"]}) == len(agent["volumeMounts"])
+    trainer_agent = agent_of(build_trainer_pod(group, 0))
+    assert not [m for m in trainer_agent["volumeMounts"] if m["name"] in ("models", "hf")]
+
+
 def test_the_site_packages_path_is_where_the_agent_image_looks() -> None:
     dockerfile = (Path(__file__).resolve().parents[2] / "agent" / "Dockerfile").read_text()
     assert f"echo {names.SITE_PACKAGES_PATH} > " in dockerfile

@@ -34,7 +34,9 @@ What is added to the template (everything else is the user's and passes through 
   get none); the agent hardened (non-root, no privilege escalation, drop ALL, RuntimeDefault seccomp,
   read-only root filesystem with an emptyDir at /tmp), each field overridable by ``spec.agent.securityContext``;
 - ``spec.agent.sitePackages``'s claim, read-only in the agent alone at /opt/weightsync/node-python: the torch of an
-  agent image built without one (agent/Dockerfile, ``TORCH=node``).
+  agent image built without one (agent/Dockerfile, ``TORCH=node``);
+- on engine pods, the engine container's volume mounts in the agent, read-only, at the same paths: the agent runs the
+  engine's loader on the model the engine reports (``engine_mounts_for_agent``).
 """
 
 from __future__ import annotations
@@ -182,7 +184,10 @@ def build_pod(group: WeightSyncGroup, who: PodIdentity, options: BuildOptions) -
         for volume in AGENT_SECRET_VOLUMES:
             _drop_mount(container, volume)
         _put_env_first(container, identity)  # the user's init containers are theirs too (e.g. fetch by rank)
-    init_containers.append(_agent_container(group, who, options, shm_volume))
+    agent = _agent_container(group, who, options, shm_volume)
+    if who.role == "engine":
+        agent["volumeMounts"] += engine_mounts_for_agent(containers[0], agent["volumeMounts"])
+    init_containers.append(agent)
     pod_spec["initContainers"] = init_containers
 
     # --- pod-level settings ------------------------------------------------------------------------
@@ -249,6 +254,28 @@ def _agent_container(group: WeightSyncGroup, who: PodIdentity, options: BuildOpt
     if spec.rdma.resource_name:
         _add_resource(container, spec.rdma.resource_name, spec.rdma.resource_count)
     return container
+
+
+def engine_mounts_for_agent(engine: Mapping[str, Any], agent_mounts: Sequence[Mapping[str, Any]]) -> list[JsonDict]:
+    """The engine container's volume mounts, read-only, at the same paths, for the engine pod's agent: it runs the
+    engine's own loader on the model the engine reports (``/server_info``'s ``model_path``: the shard-map trace, the
+    engine-replica layout), so it must read what the engine reads, where the engine reads it. Left out: a mount at or
+    around one of the agent's own paths (``/dev/shm``, ``/tmp``, its credentials, its site-packages) and one of the
+    agent's volumes."""
+    own = [str(m["mountPath"]).rstrip("/") or "/" for m in agent_mounts]
+    taken = {str(m["name"]) for m in agent_mounts}
+
+    def overlaps(path: str) -> bool:
+        path = path.rstrip("/") or "/"
+        return any(path == o or path.startswith(f"{o}/") or o.startswith(f"{path}/") or path == "/" for o in own)
+
+    shared: list[JsonDict] = []
+    for mount in engine.get("volumeMounts") or []:
+        if mount.get("name") in taken or mount.get("name") in AGENT_VOLUMES or overlaps(str(mount.get("mountPath"))):
+            continue
+        copied = {k: v for k, v in mount.items() if k in ("name", "mountPath", "subPath", "subPathExpr")}
+        shared.append({**copied, "readOnly": True})
+    return shared
 
 
 def uses_rdma(spec: WeightSyncGroupSpec) -> bool:

@@ -448,6 +448,12 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
             if result.returncode != 0:
                 raise ClusterError(f"ctr images import {archive} failed: {result.stderr.strip()}")
 
+    def import_archive(self, archive: Path) -> None:
+        """An image's OCI archive (``hack/build-images.sh``'s) into the node's containerd, named as its index says."""
+        result = self.ctr("images", "import", "--platform=linux/amd64", str(archive), check=False)
+        if result.returncode != 0:
+            raise ClusterError(f"ctr images import {archive} failed: {result.stderr.strip()}")
+
     @staticmethod
     def _bridge() -> None:
         """The CNI bridge with its gateway address (the plugin takes it as it finds it)."""
