@@ -229,16 +229,22 @@ def images() -> Iterator[tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]
 def operator_image(
     images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]],
 ) -> tuple[Containerd, str, dict[str, Any]]:
-    daemon, by_role = images
-    return daemon, *by_role["operator"]
+    return _of_role(images, "operator")
 
 
 @pytest.fixture
 def agent_image(
     images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]],
 ) -> tuple[Containerd, str, dict[str, Any]]:
+    return _of_role(images, "agent")
+
+
+def _of_role(
+    images: tuple[Containerd, dict[str, tuple[str, dict[str, Any]]]], role: str
+) -> tuple[Containerd, str, dict[str, Any]]:
     daemon, by_role = images
-    return daemon, *by_role["agent"]
+    name, config = by_role[role]
+    return daemon, name, config
 
 
 def _stop(daemon: Containerd) -> None:

@@ -153,24 +153,32 @@ def test_pod_reaches_another_pod_over_the_bridge(real_cluster: tuple[LocalCluste
     assert result.stdout.strip() == "b'ok\\n'", result
 
 
+def _run_to_completion(local: LocalCluster, state: ClusterState, pod: dict[str, Any], timeout: float = 120) -> str:
+    """Apply a ``restartPolicy: Never`` pod of the default namespace, wait for it to end; its output, once it
+    Succeeded (else the test fails with its phase, output and description)."""
+    name = str(pod["metadata"]["name"])
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(pod))
+    deadline = time.monotonic() + timeout
+    phase = ""
+    while time.monotonic() < deadline:
+        phase = local._kubectl(state, "get", "pod", name, "-o", "jsonpath={.status.phase}").stdout
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(0.5)
+    logs = local._kubectl(state, "logs", name, check=False)
+    described = local._kubectl(state, "get", "pod", name, "-o", "yaml", check=False).stdout
+    assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}\n{described}"
+    return logs.stdout
+
+
 def test_a_pod_runs_the_projects_python_from_the_host(real_cluster: tuple[LocalCluster, ClusterState]) -> None:
     """A container of the tiny host image (the merged-/usr links, nothing else) runs this venv's Python on this
     checkout, both mounted read-only from the host with ``/usr`` and the interpreter (hostPath volumes): the CLI's
     ``--help`` to completion (pod Succeeded)."""
     local, state = real_cluster
     pod = host_python_pod("host-python", ["-m", "weightsync_tools.cli.main", "--help"])
-    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(pod))
-    deadline = time.monotonic() + 120
-    phase = ""
-    while time.monotonic() < deadline:
-        phase = local._kubectl(state, "get", "pod", "host-python", "-o", "jsonpath={.status.phase}").stdout
-        if phase in ("Succeeded", "Failed"):
-            break
-        time.sleep(0.5)
-    logs = local._kubectl(state, "logs", "host-python", check=False)
-    described = local._kubectl(state, "get", "pod", "host-python", "-o", "yaml", check=False).stdout
-    assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}\n{described}"
-    assert "Usage:" in logs.stdout and "cluster" in logs.stdout, logs
+    logs = _run_to_completion(local, state, pod)
+    assert "Usage:" in logs and "cluster" in logs, logs
 
 
 def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
@@ -189,18 +197,8 @@ def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
     )
     pod = host_python_pod("in-cluster", ["-c", code])
     pod["spec"]["automountServiceAccountToken"] = True  # type: ignore[index]
-    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(pod))
-    deadline = time.monotonic() + 120
-    phase = ""
-    while time.monotonic() < deadline:
-        phase = local._kubectl(state, "get", "pod", "in-cluster", "-o", "jsonpath={.status.phase}").stdout
-        if phase in ("Succeeded", "Failed"):
-            break
-        time.sleep(0.5)
-    logs = local._kubectl(state, "logs", "in-cluster", check=False)
-    assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}"
-    host, port, version = logs.stdout.split()
-    assert (host, int(port)) == (service["clusterIP"], service["ports"][0]["port"]), logs.stdout
+    host, port, version = _run_to_completion(local, state, pod).split()
+    assert (host, int(port)) == (service["clusterIP"], service["ports"][0]["port"]), (host, port)
     server = json.loads(local._kubectl(state, "version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
     assert version == server, (version, server)
 
