@@ -2,9 +2,11 @@
 # The Debian packages weightsync needs, checked (and, as root, installed) before hack/setup.sh builds .venv:
 #   python3, python3-venv   the interpreter and `python -m venv` (checked by running $PYTHON, default python3)
 #   libibverbs1, libnuma1, libcurl4   shared libraries the Mooncake Transfer Engine wheel loads (the data plane)
-#   gcc, pkg-config, libseccomp-dev   the real node's runc (cgo, with seccomp; build-node-binaries.sh), and iproute2
-#                                     (`ip`: its bridge): as root (the node runs only as root) or with
-#                                     WEIGHTSYNC_REAL_NODE=1; never with WEIGHTSYNC_E2E=0 or WEIGHTSYNC_REAL_NODE=0
+#   gcc, pkg-config, libseccomp-dev   the real node's runc (cgo, with seccomp; build-node-binaries.sh), iproute2
+#                                     (`ip`: its bridge), iptables and ipset (kube-router, which enforces
+#                                     NetworkPolicies there when a test asks): as root (the node runs only as root)
+#                                     or with WEIGHTSYNC_REAL_NODE=1; never with WEIGHTSYNC_E2E=0 or
+#                                     WEIGHTSYNC_REAL_NODE=0
 # Installed packages are checked with dpkg-query (a t64-renamed library such as libcurl4t64 counts too).
 # As root, the missing ones are installed with apt-get; otherwise one line names them and the command to run,
 # and the exit status is 1.
@@ -21,7 +23,7 @@ set -euo pipefail
 PACKAGES=(python3 python3-venv libibverbs1 libnuma1 libcurl4)
 if [[ ${WEIGHTSYNC_E2E:-1} != 0 && ${WEIGHTSYNC_REAL_NODE:-} != 0 ]] &&
   [[ $(id -u) == 0 || ${WEIGHTSYNC_REAL_NODE:-} == 1 ]]; then
-  PACKAGES+=(gcc pkg-config libseccomp-dev iproute2)
+  PACKAGES+=(gcc pkg-config libseccomp-dev iproute2 iptables ipset)
 fi
 
 [[ ${WEIGHTSYNC_SKIP_SYSTEM_PACKAGES:-} == 1 ]] && exit 0

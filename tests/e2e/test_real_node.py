@@ -4,7 +4,8 @@ pods reach each other over the bridge, a container runs the project's own Python
 mounted read-only) to completion, a pod's in-cluster client reaches the API server through the ``kubernetes``
 Service, and a group runs in real containers: the operator's pods with the agent image as the native sidecar, a
 trainer and a stock SGLang engine, a verified round, Ready through the readiness gate, a killed engine container
-restarted by the kubelet and caught up, under Pod Security ``baseline``.
+restarted by the kubelet and caught up, under Pod Security ``baseline`` and the group's NetworkPolicy enforced by
+kube-router (a pod of another namespace refused on every agent and Mooncake port the group's pods listen on).
 
 On by default where it can run: as root (it creates a bridge, mounts overlays and cgroups), with ``ip`` and
 ``nsenter``, and with the node binaries built (``hack/setup.sh`` builds them after the control plane:
@@ -31,7 +32,9 @@ import yaml
 
 from weightsync.api import names
 from weightsync_tools.localcluster import binaries as binaries_mod
+from weightsync_tools.localcluster import network_policies
 from weightsync_tools.localcluster.cluster import ClusterState, LocalCluster
+from weightsync_tools.localcluster.network_policies import NetworkPolicyEngine
 from weightsync_tools.localcluster.realnode import (
     NODE_NAME,
     POD_SUBNET,
@@ -153,22 +156,25 @@ def test_pod_reaches_another_pod_over_the_bridge(real_cluster: tuple[LocalCluste
     assert result.stdout.strip() == "b'ok\\n'", result
 
 
-def _run_to_completion(local: LocalCluster, state: ClusterState, pod: dict[str, Any], timeout: float = 120) -> str:
-    """Apply a ``restartPolicy: Never`` pod of the default namespace, wait for it to end; its output, once it
-    Succeeded (else the test fails with its phase, output and description)."""
-    name = str(pod["metadata"]["name"])
-    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(pod))
+def _run_to_completion(local: LocalCluster, state: ClusterState, *pods: dict[str, Any], timeout: float = 120) -> str:
+    """Apply ``restartPolicy: Never`` pods, wait for them to end; their outputs (one after another), once every one
+    Succeeded (else the test fails with the phase, output and description of the first that did not)."""
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(pods))
     deadline = time.monotonic() + timeout
-    phase = ""
-    while time.monotonic() < deadline:
-        phase = local._kubectl(state, "get", "pod", name, "-o", "jsonpath={.status.phase}").stdout
-        if phase in ("Succeeded", "Failed"):
-            break
-        time.sleep(0.5)
-    logs = local._kubectl(state, "logs", name, check=False)
-    described = local._kubectl(state, "get", "pod", name, "-o", "yaml", check=False).stdout
-    assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}\n{described}"
-    return logs.stdout
+    outputs = []
+    for pod in pods:
+        where = ["-n", str(pod["metadata"].get("namespace", "default")), str(pod["metadata"]["name"])]
+        phase = ""
+        while time.monotonic() < deadline:
+            phase = local._kubectl(state, "get", "pod", *where, "-o", "jsonpath={.status.phase}").stdout
+            if phase in ("Succeeded", "Failed"):
+                break
+            time.sleep(0.5)
+        logs = local._kubectl(state, "logs", *where, check=False)
+        described = local._kubectl(state, "get", "pod", *where, "-o", "yaml", check=False).stdout
+        assert phase == "Succeeded", f"{phase}\n{logs.stdout}{logs.stderr}\n{described}"
+        outputs.append(logs.stdout)
+    return "".join(outputs)
 
 
 def test_a_pod_runs_the_projects_python_from_the_host(real_cluster: tuple[LocalCluster, ClusterState]) -> None:
@@ -292,8 +298,10 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
 ) -> None:
     """The operator's pods in real containers: the agent image as the native sidecar (torch from the claim
     ``spec.agent.sitePackages`` names), a trainer that trains and publishes, a stock SGLang CPU engine; the namespace
-    enforces Pod Security ``baseline``. The round is verified, the group turns Ready through the real kubelet's
-    readiness gate, and an engine container killed in containerd is restarted by the kubelet and caught up."""
+    enforces Pod Security ``baseline`` and kube-router enforces the group's NetworkPolicy. The round is verified, the
+    group turns Ready through the real kubelet's readiness gate, a pod of another namespace is refused on the group's
+    agent and Mooncake ports, and an engine container killed in containerd is restarted by the kubelet and caught
+    up."""
     local, state = real_cluster
     sglang_python = os.environ.get("WEIGHTSYNC_SGLANG_PYTHON")
     if not sglang_python:
@@ -327,6 +335,13 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
     local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
     operator_log = tmp_path / "operator.log"
     operator = OperatorProcess(state.kubeconfig, operator_log)
+    # NetworkPolicies enforced from before the group exists: its round then runs under the group's policy.
+    policies = NetworkPolicyEngine(RealNode(local, built_node_binaries()))
+    unenforced = network_policies.unavailable_reason(policies.node)
+    if unenforced is None:
+        policies.start(state)
+    elif os.environ.get(REQUIRE) == "1":
+        pytest.fail(f"{REQUIRE}=1 and NetworkPolicies cannot be enforced on the real node: {unenforced}")
     operator.start()
     try:
         # Pod Security baseline is enforced here: a pod of its own hostPath is refused (the claims are how the
@@ -346,6 +361,8 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
             assert conditions[names.CONDITION_AGENT_READY] == "True" and conditions["Ready"] == "True", conditions
         url = f"http://{_pod(local, state, engine)['status']['podIP']}:{ENGINE_PORT}"
         synced = _generate(url)
+        if unenforced is None:
+            _assert_the_policy_refuses_other_namespaces(local, state, agent_image, (engine, trainer))
 
         # The engine container killed in containerd: the kubelet restarts it (SGLang loads the checkpoint's initial
         # weights again), the agents see an engine without the committed version and catch it up.
@@ -370,6 +387,83 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
     finally:
         local._kubectl(state, "delete", "wsg", "-n", GROUP_NS, GROUP, "--wait=false", check=False)
         operator.stop()
+        if unenforced is None:
+            policies.stop(state)
+
+
+#: Connect to each ``host:port`` argument until it accepts (at most ``PROBE_SECONDS``); print what each gave last:
+#: "open", "refused" (a reset: nothing listens, or kube-router's REJECT) or the error's name.
+PROBE_SECONDS = 10
+PROBE = f"""
+import concurrent.futures, json, socket, sys, time
+def connect(target):
+    host, port = target.rsplit(":", 1)
+    deadline, last = time.monotonic() + {PROBE_SECONDS}, "never tried"
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return "open"
+        except ConnectionRefusedError:
+            last = "refused"
+        except OSError as error:
+            last = type(error).__name__
+        time.sleep(0.5)
+    return last
+with concurrent.futures.ThreadPoolExecutor(len(sys.argv) - 1) as pool:
+    print(json.dumps(dict(zip(sys.argv[1:], pool.map(connect, sys.argv[1:])))))
+"""
+
+
+def _listening(node: RealNode, pod: str) -> set[int]:
+    """The TCP ports something listens on in ``pod``'s network namespace (read from the host: ``/proc/PID/net/tcp``
+    of one of its containers' processes shows that namespace's sockets)."""
+    selector = f'labels."io.kubernetes.pod.name"=={pod}'
+    containers = set(node.ctr("containers", "ls", "-q", selector).stdout.split())
+    pid = next(
+        line.split()[1] for line in node.ctr("tasks", "ls").stdout.splitlines()[1:] if line.split()[0] in containers
+    )
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            local_address, state = line.split()[1], line.split()[3]
+            if state == "0A":  # LISTEN
+                ports.add(int(local_address.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _assert_the_policy_refuses_other_namespaces(
+    local: LocalCluster, state: ClusterState, image: str, pods: tuple[str, ...]
+) -> None:
+    """The group's pods' agent port and every Mooncake port they listen on: a pod of the group's namespace with the
+    group's label connects to each; the same pod in another namespace is refused on each (kube-router enforcing
+    the operator's policy; the round before ran under it)."""
+    group = json.loads(local._kubectl(state, "get", "wsg", "-n", GROUP_NS, GROUP, "-o", "json").stdout)["spec"]
+    agent_port, mooncake = group["agent"]["port"], group["transfer"]["mooncakePorts"]
+    node = RealNode(local, built_node_binaries())
+    targets = []
+    for pod in pods:
+        ip, ports = _pod(local, state, pod)["status"]["podIP"], _listening(node, pod)
+        data = sorted(p for p in ports if mooncake["start"] <= p <= mooncake["end"])
+        assert agent_port in ports and data, (pod, sorted(ports))  # the agent and at least one Mooncake engine
+        targets += [f"{ip}:{port}" for port in (agent_port, *data)]
+    outsider = "ws-outsider"
+    local._kubectl(state, "create", "namespace", outsider, check=False)
+
+    def probe(namespace: str) -> dict[str, Any]:
+        container = {"name": "probe", "image": image, "imagePullPolicy": "Never",
+                     "command": ["python3", "-c", PROBE, *targets]}  # fmt: skip
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "probe", "namespace": namespace, "labels": {names.LABEL_GROUP: GROUP}},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": NODE_NAME}, "restartPolicy": "Never",
+                         "terminationGracePeriodSeconds": 1, "containers": [container]}}  # fmt: skip
+
+    inside, outside = (
+        json.loads(out) for out in _run_to_completion(local, state, probe(GROUP_NS), probe(outsider)).splitlines()
+    )
+    print(f"policy probes: {len(targets)} ports of {len(pods)} pods; inside: {inside}; outside: {outside}")
+    assert set(inside.values()) == {"open"}, inside
+    assert "open" not in outside.values() and set(outside) == set(targets), outside
+    local._kubectl(state, "delete", "pod", "-n", GROUP_NS, "probe", "--wait=false", check=False)
 
 
 def _ready(status: dict[str, Any]) -> bool:

@@ -7,6 +7,9 @@
 #                            root, hack/system-packages.sh installs it with gcc and pkg-config; else runc is built
 #                            without seccomp, and the script says so)
 #   bridge, host-local, loopback   github.com/containernetworking/plugins, into cni/
+#   kube-router-VERSION/kube-router   github.com/cloudnativelabs/kube-router/v2 (static, CGO off): the NetworkPolicy
+#                            engine a test starts beside the real node (network_policies.py; iptables + ipset, which
+#                            this script installs as root: Debian packages iptables, ipset)
 #   image/weightsync-pause   a static Go program of a few lines (below), the only file of the two images the
 #                            real node runs (no registry is reachable): the pod sandbox ("pause", it waits for
 #                            SIGTERM) and the test pod's container ("serve PORT": also answers HTTP 200)
@@ -17,7 +20,8 @@
 # --check: build nothing; print the cache directory and exit 0 when every binary is there, else name the missing
 # ones on stderr and exit 3 (tests/e2e/test_real_node.py asks this way).
 #
-# Environment: K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, CNI_PLUGINS_VERSION, WEIGHTSYNC_CACHE, OUT;
+# Environment: K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, CNI_PLUGINS_VERSION, KUBE_ROUTER_VERSION,
+# WEIGHTSYNC_CACHE, OUT;
 # GOFLAGS is passed on (e.g. GOFLAGS=-p=1 on a shared machine); WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 installs nothing.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
@@ -26,9 +30,11 @@ K8S_VERSION=${K8S_VERSION:-v1.37.2}
 CONTAINERD_VERSION=${CONTAINERD_VERSION:-v2.4.2}
 RUNC_VERSION=${RUNC_VERSION:-v1.5.3}
 CNI_PLUGINS_VERSION=${CNI_PLUGINS_VERSION:-v1.10.0}
+KUBE_ROUTER_VERSION=${KUBE_ROUTER_VERSION:-v2.1.0}
 CACHE_ROOT=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 OUT=${OUT:-$CACHE_ROOT/node/kubelet$K8S_VERSION-containerd$CONTAINERD_VERSION-runc$RUNC_VERSION-cni$CNI_PLUGINS_VERSION}
-BINARIES=(kubelet containerd containerd-shim-runc-v2 ctr runc cni/bridge cni/host-local cni/loopback image/weightsync-pause)
+BINARIES=(kubelet containerd containerd-shim-runc-v2 ctr runc cni/bridge cni/host-local cni/loopback image/weightsync-pause
+  "kube-router-$KUBE_ROUTER_VERSION/kube-router")
 
 complete() {
   for b in "${BINARIES[@]}"; do [[ -x "$OUT/$b" ]] || return 1; done
@@ -172,6 +178,20 @@ GO
   go build -trimpath -ldflags "-s -w" -o "$OUT/image/weightsync-pause" .
 }
 if ! [[ -x "$OUT/image/weightsync-pause" ]]; then timed image-binary build_image_binary; fi
+
+# --- kube-router (its go.mod has no replace directives: go install works) ------------------------------------
+build_kube_router() {
+  log "kube-router $KUBE_ROUTER_VERSION"
+  # It runs iptables-save/-restore and ipset; the real node needs them only when a test enforces policies.
+  if ! command -v ipset >/dev/null || ! command -v iptables-restore >/dev/null; then
+    WEIGHTSYNC_SYSTEM_PACKAGES="iptables ipset" bash "$REPO/hack/system-packages.sh" ||
+      log "iptables or ipset missing (see above): NetworkPolicies will not be enforced on the real node"
+  fi
+  local ld="-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION"
+  GOBIN="$OUT/kube-router-$KUBE_ROUTER_VERSION" go install -trimpath -ldflags "$ld" \
+    "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router@$KUBE_ROUTER_VERSION"
+}
+if ! [[ -x "$OUT/kube-router-$KUBE_ROUTER_VERSION/kube-router" ]]; then timed kube-router build_kube_router; fi
 
 # The kubelet last: the longest build (the others are usable while it runs).
 if ! [[ -x "$OUT/kubelet" ]]; then timed kubelet build_kubelet; fi

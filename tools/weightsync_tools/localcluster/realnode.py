@@ -602,10 +602,16 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
                     self.ctr("containers", "delete", container, check=False)
             if process is not None:
                 terminate(process)
-        relay = names.get("apiserver-relay")
-        if relay is not None:
-            terminate(relay)
-        state.processes = [p for p in state.processes if p.name not in ("kubelet", "containerd", "apiserver-relay")]
+        relay, policies = names.get("apiserver-relay"), names.get("kube-router")
+        for helper in (relay, policies):
+            if helper is not None:
+                terminate(helper)
+        if policies is not None:  # a test that enforced NetworkPolicies and did not stop the engine itself
+            from weightsync_tools.localcluster.network_policies import remove_rules
+
+            remove_rules()
+        helpers = ("kubelet", "containerd", "apiserver-relay", "kube-router")
+        state.processes = [p for p in state.processes if p.name not in helpers]
         state.save()
         for pid in self._shims():
             os.kill(pid, signal.SIGKILL)
