@@ -5,7 +5,9 @@ mounted read-only) to completion, a pod's in-cluster client reaches the API serv
 Service, and a group runs in real containers: the operator's pods with the agent image as the native sidecar, a
 trainer and a stock SGLang engine, a verified round, Ready through the readiness gate, a killed engine container
 restarted by the kubelet and caught up, under Pod Security ``baseline`` and the group's NetworkPolicy enforced by
-kube-router (a pod of another namespace refused on every agent and Mooncake port the group's pods listen on).
+kube-router (a pod of another namespace refused on every agent and Mooncake port the group's pods listen on); pods
+resolve names through the node's cluster DNS (CoreDNS), and a trainer of 2 pods and a SGLang engine of TP 2 over 2
+pods sync from the operator's workload identity alone.
 
 On by default where it can run: as root (it creates a bridge, mounts overlays and cgroups), with ``ip`` and
 ``nsenter``, and with the node binaries built (``hack/setup.sh`` builds them after the control plane:
@@ -17,6 +19,8 @@ kubelet client flags a real node needs), started once for the module. docs/local
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +102,6 @@ def _serve_pod(name: str) -> dict[str, Any]:
         "spec": {
             "nodeSelector": {"kubernetes.io/hostname": NODE_NAME},
             "terminationGracePeriodSeconds": 5,
-            # The cluster runs no DNS service (the kubelet has no clusterDNS): the node's resolv.conf.
-            "dnsPolicy": "Default",
             "containers": [
                 {
                     "name": "serve",
@@ -218,14 +221,37 @@ ENGINE_PORT = 30000
 CHECKOUT, MODEL = "/checkout", "/model"
 
 
-def _host_path_claim(name: str, path: Path) -> list[dict[str, Any]]:
+def test_pods_resolve_services_and_headless_pods_through_the_cluster_dns(
+    real_cluster: tuple[LocalCluster, ClusterState],
+) -> None:
+    """CoreDNS on the node (the kubelet's ``clusterDNS``): a pod of the default ``dnsPolicy`` resolves the API
+    server's Service to its ClusterIP and a pod of a headless Service by ``<hostname>.<service>.<namespace>.svc``
+    (the form of the operator's leader addresses) to that pod's IP, through its resolv.conf's search path."""
+    local, state = real_cluster
+    target = _serve_pod("dns-target")
+    target["metadata"]["labels"] = {"app": "dns-target"}
+    target["spec"] |= {"hostname": "leader", "subdomain": "dns-group"}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "dns-group", "namespace": "default"},
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "dns-target"},
+                        "ports": [{"port": SERVE_PORT}]}}  # fmt: skip
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all([service, target]))
+    address = _running_and_ready(local, state, "dns-target")["podIP"]
+    names_to_resolve = ["kubernetes.default.svc", "leader.dns-group.default.svc"]
+    code = "import socket, sys; print(*(socket.gethostbyname(n) for n in sys.argv[1:]))"
+    pod = host_python_pod("resolver", ["-c", code, *names_to_resolve])
+    pod["spec"]["dnsPolicy"] = "ClusterFirst"  # type: ignore[index]
+    cluster_ip = json.loads(local._kubectl(state, "get", "svc", "kubernetes", "-o", "json").stdout)["spec"]["clusterIP"]
+    assert _run_to_completion(local, state, pod).split() == [cluster_ip, address]
+
+
+def _host_path_claim(name: str, path: Path, namespace: str) -> list[dict[str, Any]]:
     """A hostPath PersistentVolume of ``path`` and the claim bound to it: how a node's cache reaches pods under Pod
     Security ``baseline``, which refuses a pod's own ``hostPath`` volume (the volume is the administrator's)."""
     return [
         {
             "apiVersion": "v1",
             "kind": "PersistentVolume",
-            "metadata": {"name": f"{GROUP_NS}-{name}"},
+            "metadata": {"name": f"{namespace}-{name}"},
             "spec": {
                 "capacity": {"storage": "1Gi"},
                 "accessModes": ["ReadOnlyMany"],
@@ -237,24 +263,71 @@ def _host_path_claim(name: str, path: Path) -> list[dict[str, Any]]:
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
-            "metadata": {"name": name, "namespace": GROUP_NS},
+            "metadata": {"name": name, "namespace": namespace},
             "spec": {
                 "accessModes": ["ReadOnlyMany"],
                 "storageClassName": "",
-                "volumeName": f"{GROUP_NS}-{name}",
+                "volumeName": f"{namespace}-{name}",
                 "resources": {"requests": {"storage": "1Gi"}},
             },
         },
     ]
 
 
-def _real_group(agent_image: str) -> dict[str, Any]:
-    """A trainer pod and a stock SGLang engine pod on the real node, every container of the agent image: the agent
-    as the operator's native sidecar, the trainer's and the engine's programs with the SGLang venv's site-packages
-    (SGLang, its torch) where the image looks for them."""
-    from weightsync_testing import sglang_cpu
-    from weightsync_testing.sglang_server import server_command
+@dataclass(frozen=True)
+class Containers:
+    """What a group in real containers needs: the agent image (imported into the node), the SGLang venv's
+    site-packages and a tiny Llama the containers' uid may read."""
 
+    agent_image: str
+    site: Path
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def containers(real_cluster: tuple[LocalCluster, ClusterState], tmp_path_factory: pytest.TempPathFactory) -> Containers:
+    local, state = real_cluster
+    sglang_python = os.environ.get("WEIGHTSYNC_SGLANG_PYTHON")
+    if not sglang_python:
+        _skip("WEIGHTSYNC_REQUIRE_SGLANG", "WEIGHTSYNC_SGLANG_PYTHON is not set (hack/test.sh sets it)")
+    check = subprocess.run(["bash", str(REPO / "hack" / "build-images.sh"), "--check"], capture_output=True,
+                           text=True, check=False, timeout=60)  # fmt: skip
+    if check.returncode != 0:
+        _skip("WEIGHTSYNC_REQUIRE_IMAGES", f"images: {check.stderr.strip()}")
+    assert sglang_python
+    RealNode(local, built_node_binaries()).import_archive(Path(check.stdout.split()[-1]))
+    values = yaml.safe_load((REPO / "charts" / "weightsync" / "values.yaml").read_text())
+    chart = yaml.safe_load((REPO / "charts" / "weightsync" / "Chart.yaml").read_text())
+    agent_image = f"{values['agentImage']['repository']}:{values['agentImage']['tag'] or chart['appVersion']}"
+
+    from weightsync_testing.sglang_models import ensure_tiny_model
+
+    site = subprocess.run([sglang_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+    directory = tmp_path_factory.mktemp("containers")
+    model = directory / "model"  # a copy the containers' uid may read (the cache is root's)
+    shutil.copytree(ensure_tiny_model(sglang_python), model)
+    for path in [directory, model, *model.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    local._kubectl(state, "apply", "-f", str(REPO / "crds" / "weightsync.io_weightsyncgroups.yaml"))
+    return Containers(agent_image, Path(site), model)
+
+
+def _namespace(namespace: str, containers: Containers) -> list[dict[str, Any]]:
+    """A namespace enforcing Pod Security ``baseline``, with claims of the SGLang site-packages (``site``), this
+    checkout (``checkout``) and the model (``model``)."""
+    labels = {"pod-security.kubernetes.io/enforce": "baseline"}
+    objects: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": labels}}
+    ]
+    for name, path in (("site", containers.site), ("checkout", REPO), ("model", containers.model)):
+        objects += _host_path_claim(name, path, namespace)
+    return objects
+
+
+def _template_parts(agent_image: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pod template's spec on the real node with the three claims as volumes, and a container of the agent image
+    mounting them (SGLang and its torch where the image looks for them, the checkout, the model)."""
     site = {"name": "site", "persistentVolumeClaim": {"claimName": "site", "readOnly": True}}
     checkout = {"name": "checkout", "persistentVolumeClaim": {"claimName": "checkout", "readOnly": True}}
     model = {"name": "model", "persistentVolumeClaim": {"claimName": "model", "readOnly": True}}
@@ -263,19 +336,33 @@ def _real_group(agent_image: str) -> dict[str, Any]:
         {"name": "checkout", "mountPath": CHECKOUT, "readOnly": True},
         {"name": "model", "mountPath": MODEL, "readOnly": True},
     ]
-    pod = {"nodeSelector": {"kubernetes.io/hostname": NODE_NAME}, "dnsPolicy": "Default",
-           "terminationGracePeriodSeconds": 5, "volumes": [site, checkout, model]}  # fmt: skip
+    pod = {"nodeSelector": {"kubernetes.io/hostname": NODE_NAME}, "terminationGracePeriodSeconds": 5,
+           "volumes": [site, checkout, model]}  # fmt: skip
+    return pod, {"image": agent_image, "imagePullPolicy": "Never", "volumeMounts": mounts}
+
+
+def _sglang_env(ranks: int) -> list[dict[str, str]]:
+    """SGLang on this CPU needs weightsync's gated workarounds (docs/engines/sglang-testing.md), from the checkout."""
+    from weightsync_testing import sglang_cpu
+
+    return [
+        {"name": "PYTHONPATH", "value": str(Path(CHECKOUT) / sglang_cpu.DIRECTORY.relative_to(REPO))},
+        {"name": sglang_cpu.ENV_ENABLE, "value": ",".join(sglang_cpu.workarounds_for(ranks, transfer_engine=True))},
+        {"name": sglang_cpu.ENV_LOG, "value": "/tmp/workarounds.log"},
+    ]
+
+
+def _real_group(agent_image: str) -> dict[str, Any]:
+    """A trainer pod and a stock SGLang engine pod on the real node, every container of the agent image: the agent
+    as the operator's native sidecar, the trainer's and the engine's programs with the SGLang venv's site-packages
+    (SGLang, its torch) where the image looks for them."""
+    from weightsync_testing.sglang_server import server_command
+
+    pod, image = _template_parts(agent_image)
     trainer = ["sh", "-c", "python3 -m torch.distributed.run --standalone --nproc-per-node 1 "
                f"-m weightsync_testing.pod_trainer {MODEL} 1 && exec sleep 86400"]  # fmt: skip
     sglang = server_command("python3", Path(MODEL), host="0.0.0.0", port=ENGINE_PORT, bootstrap_port=6789, tp=1,
                             dtype="float32", admin_api_key="$(WEIGHTSYNC_GROUP_TOKEN)")  # fmt: skip
-    workarounds_dir = Path(CHECKOUT) / sglang_cpu.DIRECTORY.relative_to(REPO)
-    sglang_env = [
-        {"name": "PYTHONPATH", "value": str(workarounds_dir)},
-        {"name": sglang_cpu.ENV_ENABLE, "value": ",".join(sglang_cpu.workarounds_for(1, transfer_engine=True))},
-        {"name": sglang_cpu.ENV_LOG, "value": "/tmp/workarounds.log"},
-    ]
-    image = {"image": agent_image, "imagePullPolicy": "Never", "volumeMounts": mounts}
     return {
         "apiVersion": "weightsync.io/v1alpha1",
         "kind": "WeightSyncGroup",
@@ -286,7 +373,7 @@ def _real_group(agent_image: str) -> dict[str, Any]:
                 {"name": "trainer", **image, "command": trainer,
                  "env": [{"name": "PYTHONPATH", "value": f"{CHECKOUT}/agent"}]}]}}},
             "inference": {"engines": 1, "adapter": "sglang", "port": ENGINE_PORT, "template": {"spec": {
-                **pod, "containers": [{"name": "sglang", **image, "command": sglang, "env": sglang_env}]}}},
+                **pod, "containers": [{"name": "sglang", **image, "command": sglang, "env": _sglang_env(1)}]}}},
             "transfer": {"mode": "p2p", "protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 60,
                          "targetStaging": "live"},
         },
@@ -294,7 +381,7 @@ def _real_group(agent_image: str) -> dict[str, Any]:
 
 
 def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
-    real_cluster: tuple[LocalCluster, ClusterState], tmp_path: Path
+    real_cluster: tuple[LocalCluster, ClusterState], containers: Containers, tmp_path: Path
 ) -> None:
     """The operator's pods in real containers: the agent image as the native sidecar (torch from the claim
     ``spec.agent.sitePackages`` names), a trainer that trains and publishes, a stock SGLang CPU engine; the namespace
@@ -303,36 +390,8 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
     agent and Mooncake ports, and an engine container killed in containerd is restarted by the kubelet and caught
     up."""
     local, state = real_cluster
-    sglang_python = os.environ.get("WEIGHTSYNC_SGLANG_PYTHON")
-    if not sglang_python:
-        _skip("WEIGHTSYNC_REQUIRE_SGLANG", "WEIGHTSYNC_SGLANG_PYTHON is not set (hack/test.sh sets it)")
-    check = subprocess.run(["bash", str(REPO / "hack" / "build-images.sh"), "--check"], capture_output=True,
-                           text=True, check=False, timeout=60)  # fmt: skip
-    if check.returncode != 0:
-        _skip("WEIGHTSYNC_REQUIRE_IMAGES", f"images: {check.stderr.strip()}")
-    assert sglang_python
-    agent_archive = Path(check.stdout.split()[-1])
-    RealNode(local, built_node_binaries()).import_archive(agent_archive)
-    values = yaml.safe_load((REPO / "charts" / "weightsync" / "values.yaml").read_text())
-    chart = yaml.safe_load((REPO / "charts" / "weightsync" / "Chart.yaml").read_text())
-    agent_image = f"{values['agentImage']['repository']}:{values['agentImage']['tag'] or chart['appVersion']}"
-
-    from weightsync_testing.sglang_models import ensure_tiny_model
-
-    site = subprocess.run([sglang_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
-    model = tmp_path / "model"  # a copy the containers' uid may read (the cache is root's)
-    shutil.copytree(ensure_tiny_model(sglang_python), model)
-    for path in [model, *model.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    tmp_path.chmod(0o755)
-
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": GROUP_NS, "labels": {
-        "pod-security.kubernetes.io/enforce": "baseline"}}}  # fmt: skip
-    objects = [namespace, *_host_path_claim("site", Path(site)), *_host_path_claim("checkout", REPO)]
-    objects += _host_path_claim("model", model)
-    local._kubectl(state, "apply", "-f", str(REPO / "crds" / "weightsync.io_weightsyncgroups.yaml"))
-    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    agent_image = containers.agent_image
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(_namespace(GROUP_NS, containers)))
     operator_log = tmp_path / "operator.log"
     operator = OperatorProcess(state.kubeconfig, operator_log)
     # NetworkPolicies enforced from before the group exists: its round then runs under the group's policy.
@@ -375,20 +434,112 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
         _wait_for(lambda: _annotation(local, state, engine) == "1", 120, "the engine pod to report version 1")
         assert _generate(url) == synced  # the restarted engine serves the synced weights, not the checkpoint's
     except BaseException:
-        print(operator_log.read_text(errors="replace")[-3000:], file=sys.stderr)
-        print(local._kubectl(state, "get", "pods", "-n", GROUP_NS, "-o", "wide", check=False).stdout, file=sys.stderr)
-        print(local._kubectl(state, "get", "events", "-n", GROUP_NS, check=False).stdout[-4000:], file=sys.stderr)
-        for pod in (f"{GROUP}-trainer-0", f"{GROUP}-engine-0-0"):
-            for container in ("weightsync-agent", "trainer", "sglang"):
-                out = local._kubectl(state, "logs", "-n", GROUP_NS, pod, "-c", container, check=False)
-                if out.returncode == 0:
-                    print(f"--- {pod}/{container}\n{out.stdout[-3000:]}", file=sys.stderr)
+        _diagnose(local, state, operator_log, GROUP_NS, (f"{GROUP}-trainer-0", f"{GROUP}-engine-0-0"))
         raise
     finally:
         local._kubectl(state, "delete", "wsg", "-n", GROUP_NS, GROUP, "--wait=false", check=False)
         operator.stop()
         if unenforced is None:
             policies.stop(state)
+
+
+MP_NS, MP_GROUP = "ws-multipod", "mp"
+
+
+def _multipod_group(agent_image: str) -> dict[str, Any]:
+    """A trainer of 2 pods and one SGLang engine of TP 2 over 2 pods, in real containers, whose commands use only the
+    operator's workload identity: ``torchrun --nnodes/--node-rank/--rdzv-endpoint`` (gloo across the pods) and
+    SGLang's ``--nnodes/--node-rank/--dist-init-addr``; the leader's address is its stable DNS name, which the
+    node's cluster DNS resolves."""
+    from weightsync_testing.sglang_server import server_command
+
+    pod, image = _template_parts(agent_image)
+    trainer = ["sh", "-c", "python3 -m torch.distributed.run --nnodes $(WEIGHTSYNC_NNODES) "
+               "--node-rank $(WEIGHTSYNC_NODE_RANK) --nproc-per-node $(WEIGHTSYNC_NPROC_PER_NODE) "
+               "--rdzv-endpoint $(WEIGHTSYNC_DIST_INIT_ADDR) "
+               f"-m weightsync_testing.pod_trainer {MODEL} 1 && exec sleep 86400"]  # fmt: skip
+    sglang = server_command("python3", Path(MODEL), host="0.0.0.0", port=ENGINE_PORT, bootstrap_port=6789, tp=2,
+                            dtype="float32", admin_api_key="$(WEIGHTSYNC_GROUP_TOKEN)",
+                            extra_args=["--nnodes", "$(WEIGHTSYNC_NNODES)", "--node-rank", "$(WEIGHTSYNC_NODE_RANK)",
+                                        "--dist-init-addr", "$(WEIGHTSYNC_DIST_INIT_ADDR)"])  # fmt: skip
+    sglang_env = [
+        *_sglang_env(2),
+        {"name": "SGLANG_CPU_OMP_THREADS_BIND", "value": "$(WEIGHTSYNC_NODE_RANK)"},  # one core per engine pod
+        # At TP > 1 SGLang's vocab-parallel embedding is a torch.compile'd function, which inductor builds with a C++
+        # compiler: SGLang's own image has one, the agent image standing in for it here does not ("InvalidCxxCompiler:
+        # No working C++ compiler found"). The same operations run eagerly.
+        {"name": "TORCH_COMPILE_DISABLE", "value": "1"},
+    ]
+    return {
+        "apiVersion": "weightsync.io/v1alpha1",
+        "kind": "WeightSyncGroup",
+        "metadata": {"name": MP_GROUP, "namespace": MP_NS},
+        "spec": {
+            "agent": {"image": agent_image, "imagePullPolicy": "Never", "sitePackages": {"claimName": "site"}},
+            "trainer": {"replicas": 2, "ranksPerPod": 1, "template": {"spec": {**pod, "containers": [
+                {"name": "trainer", **image, "command": trainer,
+                 "env": [{"name": "PYTHONPATH", "value": f"{CHECKOUT}/agent"}]}]}}},
+            "inference": {"engines": 1, "ranksPerEngine": 2, "ranksPerPod": 1, "adapter": "sglang",
+                          "port": ENGINE_PORT, "template": {"spec": {**pod, "containers": [
+                              {"name": "sglang", **image, "command": sglang, "env": sglang_env}]}}},
+            "transfer": {"mode": "p2p", "protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 60,
+                         "targetStaging": "live"},
+        },
+    }  # fmt: skip
+
+
+def test_a_two_pod_trainer_and_a_two_pod_sglang_engine_sync_in_real_containers_from_the_operators_identity(
+    real_cluster: tuple[LocalCluster, ClusterState], containers: Containers, tmp_path: Path
+) -> None:
+    """A trainer of 2 pods (torchrun across pods, gloo) and a stock SGLang engine of TP 2 over 2 pods, in real
+    containers on the real node, find each other from the operator's identity alone (the leaders' DNS names through
+    the node's cluster DNS): the group turns Ready with both engine pods joined in one engine, both trainer ranks
+    publish version 1, the round is verified, and SGLang's own checksums equal the trainer's bytes rank by rank."""
+    from weightsync_agent.targets.engine_client import EngineClient
+    from weightsync_testing.sglang_models import trained_state
+
+    local, state = real_cluster
+    local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(_namespace(MP_NS, containers)))
+    operator_log = tmp_path / "operator.log"
+    operator = OperatorProcess(state.kubeconfig, operator_log)
+    operator.start()
+    pods = (f"{MP_GROUP}-trainer-0", f"{MP_GROUP}-trainer-1", f"{MP_GROUP}-engine-0-0", f"{MP_GROUP}-engine-0-1")
+    try:
+        local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(_multipod_group(containers.agent_image)))
+        status = _wait_for_group(local, state, lambda s: s.get("weightVersion") == 1 and _ready(s), 480,
+                                 namespace=MP_NS, group=MP_GROUP)  # fmt: skip
+        assert status["lastSync"]["version"] == 1 and status["lastSync"]["result"] == "Succeeded", status
+        assert status["trainers"] == {"desired": 2, "ready": 2}, status
+        assert status["engines"] == {"desired": 2, "ready": 2, "syncPaths": {"engineReplica": 0, "trace": 2}}, status
+        for index in range(2):
+            said = local._kubectl(state, "logs", "-n", MP_NS, pods[index], "-c", "trainer").stdout
+            outcome = json.loads(next(line for line in said.splitlines() if line.startswith('{"rank"')))
+            assert outcome["world"] == 2 and outcome["version"] == 1 and outcome["ok"], outcome
+
+        secret = local._kubectl(state, "get", "secret", "-n", MP_NS, names.group_secret(MP_GROUP), "-o",
+                                f"jsonpath={{.data.{names.SECRET_TOKEN_KEY}}}").stdout  # fmt: skip
+        leader = _pod(local, state, pods[2], namespace=MP_NS)["status"]["podIP"]
+        engine = EngineClient(f"http://{leader}:{ENGINE_PORT}", timeout=60, api_key=base64.b64decode(secret).decode())
+        assert engine.weight_version() == "1"
+        _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
+        assert len(answer["ranks"]) == 2, answer  # TP 2, one rank in each pod
+        # A replicated norm whole on both ranks, the row-parallel o_proj as each rank's half of its columns.
+        full = trained_state(containers.model, 1)
+        norm, o_proj = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.o_proj.weight"
+        for rank, held in enumerate(r["checksums"] for r in answer["ranks"]):
+            assert held[norm] == _sha8(full[norm]), (rank, norm)
+            assert held[o_proj] == _sha8(full[o_proj].chunk(2, dim=1)[rank]), (rank, o_proj)
+    except BaseException:
+        _diagnose(local, state, operator_log, MP_NS, pods)
+        raise
+    finally:
+        local._kubectl(state, "delete", "wsg", "-n", MP_NS, MP_GROUP, "--wait=false", check=False)
+        operator.stop()
+
+
+def _sha8(tensor: Any) -> str:
+    """SGLang's CPU checksum of a tensor: sha256 of its bytes, the first 8 bytes in hex."""
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()[:8].hex()
 
 
 #: Connect to each ``host:port`` argument until it accepts (at most ``PROBE_SECONDS``); print what each gave last:
@@ -466,25 +617,41 @@ def _assert_the_policy_refuses_other_namespaces(
     local._kubectl(state, "delete", "pod", "-n", GROUP_NS, "probe", "--wait=false", check=False)
 
 
+def _diagnose(
+    local: LocalCluster, state: ClusterState, operator_log: Path, namespace: str, pods: tuple[str, ...]
+) -> None:
+    """What a failed group test prints: the operator's log, the namespace's pods and events, every container's log."""
+    print(operator_log.read_text(errors="replace")[-3000:], file=sys.stderr)
+    print(local._kubectl(state, "get", "pods", "-n", namespace, "-o", "wide", check=False).stdout, file=sys.stderr)
+    print(local._kubectl(state, "get", "events", "-n", namespace, check=False).stdout[-4000:], file=sys.stderr)
+    for pod in pods:
+        for container in ("weightsync-agent", "trainer", "sglang"):
+            out = local._kubectl(state, "logs", "-n", namespace, pod, "-c", container, check=False)
+            if out.returncode == 0:
+                print(f"--- {pod}/{container}\n{out.stdout[-3000:]}", file=sys.stderr)
+
+
 def _ready(status: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
 
 
-def _wait_for_group(local: LocalCluster, state: ClusterState, done: Any, timeout: float) -> dict[str, Any]:
+def _wait_for_group(
+    local: LocalCluster, state: ClusterState, done: Any, timeout: float, namespace: str = GROUP_NS, group: str = GROUP
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     status: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        got = local._kubectl(state, "get", "wsg", "-n", GROUP_NS, GROUP, "-o", "json", check=False)
+        got = local._kubectl(state, "get", "wsg", "-n", namespace, group, "-o", "json", check=False)
         if got.returncode == 0:
             status = json.loads(got.stdout).get("status") or {}
             if done(status):
                 return status
         time.sleep(2)
-    pytest.fail(f"group {GROUP} not there in {timeout:.0f} s: {json.dumps(status)[-3000:]}")
+    pytest.fail(f"group {group} not there in {timeout:.0f} s: {json.dumps(status)[-3000:]}")
 
 
-def _pod(local: LocalCluster, state: ClusterState, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = json.loads(local._kubectl(state, "get", "pod", "-n", GROUP_NS, name, "-o", "json").stdout)
+def _pod(local: LocalCluster, state: ClusterState, name: str, namespace: str = GROUP_NS) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(local._kubectl(state, "get", "pod", "-n", namespace, name, "-o", "json").stdout)
     return found
 
 

@@ -10,6 +10,9 @@
 #   kube-router-VERSION/kube-router   github.com/cloudnativelabs/kube-router/v2 (static, CGO off): the NetworkPolicy
 #                            engine a test starts beside the real node (network_policies.py; iptables + ipset, which
 #                            this script installs as root: Debian packages iptables, ipset)
+#   coredns-VERSION/coredns  CoreDNS (github.com/coredns/coredns) with the plugins the node's cluster DNS uses (bind,
+#                            errors, log, kubernetes), as CoreDNS documents building it with a chosen plugin list:
+#                            a main package of a few lines (below) importing coremain and those plugins
 #   image/weightsync-pause   a static Go program of a few lines (below), the only file of the two images the
 #                            real node runs (no registry is reachable): the pod sandbox ("pause", it waits for
 #                            SIGTERM) and the test pod's container ("serve PORT": also answers HTTP 200)
@@ -21,6 +24,7 @@
 # ones on stderr and exit 3 (tests/e2e/test_real_node.py asks this way).
 #
 # Environment: K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, CNI_PLUGINS_VERSION, KUBE_ROUTER_VERSION,
+# COREDNS_VERSION,
 # WEIGHTSYNC_CACHE, OUT;
 # GOFLAGS is passed on (e.g. GOFLAGS=-p=1 on a shared machine); WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 installs nothing.
 set -euo pipefail
@@ -31,10 +35,11 @@ CONTAINERD_VERSION=${CONTAINERD_VERSION:-v2.4.2}
 RUNC_VERSION=${RUNC_VERSION:-v1.5.3}
 CNI_PLUGINS_VERSION=${CNI_PLUGINS_VERSION:-v1.10.0}
 KUBE_ROUTER_VERSION=${KUBE_ROUTER_VERSION:-v2.1.0}
+COREDNS_VERSION=${COREDNS_VERSION:-v1.15.0}
 CACHE_ROOT=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 OUT=${OUT:-$CACHE_ROOT/node/kubelet$K8S_VERSION-containerd$CONTAINERD_VERSION-runc$RUNC_VERSION-cni$CNI_PLUGINS_VERSION}
 BINARIES=(kubelet containerd containerd-shim-runc-v2 ctr runc cni/bridge cni/host-local cni/loopback image/weightsync-pause
-  "kube-router-$KUBE_ROUTER_VERSION/kube-router")
+  "kube-router-$KUBE_ROUTER_VERSION/kube-router" "coredns-$COREDNS_VERSION/coredns")
 
 complete() {
   for b in "${BINARIES[@]}"; do [[ -x "$OUT/$b" ]] || return 1; done
@@ -192,6 +197,37 @@ build_kube_router() {
     "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router@$KUBE_ROUTER_VERSION"
 }
 if ! [[ -x "$OUT/kube-router-$KUBE_ROUTER_VERSION/kube-router" ]]; then timed kube-router build_kube_router; fi
+
+# --- CoreDNS with four plugins (its full build links every cloud provider's SDK) ----------------------------
+build_coredns() {
+  log "CoreDNS $COREDNS_VERSION"
+  mkdir -p "$WORK/coredns" && cd "$WORK/coredns"
+  go mod init local/weightsynccoredns >/dev/null 2>&1
+  cat > main.go <<'GO'
+// The real node's cluster DNS: CoreDNS with the plugins it uses (no upstream is reachable, so no forward).
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+)
+
+func init() {
+	dnsserver.Directives = []string{"bind", "errors", "log", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+GO
+  go get "github.com/coredns/coredns@$COREDNS_VERSION" >/dev/null
+  go mod tidy >/dev/null
+  go build -trimpath -ldflags "-s -w" -o "$OUT/coredns-$COREDNS_VERSION/coredns" .
+}
+if ! [[ -x "$OUT/coredns-$COREDNS_VERSION/coredns" ]]; then timed coredns build_coredns; fi
 
 # The kubelet last: the longest build (the others are usable while it runs).
 if ! [[ -x "$OUT/kubelet" ]]; then timed kubelet build_kubelet; fi

@@ -10,7 +10,8 @@ What it changes on the host beyond that directory: a bridge ``wsrn0`` with 10.89
 gateway) and the ``kubernetes`` Service's ClusterIP (/32, where ``weightsync_testing.tcp_forward`` relays pods'
 API requests to the API server; both deleted with the bridge by :meth:`RealNode.stop`), ``net.ipv4.ip_forward=1``
 (the bridge plugin sets it for a gateway), and the kubelet's cgroups (``kubepods`` in every cgroup v1 hierarchy;
-removed by :meth:`RealNode.stop` when empty). No netfilter rule.
+removed by :meth:`RealNode.stop` when empty). No netfilter rule (unless a test enforces NetworkPolicies:
+network_policies.py). Its cluster DNS (cluster_dns.py, CoreDNS) listens on the bridge's address, port 53.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from weightsync.ports import free_port
+from weightsync_tools.localcluster import cluster_dns
 from weightsync_tools.localcluster import pki as pki_mod
 from weightsync_tools.localcluster.cluster import (
     ClusterError,
@@ -317,6 +319,7 @@ class RealNode:
         self._import_images()
         self._bridge()
         self._start_api_relay(state)
+        cluster_dns.start(self.cluster, state, self.binaries.directory, NODE_IP)
         self._start_kubelet(state)
         _wait(f"node {self.name} Ready", lambda: self.ready(state), timeout, self.cluster.logs / "kubelet.log")
 
@@ -532,7 +535,8 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
             },
             # Only this host reaches the bridge; the API server comes with a certificate of the cluster's CA.
             "authorization": {"mode": "AlwaysAllow"},
-            "clusterDomain": "cluster.local",
+            "clusterDomain": cluster_dns.DOMAIN,
+            "clusterDNS": [NODE_IP],
             "resolvConf": "/etc/resolv.conf",
             "podLogsDir": str(self.directory / "pod-logs"),
             "volumePluginDir": str(self.directory / "volume-plugins"),
@@ -602,15 +606,15 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
                     self.ctr("containers", "delete", container, check=False)
             if process is not None:
                 terminate(process)
-        relay, policies = names.get("apiserver-relay"), names.get("kube-router")
-        for helper in (relay, policies):
+        relay, dns, policies = names.get("apiserver-relay"), names.get(cluster_dns.PROCESS), names.get("kube-router")
+        for helper in (relay, dns, policies):
             if helper is not None:
                 terminate(helper)
         if policies is not None:  # a test that enforced NetworkPolicies and did not stop the engine itself
             from weightsync_tools.localcluster.network_policies import remove_rules
 
             remove_rules()
-        helpers = ("kubelet", "containerd", "apiserver-relay", "kube-router")
+        helpers = ("kubelet", "containerd", "apiserver-relay", cluster_dns.PROCESS, "kube-router")
         state.processes = [p for p in state.processes if p.name not in helpers]
         state.save()
         for pid in self._shims():
