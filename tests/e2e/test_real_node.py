@@ -358,22 +358,31 @@ def _real_group(agent_image: str) -> dict[str, Any]:
     (SGLang, its torch) where the image looks for them."""
     from weightsync_testing.sglang_server import server_command
 
-    pod, image = _template_parts(agent_image)
     trainer = ["sh", "-c", "python3 -m torch.distributed.run --standalone --nproc-per-node 1 "
                f"-m weightsync_testing.pod_trainer {MODEL} 1 && exec sleep 86400"]  # fmt: skip
     sglang = server_command("python3", Path(MODEL), host="0.0.0.0", port=ENGINE_PORT, bootstrap_port=6789, tp=1,
                             dtype="float32", admin_api_key="$(WEIGHTSYNC_GROUP_TOKEN)")  # fmt: skip
+    return _group_object(GROUP_NS, GROUP, agent_image, trainer, sglang, _sglang_env(1), pods=1)
+
+
+def _group_object(
+    namespace: str, name: str, agent_image: str, trainer: list[str], sglang: list[str], sglang_env: list[Any], pods: int
+) -> dict[str, Any]:
+    """A p2p group on the real node of one engine: ``pods`` trainer pods running ``trainer`` and ``pods`` engine pods
+    (one rank each) running ``sglang``, every container of the agent image with the three claims mounted."""
+    pod, image = _template_parts(agent_image)
     return {
         "apiVersion": "weightsync.io/v1alpha1",
         "kind": "WeightSyncGroup",
-        "metadata": {"name": GROUP, "namespace": GROUP_NS},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "agent": {"image": agent_image, "imagePullPolicy": "Never", "sitePackages": {"claimName": "site"}},
-            "trainer": {"replicas": 1, "template": {"spec": {**pod, "containers": [
+            "trainer": {"replicas": pods, "ranksPerPod": 1, "template": {"spec": {**pod, "containers": [
                 {"name": "trainer", **image, "command": trainer,
                  "env": [{"name": "PYTHONPATH", "value": f"{CHECKOUT}/agent"}]}]}}},
-            "inference": {"engines": 1, "adapter": "sglang", "port": ENGINE_PORT, "template": {"spec": {
-                **pod, "containers": [{"name": "sglang", **image, "command": sglang, "env": _sglang_env(1)}]}}},
+            "inference": {"engines": 1, "ranksPerEngine": pods, "ranksPerPod": 1, "adapter": "sglang",
+                          "port": ENGINE_PORT, "template": {"spec": {**pod, "containers": [
+                              {"name": "sglang", **image, "command": sglang, "env": sglang_env}]}}},
             "transfer": {"mode": "p2p", "protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 60,
                          "targetStaging": "live"},
         },
@@ -453,7 +462,6 @@ def _multipod_group(agent_image: str) -> dict[str, Any]:
     node's cluster DNS resolves."""
     from weightsync_testing.sglang_server import server_command
 
-    pod, image = _template_parts(agent_image)
     trainer = ["sh", "-c", "python3 -m torch.distributed.run --nnodes $(WEIGHTSYNC_NNODES) "
                "--node-rank $(WEIGHTSYNC_NODE_RANK) --nproc-per-node $(WEIGHTSYNC_NPROC_PER_NODE) "
                "--rdzv-endpoint $(WEIGHTSYNC_DIST_INIT_ADDR) "
@@ -470,22 +478,7 @@ def _multipod_group(agent_image: str) -> dict[str, Any]:
         # No working C++ compiler found"). The same operations run eagerly.
         {"name": "TORCH_COMPILE_DISABLE", "value": "1"},
     ]
-    return {
-        "apiVersion": "weightsync.io/v1alpha1",
-        "kind": "WeightSyncGroup",
-        "metadata": {"name": MP_GROUP, "namespace": MP_NS},
-        "spec": {
-            "agent": {"image": agent_image, "imagePullPolicy": "Never", "sitePackages": {"claimName": "site"}},
-            "trainer": {"replicas": 2, "ranksPerPod": 1, "template": {"spec": {**pod, "containers": [
-                {"name": "trainer", **image, "command": trainer,
-                 "env": [{"name": "PYTHONPATH", "value": f"{CHECKOUT}/agent"}]}]}}},
-            "inference": {"engines": 1, "ranksPerEngine": 2, "ranksPerPod": 1, "adapter": "sglang",
-                          "port": ENGINE_PORT, "template": {"spec": {**pod, "containers": [
-                              {"name": "sglang", **image, "command": sglang, "env": sglang_env}]}}},
-            "transfer": {"mode": "p2p", "protocol": "tcp", "bucketSizeMiB": 1, "timeoutSeconds": 60,
-                         "targetStaging": "live"},
-        },
-    }  # fmt: skip
+    return _group_object(MP_NS, MP_GROUP, agent_image, trainer, sglang, sglang_env, pods=2)
 
 
 def test_a_two_pod_trainer_and_a_two_pod_sglang_engine_sync_in_real_containers_from_the_operators_identity(
