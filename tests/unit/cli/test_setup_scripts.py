@@ -83,14 +83,15 @@ def test_every_readme_command_and_ci_set_up_the_same_way() -> None:
 
 def test_setup_builds_the_real_node_after_the_control_plane_and_ci_requires_it() -> None:
     """The node binaries are built in the control plane's background job, after it (the kubelet reuses its Go build
-    cache); runc's build packages are in the default list; CI fails rather than skips the real-node tier."""
+    cache); runc's build packages and kube-router's iptables and ipset are in the default list; CI fails rather than
+    skips the real-node tier."""
     setup = (ROOT / "hack" / "setup.sh").read_text()
     commands = [line.strip() for line in setup.splitlines() if not line.lstrip().startswith("#")]
     control_plane = next(i for i, c in enumerate(commands) if "localcluster/build-binaries.sh" in c)
     node = next(i for i, c in enumerate(commands) if "localcluster/build-node-binaries.sh" in c)
     assert control_plane < node
     packages = SCRIPT.read_text()
-    assert "PACKAGES+=(gcc pkg-config libseccomp-dev iproute2)" in packages
+    assert "PACKAGES+=(gcc pkg-config libseccomp-dev iproute2 iptables ipset)" in packages
     ci = (ROOT / ".ci" / "run").read_text()
     assert "export WEIGHTSYNC_REQUIRE_REAL_NODE=1" in ci
 
