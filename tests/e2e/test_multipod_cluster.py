@@ -19,7 +19,6 @@ one-pod version of this test, whose agents ran on loopback next to a harness-sta
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from conftest import Agents, Kube, OperatorProcess, wait_for
 
@@ -41,7 +39,8 @@ from weightsync_agent.targets.engine_client import EngineClient
 from weightsync_testing import sglang_cpu
 from weightsync_testing.container_spec import PodFacts, container_argv, container_env
 from weightsync_testing.pod_sandbox import PodSandboxes, PodSandboxUnavailableError, check_available
-from weightsync_testing.sglang_models import ensure_tiny_model, trained_state
+from weightsync_testing.sglang_checksums import assert_tp2_engine_holds
+from weightsync_testing.sglang_models import ensure_tiny_model
 from weightsync_testing.sglang_server import server_command
 from weightsync_tools.localcluster.session import PodCredentials, group_picture, group_pods, secret_reader
 
@@ -213,14 +212,7 @@ def test_a_two_pod_trainer_and_a_two_pod_sglang_engine_sync_from_the_operators_i
     final = wait_for("status.lastSync 1", lambda: (s := status(admin)).get("lastSync", {}).get("version") == 1 and s)
     assert final["lastSync"]["result"] == "Succeeded", final["lastSync"]
     assert engine.weight_version() == "1"
-    # SGLang's own checksums, rank by rank, equal the trainer's bytes: a replicated norm whole on both ranks, the
-    # row-parallel o_proj as each rank's half of its columns.
-    full = trained_state(model_dir, 1)
-    _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
-    for rank, held in enumerate(r["checksums"] for r in answer["ranks"]):
-        norm, o_proj = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.o_proj.weight"
-        assert held[norm] == sha8(full[norm]), (rank, norm)
-        assert held[o_proj] == sha8(full[o_proj].chunk(2, dim=1)[rank]), (rank, o_proj)
+    assert_tp2_engine_holds(engine, model_dir, 1)
     wait_for(  # the engine's agent reports what SGLang holds, on its next tick
         "the engine pod's version annotation",
         lambda: (
@@ -240,8 +232,3 @@ def test_a_two_pod_trainer_and_a_two_pod_sglang_engine_sync_from_the_operators_i
         ),
     )
     assert row[6] == "1", row
-
-
-def sha8(tensor: torch.Tensor) -> str:
-    """SGLang's CPU checksum of a tensor: sha256 of its bytes, the first 8 bytes in hex."""
-    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()[:8].hex()

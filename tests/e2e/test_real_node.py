@@ -20,7 +20,6 @@ kubelet client flags a real node needs), started once for the module. docs/local
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import shutil
@@ -295,7 +294,7 @@ def containers(real_cluster: tuple[LocalCluster, ClusterState], tmp_path_factory
     if check.returncode != 0:
         _skip("WEIGHTSYNC_REQUIRE_IMAGES", f"images: {check.stderr.strip()}")
     assert sglang_python
-    RealNode(local, built_node_binaries()).import_archive(Path(check.stdout.split()[-1]))
+    RealNode.started(local, state).import_archive(Path(check.stdout.split()[-1]))
     values = yaml.safe_load((REPO / "charts" / "weightsync" / "values.yaml").read_text())
     chart = yaml.safe_load((REPO / "charts" / "weightsync" / "Chart.yaml").read_text())
     agent_image = f"{values['agentImage']['repository']}:{values['agentImage']['tag'] or chart['appVersion']}"
@@ -404,7 +403,7 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
     operator_log = tmp_path / "operator.log"
     operator = OperatorProcess(state.kubeconfig, operator_log)
     # NetworkPolicies enforced from before the group exists: its round then runs under the group's policy.
-    policies = NetworkPolicyEngine(RealNode(local, built_node_binaries()))
+    policies = NetworkPolicyEngine(RealNode.started(local, state))
     unenforced = network_policies.unavailable_reason(policies.node)
     if unenforced is None:
         policies.start(state)
@@ -434,7 +433,7 @@ def test_a_group_in_real_containers_syncs_and_catches_a_restarted_engine_up(
 
         # The engine container killed in containerd: the kubelet restarts it (SGLang loads the checkpoint's initial
         # weights again), the agents see an engine without the committed version and catch it up.
-        node = RealNode(local, built_node_binaries())
+        node = RealNode.started(local, state)
         (task,) = node.ctr("containers", "ls", "-q", 'labels."io.kubernetes.container.name"==sglang').stdout.split()
         node.ctr("tasks", "kill", "--signal=SIGKILL", task)
         _wait_for(lambda: _restarts(local, state, engine, "sglang") >= 1, 120, "the kubelet to restart SGLang")
@@ -489,7 +488,7 @@ def test_a_two_pod_trainer_and_a_two_pod_sglang_engine_sync_in_real_containers_f
     the node's cluster DNS): the group turns Ready with both engine pods joined in one engine, both trainer ranks
     publish version 1, the round is verified, and SGLang's own checksums equal the trainer's bytes rank by rank."""
     from weightsync_agent.targets.engine_client import EngineClient
-    from weightsync_testing.sglang_models import trained_state
+    from weightsync_testing.sglang_checksums import assert_tp2_engine_holds
 
     local, state = real_cluster
     local._kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(_namespace(MP_NS, containers)))
@@ -514,25 +513,13 @@ def test_a_two_pod_trainer_and_a_two_pod_sglang_engine_sync_in_real_containers_f
         leader = _pod(local, state, pods[2], namespace=MP_NS)["status"]["podIP"]
         engine = EngineClient(f"http://{leader}:{ENGINE_PORT}", timeout=60, api_key=base64.b64decode(secret).decode())
         assert engine.weight_version() == "1"
-        _, answer = engine.request("POST", "/weights_checker", body={"action": "checksum"}, timeout=60)
-        assert len(answer["ranks"]) == 2, answer  # TP 2, one rank in each pod
-        # A replicated norm whole on both ranks, the row-parallel o_proj as each rank's half of its columns.
-        full = trained_state(containers.model, 1)
-        norm, o_proj = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.o_proj.weight"
-        for rank, held in enumerate(r["checksums"] for r in answer["ranks"]):
-            assert held[norm] == _sha8(full[norm]), (rank, norm)
-            assert held[o_proj] == _sha8(full[o_proj].chunk(2, dim=1)[rank]), (rank, o_proj)
+        assert_tp2_engine_holds(engine, containers.model, 1)
     except BaseException:
         _diagnose(local, state, operator_log, MP_NS, pods)
         raise
     finally:
         local._kubectl(state, "delete", "wsg", "-n", MP_NS, MP_GROUP, "--wait=false", check=False)
         operator.stop()
-
-
-def _sha8(tensor: Any) -> str:
-    """SGLang's CPU checksum of a tensor: sha256 of its bytes, the first 8 bytes in hex."""
-    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()[:8].hex()
 
 
 #: Connect to each ``host:port`` argument until it accepts (at most ``PROBE_SECONDS``); print what each gave last:
@@ -583,7 +570,7 @@ def _assert_the_policy_refuses_other_namespaces(
     the operator's policy; the round before ran under it)."""
     group = json.loads(local._kubectl(state, "get", "wsg", "-n", GROUP_NS, GROUP, "-o", "json").stdout)["spec"]
     agent_port, mooncake = group["agent"]["port"], group["transfer"]["mooncakePorts"]
-    node = RealNode(local, built_node_binaries())
+    node = RealNode.started(local, state)
     targets = []
     for pod in pods:
         ip, ports = _pod(local, state, pod)["status"]["podIP"], _listening(node, pod)

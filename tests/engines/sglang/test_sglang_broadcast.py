@@ -18,7 +18,6 @@ relabels. Rank 1 stages but sends nothing.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ from weightsync.api.v1alpha1 import WeightSyncGroupSpec
 from weightsync.plan import plan_for
 from weightsync.ports import free_port
 from weightsync_agent.http.client import HttpCallError
+from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_cpu_hash
 from weightsync_agent.modes.broadcast.layout import broadcast_round_plan
 from weightsync_agent.modes.broadcast.sender import BroadcastSource
 from weightsync_agent.rounds.driver import RoundDriver
@@ -59,10 +59,6 @@ def spec(tp: int, trainers: int = 2) -> WeightSyncGroupSpec:
             "transfer": {"mode": "broadcast", "bucketSizeMiB": 1, "timeoutSeconds": 60},
         }
     )  # fmt: skip
-
-
-def sha8(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()[:8].hex()
 
 
 def held_checksums(engine: EngineClient) -> dict[tuple[int, str], str]:
@@ -101,12 +97,12 @@ def test_broadcast_rounds_into_stock_sglang_verify_and_generate_like_hf(
             # SGLang's own checksums of its live weights equal the sha256[:8] of the trainer's bytes, per rank.
             held = held_checksums(engine)
             for rank, shard in enumerate(full[EMBED].chunk(tp, dim=0)):
-                assert held[(rank, EMBED)] == sha8(shard), rank
+                assert held[(rank, EMBED)] == sglang_cpu_hash(shard), rank
             for rank in range(tp):
-                assert held[(rank, "model.norm.weight")] == sha8(full["model.norm.weight"])
+                assert held[(rank, "model.norm.weight")] == sglang_cpu_hash(full["model.norm.weight"])
                 layer = "model.layers.1.self_attn."
                 q, k, v = (full[f"{layer}{p}_proj.weight"].chunk(tp, dim=0)[rank] for p in "qkv")
-                assert held[(rank, layer + "qkv_proj.weight")] == sha8(torch.cat([q, k, v])), rank
+                assert held[(rank, layer + "qkv_proj.weight")] == sglang_cpu_hash(torch.cat([q, k, v])), rank
 
             assert_generates_like_hf(engine, sglang_py, tiny_llama, full, version, tmp_path)
         # What ran: every SGLang TP rank joined one custom group over gloo, once, from SGLang's own route.
@@ -174,7 +170,7 @@ def test_a_failed_broadcast_round_never_relabels_and_the_next_repairs(
         first_group = source.group.group_name
         full = stage(1)
         assert run(1, source) is None
-        assert engine.weight_version() == "1" and held_checksums(engine)[(0, EMBED)] == sha8(full[EMBED])
+        assert engine.weight_version() == "1" and held_checksums(engine)[(0, EMBED)] == sglang_cpu_hash(full[EMBED])
 
         # The sender drops its group after the first chunk, as if it died: SGLang, blocked receiving the second
         # chunk, fails at once (gloo: the peer's sockets closed), so the round fails and nothing is relabelled.
@@ -213,7 +209,7 @@ def test_a_failed_broadcast_round_never_relabels_and_the_next_repairs(
         assert run(4, source) is None
         assert engine.weight_version() == "4"
         held = held_checksums(engine)
-        assert held[(0, EMBED)] == sha8(full[EMBED]) and held[(0, "model.norm.weight")] == sha8(
+        assert held[(0, EMBED)] == sglang_cpu_hash(full[EMBED]) and held[(0, "model.norm.weight")] == sglang_cpu_hash(
             full["model.norm.weight"]
         )
     finally:

@@ -15,7 +15,6 @@ SGLang's ``/weights_checker`` (on this CPU, SGLang has no FP8 kernel to generate
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from test_sglang_rounds import spec
 from weightsync_agent.client.trainer import RoundOutcome
 from weightsync_agent.layout.checksums import dequantized_bytes
 from weightsync_agent.layout.quantize import fp8_block
+from weightsync_agent.layout.sglang_hash.tensor_hash import sglang_cpu_hash
 from weightsync_agent.rounds.canary import Canary
 from weightsync_agent.rounds.driver import RoundResult
 from weightsync_agent.rounds.remote import AgentClient
@@ -213,5 +213,5 @@ def test_bf16_trainer_tensors_sync_into_an_fp8_block_target_quantized_on_the_sou
     held = answer["ranks"][0]["checksums"]
     name = "model.layers.1.self_attn.o_proj.weight"
     weight, scale = fp8_block(bf16[name], (16, 16))
-    assert held[name] == hashlib.sha256(dequantized_bytes(weight, scale)).digest()[:8].hex()
+    assert held[name] == sglang_cpu_hash(dequantized_bytes(weight, scale))
     assert f"{name}_scale_inv" not in held

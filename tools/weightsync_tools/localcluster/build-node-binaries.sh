@@ -24,8 +24,7 @@
 # ones on stderr and exit 3 (tests/e2e/test_real_node.py asks this way).
 #
 # Environment: K8S_VERSION, CONTAINERD_VERSION, RUNC_VERSION, CNI_PLUGINS_VERSION, KUBE_ROUTER_VERSION,
-# COREDNS_VERSION,
-# WEIGHTSYNC_CACHE, OUT;
+# COREDNS_VERSION, WEIGHTSYNC_CACHE, OUT;
 # GOFLAGS is passed on (e.g. GOFLAGS=-p=1 on a shared machine); WEIGHTSYNC_SKIP_SYSTEM_PACKAGES=1 installs nothing.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)

@@ -290,10 +290,10 @@ class LocalCluster:
             state = ClusterState.load(self.directory)
         stopped = []
         if state.real_node and any(p.name in ("kubelet", "containerd") for p in state.processes):
-            from weightsync_tools.localcluster.realnode import NodeBinaries, RealNode
+            from weightsync_tools.localcluster.realnode import RealNode
 
             # Its pods first (the kubelet tears their sandboxes down), then what containerd and the kubelet leave.
-            RealNode(self, NodeBinaries(Path(state.real_node))).stop(state)
+            RealNode.started(self, state).stop(state)
             stopped += ["kubelet", "containerd"]
         newest_first = list(reversed(state.processes))
         for wave in ([p for p in newest_first if p.name != "etcd"], [p for p in newest_first if p.name == "etcd"]):

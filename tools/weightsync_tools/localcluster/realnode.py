@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from weightsync.ports import free_port
-from weightsync_tools.localcluster import cluster_dns
+from weightsync_tools.localcluster import cluster_dns, network_policies
 from weightsync_tools.localcluster import pki as pki_mod
 from weightsync_tools.localcluster.cluster import (
     ClusterError,
@@ -302,6 +302,13 @@ class RealNode:
         self.name = name
         self.directory = cluster.directory / "realnode"
         self.socket = self.directory / "containerd" / "containerd.sock"
+
+    @classmethod
+    def started(cls, cluster: LocalCluster, state: ClusterState) -> RealNode:
+        """The real node ``cluster.up(real_node=...)`` started, its binaries as ``state`` recorded them."""
+        if not state.real_node:
+            raise ClusterError(f"the cluster at {cluster.directory} runs no real node")
+        return cls(cluster, NodeBinaries(Path(state.real_node)))
 
     # --- Start -------------------------------------------------------------------------------------------
 
@@ -606,16 +613,13 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
                     self.ctr("containers", "delete", container, check=False)
             if process is not None:
                 terminate(process)
-        relay, dns, policies = names.get("apiserver-relay"), names.get(cluster_dns.PROCESS), names.get("kube-router")
-        for helper in (relay, dns, policies):
-            if helper is not None:
-                terminate(helper)
-        if policies is not None:  # a test that enforced NetworkPolicies and did not stop the engine itself
-            from weightsync_tools.localcluster.network_policies import remove_rules
-
-            remove_rules()
-        helpers = ("kubelet", "containerd", "apiserver-relay", cluster_dns.PROCESS, "kube-router")
-        state.processes = [p for p in state.processes if p.name not in helpers]
+        helpers = ("apiserver-relay", cluster_dns.PROCESS, network_policies.PROCESS)
+        for helper in helpers:
+            if helper in names:
+                terminate(names[helper])
+        if network_policies.PROCESS in names:  # a test that enforced NetworkPolicies and did not stop the engine
+            network_policies.remove_rules()
+        state.processes = [p for p in state.processes if p.name not in ("kubelet", "containerd", *helpers)]
         state.save()
         for pid in self._shims():
             os.kill(pid, signal.SIGKILL)
